@@ -1,0 +1,44 @@
+"""The synchronous tree core: radix tree, eviction policies, locks, hashes and KV events."""
+
+from asynccache.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
+from asynccache.tree.keys import DEFAULT_NAMESPACE, Namespace, RadixKey, as_key
+from asynccache.tree.queues import POLICIES
+from asynccache.tree.results import (
+    BackupRequest,
+    EvictResult,
+    HostEvictResult,
+    InsertResult,
+    LoadBackTicket,
+    LockReceipt,
+    MatchResult,
+)
+from asynccache.tree.tree import WRITE_POLICIES, RadixTree, TreeConfig, as_slots
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "POLICIES",
+    "WRITE_POLICIES",
+    "AllBlocksCleared",
+    "BackupRequest",
+    "BlockRemoved",
+    "BlockStored",
+    "EvictResult",
+    "HostEvictResult",
+    "InsertResult",
+    "KVEvent",
+    "LoadBackTicket",
+    "LockReceipt",
+    "MatchResult",
+    "Medium",
+    "Namespace",
+    "RadixKey",
+    "RadixTree",
+    "TreeConfig",
+    "as_key",
+    "as_slots",
+    "chain_digests",
+    "chain_seed",
+    "event_hash",
+    "storage_key",
+]

@@ -1,0 +1,156 @@
+"""``sanity_check``: recompute every invariant of a tree from scratch and compare."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asynccache.tree.hashing import chain_digests, chain_seed
+from asynccache.tree.keys import DEFAULT_NAMESPACE
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
+
+if TYPE_CHECKING:
+    from asynccache.tree.tree import RadixTree
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"tree invariant violated: {msg}")
+
+
+def check_tree(tree: RadixTree) -> None:
+    root = tree._root
+    pb = tree._pb
+    nodes = tree._nodes
+    if nodes.get(0) is not root:
+        _fail("node id 0 is not the root")
+    # Reachability and structure.
+    seen: dict[int, Node] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n.id in seen:
+            _fail(f"node {n.id} reachable twice")
+        seen[n.id] = n
+        for ck, c in n.children.items():
+            if c.parent is not n:
+                _fail(f"node {c.id} parent link does not point to {n.id}")
+            page = c.key[:pb]
+            expect_key: object = (c.ns, page) if n is root and c.ns is not DEFAULT_NAMESPACE else page
+            if ck != expect_key:
+                _fail(f"node {c.id} is filed under the wrong child key")
+            if n is not root and c.ns is not n.ns:
+                _fail(f"node {c.id} namespace differs from its parent {n.id}")
+            stack.append(c)
+    if len(seen) != len(nodes) or any(nodes.get(i) is not n for i, n in seen.items()):
+        _fail(f"{len(nodes)} registered nodes but {len(seen)} reachable")
+
+    # Expected lock counts from receipts and in-flight ops.
+    dev_anchor: dict[int, int] = {}
+    host_anchor: dict[int, int] = {}
+    for node, is_host in tree._receipts.values():
+        if node.id not in nodes:
+            _fail(f"a lock receipt is anchored at deleted node {node.id}")
+        d = host_anchor if is_host else dev_anchor
+        d[node.id] = d.get(node.id, 0) + 1
+    for op_id, op in tree._pending.items():
+        frags = op.fragments
+        for i, f in enumerate(frags):
+            if f.pending != op_id:
+                _fail(f"node {f.id} is a fragment of op {op_id} but marked pending={f.pending}")
+            if i and f.parent is not frags[i - 1]:
+                _fail(f"fragments of op {op_id} are not a parent chain")
+        dev_anchor[frags[-1].id] = dev_anchor.get(frags[-1].id, 0) + 1
+    exp_dev: dict[int, int] = {}
+    exp_host: dict[int, int] = {}
+    for anchors, exp in ((dev_anchor, exp_dev), (host_anchor, exp_host)):
+        for nid, cnt in anchors.items():
+            walk: Node | None = nodes[nid]
+            while walk is not None and walk is not root:
+                exp[walk.id] = exp.get(walk.id, 0) + cnt
+                walk = walk.parent
+
+    evictable = protected = host_size = 0
+    dev_slots: list[np.ndarray] = []
+    host_slots: list[np.ndarray] = []
+    members = [0, 0, 0]
+    for n in seen.values():
+        if n is root:
+            continue
+        parent = n.parent
+        assert parent is not None
+        k = n.ntok
+        if k == 0 or len(n.key) % pb:
+            _fail(f"node {n.id} key of {len(n.key)} bytes is not whole pages")
+        if n.value is None and n.host_value is None:
+            _fail(f"node {n.id} holds neither device nor host KV")
+        if n.value is not None:
+            if len(n.value) != k:
+                _fail(f"node {n.id} has {len(n.value)} device slots for {k} tokens")
+            if parent is not root and parent.value is None:
+                _fail(f"node {n.id} is on device below host-only node {parent.id}")
+            dev_slots.append(n.value)
+            if n.lock_ref:
+                protected += k
+            else:
+                evictable += k
+        elif n.lock_ref:
+            _fail(f"host-only node {n.id} is device-locked")
+        if n.host_value is not None:
+            if len(n.host_value) != k:
+                _fail(f"node {n.id} has {len(n.host_value)} host slots for {k} tokens")
+            host_slots.append(n.host_value)
+            host_size += k
+        if n.lock_ref != exp_dev.get(n.id, 0):
+            _fail(f"node {n.id} lock_ref {n.lock_ref} != expected {exp_dev.get(n.id, 0)}")
+        if n.host_lock_ref != exp_host.get(n.id, 0):
+            _fail(f"node {n.id} host_lock_ref {n.host_lock_ref} != {exp_host.get(n.id, 0)}")
+        dch = sum(1 for c in n.children.values() if c.value is not None)
+        if n.dchildren != dch:
+            _fail(f"node {n.id} dchildren {n.dchildren} != {dch}")
+        if n.pending and n.pending not in tree._pending:
+            _fail(f"node {n.id} pending on unknown op {n.pending}")
+        free = n.pending == 0
+        wanted = (
+            free
+            and n.value is not None
+            and n.lock_ref == 0
+            and dch == 0
+            and not (n.host_value is None and n.host_lock_ref > 0),
+            free and n.value is None and n.host_value is not None and not n.children
+            and n.host_lock_ref == 0,
+            free and n.value is not None and n.host_value is not None and n.host_lock_ref == 0,
+        )
+        for slot in (DLEAF, HLEAF, HDUP):
+            if wanted[slot] != (n.qe[slot] is not None):
+                _fail(f"node {n.id} queue {slot} membership is {not wanted[slot]}, want {wanted[slot]}")
+            members[slot] += wanted[slot]
+        if n.digests is not None:
+            if parent is root:
+                prev = chain_seed(n.ns)
+            elif parent.digests is not None:
+                prev = parent.digests[-1]
+            else:
+                prev = None
+            if prev is not None and n.digests != chain_digests(prev, n.key, pb):
+                _fail(f"node {n.id} page hashes do not continue its parent's chain")
+            if len(n.digests) != k // tree.page_size:
+                _fail(f"node {n.id} has {len(n.digests)} page hashes for {k} tokens")
+    for slot, q in enumerate(tree._queues):
+        if len(q) != members[slot]:
+            _fail(f"queue {slot} counts {len(q)} live entries, {members[slot]} expected")
+    if (evictable, protected, host_size) != (
+        tree._evictable,
+        tree._protected,
+        tree._host_size,
+    ):
+        _fail(
+            f"sizes (evictable, protected, host) = "
+            f"{(tree._evictable, tree._protected, tree._host_size)}, "
+            f"recomputed {(evictable, protected, host_size)}"
+        )
+    for name, parts in (("device", dev_slots), ("host", host_slots)):
+        if parts:
+            allslots = np.concatenate(parts)
+            if len(np.unique(allslots)) != len(allslots):
+                _fail(f"a {name} slot is held by two nodes")

@@ -1,0 +1,175 @@
+"""Keys of the radix tree: token ids plus a namespace.
+
+Tokens are stored as little-endian uint32 bytes. That one representation gives C-speed
+slicing and comparison while walking the tree, hashable child keys, and the exact bytes the
+SHA-256 page chain hashes (no conversion when storage hashing or KV events are on).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from asynccache.errors import InvalidInputError
+
+TOKEN_BYTES: Final = 4
+MAX_TOKEN_ID: Final = 2**32 - 1
+
+_ARRAY_I_OK: Final = array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+class Namespace:
+    """A key namespace: ``extra_key`` (LoRA id / adapter name) and ``cache_salt``.
+
+    Keys of different namespaces never share a node, a storage object or an event hash.
+    Instances are interned, so identity comparison is exact.
+    """
+
+    __slots__ = ("cache_salt", "extra_key")
+    _interned: dict[tuple[str | None, str | None], Namespace] = {}
+
+    extra_key: str | None
+    cache_salt: str | None
+
+    def __new__(cls, extra_key: str | None = None, cache_salt: str | None = None) -> Namespace:
+        for name, val in (("extra_key", extra_key), ("cache_salt", cache_salt)):
+            if val is not None and not isinstance(val, str):
+                raise InvalidInputError(f"{name} must be a str or None, got {val!r}")
+        ident = (extra_key, cache_salt)
+        found = cls._interned.get(ident)
+        if found is None:
+            found = object.__new__(cls)
+            object.__setattr__(found, "extra_key", extra_key)
+            object.__setattr__(found, "cache_salt", cache_salt)
+            cls._interned[ident] = found
+        return found
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Namespace is immutable")
+
+    @property
+    def is_default(self) -> bool:
+        return self.extra_key is None and self.cache_salt is None
+
+    def __repr__(self) -> str:
+        return f"Namespace(extra_key={self.extra_key!r}, cache_salt={self.cache_salt!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Namespace, (self.extra_key, self.cache_salt))
+
+
+DEFAULT_NAMESPACE: Final = Namespace()
+
+
+def encode_tokens(tokens: Any) -> bytes:
+    """Validate token ids and return them as little-endian uint32 bytes.
+
+    Accepts a sequence of ints, a numpy integer array or a torch integer tensor.
+    Raises :class:`InvalidInputError` naming the first bad value.
+    """
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        raise InvalidInputError("tokens must be a sequence of ints, got a bytes-like object")
+    if isinstance(tokens, np.ndarray) or type(tokens).__module__.startswith("torch"):
+        arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+        if arr.ndim != 1:
+            raise InvalidInputError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"tokens must be integers, got dtype {arr.dtype}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+            bad = arr[(arr < 0) | (arr > MAX_TOKEN_ID)][0]
+            raise InvalidInputError(f"token id {int(bad)} is outside [0, {MAX_TOKEN_ID}]")
+        return arr.astype("<u4", copy=False).tobytes()
+    if not isinstance(tokens, Sequence):
+        raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    try:
+        packed = array("I", tokens) if _ARRAY_I_OK else None
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is None:
+        for pos, tok in enumerate(tokens):
+            if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
+                raise InvalidInputError(f"token at position {pos} is not an int: {tok!r}")
+            if not 0 <= int(tok) <= MAX_TOKEN_ID:
+                raise InvalidInputError(
+                    f"token id {int(tok)} at position {pos} is outside [0, {MAX_TOKEN_ID}]"
+                )
+        return np.asarray([int(t) for t in tokens], dtype="<u4").tobytes()
+    return packed.tobytes()
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """The token ids stored in ``data`` (inverse of :func:`encode_tokens`)."""
+    out: list[int] = np.frombuffer(data, dtype="<u4").tolist()
+    return out
+
+
+class RadixKey:
+    """Validated token ids (as uint32 bytes) plus a namespace.
+
+    Build one per request and reuse it for match and insert: validation happens once.
+    """
+
+    __slots__ = ("data", "namespace")
+
+    data: bytes
+    namespace: Namespace
+
+    def __init__(
+        self,
+        tokens: Any,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        *,
+        namespace: Namespace | None = None,
+    ) -> None:
+        self.data = encode_tokens(tokens)
+        if namespace is not None and (extra_key is not None or cache_salt is not None):
+            raise InvalidInputError("pass either namespace or extra_key/cache_salt, not both")
+        self.namespace = namespace if namespace is not None else Namespace(extra_key, cache_salt)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, namespace: Namespace = DEFAULT_NAMESPACE) -> RadixKey:
+        if len(data) % TOKEN_BYTES:
+            raise InvalidInputError(f"token bytes length {len(data)} is not a multiple of 4")
+        key = cls.__new__(cls)
+        key.data = bytes(data)
+        key.namespace = namespace
+        return key
+
+    def __len__(self) -> int:
+        return len(self.data) >> 2
+
+    @property
+    def tokens(self) -> list[int]:
+        return decode_tokens(self.data)
+
+    def __getitem__(self, item: slice) -> RadixKey:
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            raise InvalidInputError("RadixKey supports only contiguous slices")
+        start, stop, _ = item.indices(len(self))
+        return RadixKey.from_bytes(self.data[start * 4 : stop * 4], self.namespace)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RadixKey)
+            and self.namespace is other.namespace
+            and self.data == other.data
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.data, id(self.namespace)))
+
+    def __repr__(self) -> str:
+        toks = self.tokens
+        shown = toks if len(toks) <= 8 else [*toks[:8], "..."]
+        ns = "" if self.namespace.is_default else f", {self.namespace!r}"
+        return f"RadixKey({shown}, len={len(toks)}{ns})"
+
+
+def as_key(key: Any) -> RadixKey:
+    """Return ``key`` as a :class:`RadixKey` (token sequences get the default namespace)."""
+    return key if isinstance(key, RadixKey) else RadixKey(key)

@@ -1,0 +1,81 @@
+"""Tree nodes: one compressed run of whole pages with its residency and locks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from asynccache.tree.keys import Namespace
+
+# Queue slots of a node (index into Node.qe): evictable device leaf, evictable host leaf,
+# reclaimable host duplicate (on device and on host).
+DLEAF = 0
+HLEAF = 1
+HDUP = 2
+
+
+class Node:
+    """A node of the radix tree.
+
+    ``key`` holds whole pages of tokens as uint32 bytes. ``value`` holds the device slot of
+    each token (None when the node was demoted to host only); ``host_value`` the host slots
+    (None when not backed up). Slot arrays are read-only numpy int64 arrays owned by the tree.
+    """
+
+    __slots__ = (
+        "children",
+        "creation",
+        "dchildren",
+        "digests",
+        "hit_count",
+        "host_lock_ref",
+        "host_value",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "ns",
+        "parent",
+        "pending",
+        "priority",
+        "qe",
+        "value",
+    )
+
+    def __init__(self, node_id: int, parent: Node | None, key: bytes, ns: Namespace) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.key = key
+        self.ns = ns
+        self.children: dict[Any, Node] = {}
+        self.value: np.ndarray | None = None
+        self.host_value: np.ndarray | None = None
+        self.lock_ref = 0
+        self.host_lock_ref = 0
+        self.last_access = 0
+        self.creation = 0
+        self.hit_count = 0
+        self.priority = 0
+        self.digests: list[bytes] | None = None
+        self.pending = 0  # id of the in-flight backup or load-back covering this node
+        self.dchildren = 0  # number of children holding a device value
+        self.qe: list[tuple[Any, ...] | None] = [None, None, None]
+
+    @property
+    def ntok(self) -> int:
+        return len(self.key) >> 2
+
+    def __repr__(self) -> str:
+        where = ("D" if self.value is not None else "") + ("H" if self.host_value is not None else "")
+        return (
+            f"Node(id={self.id}, tokens={self.ntok}, {where or '-'}, lock={self.lock_ref}, "
+            f"host_lock={self.host_lock_ref}, pending={self.pending})"
+        )
+
+
+def frozen(slots: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``slots`` (the tree never aliases a caller's array)."""
+    out = slots.copy()
+    out.flags.writeable = False
+    return out

@@ -1,0 +1,100 @@
+"""Eviction order: policy keys and an O(log n) queue of evictable nodes.
+
+Each queue is a binary heap with lazy deletion. A node remembers its live entry in
+``node.qe[slot]``; re-keying pushes a new entry and orphans the old one, and a pop skips
+entries that are no longer the node's live entry. The heap is compacted when orphans
+outnumber live entries, so memory stays O(live) and every operation is O(log n) amortised —
+no call ever re-heaps all leaves.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any, Final
+
+from asynccache.errors import ConfigError
+from asynccache.tree.node import Node
+
+PolicyKey = Callable[[Node], tuple[int, ...]]
+
+POLICIES: Final[dict[str, PolicyKey]] = {
+    "lru": lambda n: (n.last_access,),
+    "mru": lambda n: (-n.last_access,),
+    "fifo": lambda n: (n.creation,),
+    "filo": lambda n: (-n.creation,),
+    "lfu": lambda n: (n.hit_count, n.last_access),
+    "priority": lambda n: (n.priority, n.last_access),
+}
+
+# Policies whose order changes when a node is touched, hit or re-prioritised.
+USES_ACCESS: Final = frozenset({"lru", "mru", "lfu", "priority"})
+USES_HITS: Final = frozenset({"lfu"})
+USES_PRIORITY: Final = frozenset({"priority"})
+
+
+def policy_key(name: str) -> PolicyKey:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None
+
+
+class NodeQueue:
+    """A min-queue of nodes ordered by a policy key, with O(log n) push/discard/pop."""
+
+    __slots__ = ("_heap", "_key", "_live", "_seq", "_slot")
+
+    def __init__(self, slot: int, key: PolicyKey) -> None:
+        self._slot = slot
+        self._key = key
+        self._heap: list[tuple[Any, ...]] = []
+        self._live = 0
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, node: Node) -> None:
+        """Add ``node`` or re-key it if it is already queued."""
+        if node.qe[self._slot] is None:
+            self._live += 1
+        self._seq += 1
+        entry = (*self._key(node), self._seq, node)
+        node.qe[self._slot] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * self._live + 64:
+            self._compact()
+
+    def discard(self, node: Node) -> None:
+        if node.qe[self._slot] is not None:
+            node.qe[self._slot] = None
+            self._live -= 1
+
+    def pop(self) -> Node | None:
+        """Remove and return the node first in eviction order, or None when empty."""
+        heap = self._heap
+        slot = self._slot
+        while heap:
+            entry = heapq.heappop(heap)
+            node: Node = entry[-1]
+            if node.qe[slot] is entry:
+                node.qe[slot] = None
+                self._live -= 1
+                return node
+        return None
+
+    def clear(self) -> None:
+        for entry in self._heap:
+            node: Node = entry[-1]
+            if node.qe[self._slot] is entry:
+                node.qe[self._slot] = None
+        self._heap = []
+        self._live = 0
+
+    def _compact(self) -> None:
+        slot = self._slot
+        self._heap = [e for e in self._heap if e[-1].qe[slot] is e]
+        heapq.heapify(self._heap)

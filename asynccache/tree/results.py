@@ -1,0 +1,121 @@
+"""What the tree returns: results, lock receipts and the actions the caller executes.
+
+The tree never touches a pool. Slots it gives up come back in ``device_frees`` /
+``host_frees`` (free each array exactly once); copies it wants come back as
+:class:`BackupRequest` objects (run them, then ``commit_backup`` or ``abort_backup``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+EMPTY_SLOTS = np.empty(0, dtype=np.int64)
+EMPTY_SLOTS.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True)
+class BackupRequest:
+    """Copy ``device_slots`` (the node's KV) to host, then call ``commit_backup(op_id, ...)``.
+
+    The node stays device-locked until the commit or abort, so it cannot be evicted while
+    half-written. ``write_back`` is True when the copy was asked for by eviction.
+    """
+
+    op_id: int
+    node_id: int
+    device_slots: np.ndarray
+    write_back: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.device_slots)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBackTicket:
+    """A load-back in flight: copy ``host_slots`` into ``device_slots``, then commit it."""
+
+    op_id: int
+    node_ids: tuple[int, ...]
+    host_slots: np.ndarray
+    device_slots: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.device_slots)
+
+
+@dataclass(frozen=True, slots=True)
+class LockReceipt:
+    """Proof of a lock; pass it back to ``unlock`` / ``unlock_host`` exactly once."""
+
+    token: int
+    node_id: int
+    delta: int  # tokens that moved from evictable to protected (device) or host-pinned (host)
+    host: bool = False
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """Where the longest cached prefix of a key lives.
+
+    ``device_indices`` are the device slots of the first ``device_prefix_len`` tokens (read-only).
+    ``best_node`` is the deepest matched node, device or host (anchor for load-back and storage
+    prefetch); ``host_hit_length`` the tokens after the device prefix that are on host only.
+    ``pending_loads`` names load-backs still copying pages of the device prefix: wait for them
+    before reading the KV.
+    """
+
+    device_indices: np.ndarray
+    device_prefix_len: int
+    last_device_node: int
+    best_node: int
+    host_hit_length: int
+    pending_loads: tuple[int, ...] = ()
+
+    @property
+    def total_hit_length(self) -> int:
+        return self.device_prefix_len + self.host_hit_length
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """Outcome of an insert.
+
+    ``prefix_len``: tokens of the key already cached (device or host) before the insert.
+    ``cached_len``: tokens the tree now holds for the key (the key length rounded down to a page;
+    the caller keeps the slots of the unaligned tail). ``last_node``: node ending at
+    ``cached_len``. ``device_frees``: the caller's slots that duplicate cached KV — free them.
+    ``backups``: write-through copies to run, root first.
+    """
+
+    prefix_len: int
+    cached_len: int
+    last_node: int
+    device_frees: list[np.ndarray] = field(default_factory=list)
+    backups: list[BackupRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EvictResult:
+    """Device eviction outcome.
+
+    ``num_evicted``: device tokens freed now (``device_frees``). ``host_frees``: host slots of
+    dropped subtrees. ``backups``: write-back copies the caller must run; once committed those
+    nodes are demoted by the next ``evict`` call (``pending_tokens`` counts them).
+    """
+
+    num_evicted: int = 0
+    pending_tokens: int = 0
+    device_frees: list[np.ndarray] = field(default_factory=list)
+    host_frees: list[np.ndarray] = field(default_factory=list)
+    backups: list[BackupRequest] = field(default_factory=list)
+    dropped_host_tokens: int = 0
+
+
+@dataclass(slots=True)
+class HostEvictResult:
+    num_evicted: int = 0
+    host_frees: list[np.ndarray] = field(default_factory=list)
