@@ -404,7 +404,7 @@ class RadixTree:
             if child.value is not None:
                 values.append(child.value)
                 last_device = child
-                if child.pending:
+                if child.pending and self._pending[child.pending].kind == "load":
                     pending.append(child.pending)
             else:
                 host_len += nb >> 2
