@@ -868,6 +868,27 @@ class RadixTree:
                 self._delete_subtree(n, res)
         return res
 
+    def drop(self, node_id: int) -> EvictResult:
+        """Delete an unlocked device leaf and its host-only subtree without a backup.
+
+        Used when a write-back copy cannot get host memory. A node that is locked, in flight,
+        has device children or pins host-locked descendants is kept (empty result).
+        """
+        self._check_owner()
+        n = self._node(node_id)
+        res = EvictResult()
+        if (
+            n is self._root
+            or n.value is None
+            or n.lock_ref
+            or n.pending
+            or n.dchildren
+            or n.host_lock_ref
+        ):
+            return res
+        self._delete_subtree(n, res)
+        return res
+
     def _demote(self, n: Node, res: EvictResult) -> None:
         res.device_frees.append(self._drop_device_value(n))
         res.num_evicted += n.ntok

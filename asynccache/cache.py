@@ -1,0 +1,658 @@
+"""HierarchicalCache: the async engine a scheduler uses, over L1 device and L2 host memory.
+
+The tree core decides; this facade executes: it frees slots the tree gives up, runs the copies
+the tree asks for on the copy engine, and commits them when they complete. Completions are
+handled by done-callbacks on the loop (in submission order), never by polling, so a cancelled
+awaiter cannot leave a copy half-committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynccache.config import CacheConfig
+from asynccache.errors import (
+    ClosedError,
+    InvalidInputError,
+    PoolExhaustedError,
+    TransferError,
+)
+from asynccache.logs import get_logger
+from asynccache.metrics import CacheMetrics
+from asynccache.tree import (
+    BackupRequest,
+    EvictResult,
+    InsertResult,
+    KVEvent,
+    LoadBackTicket,
+    LockReceipt,
+    MatchResult,
+    RadixKey,
+    RadixTree,
+    TreeConfig,
+    as_key,
+    as_slots,
+)
+from asynccache.tree.results import EMPTY_SLOTS
+from transfers.handles import CopyHandle, LayerwiseHandle
+from transfers.pools import DevicePool, HostPool, KVShape
+
+_log = get_logger("cache")
+
+
+def _error_of(handle: CopyHandle) -> BaseException | None:
+    try:
+        handle.result()
+    except Exception as exc:  # the copy's own error, delivered through the bridge
+        return exc
+    return None
+
+
+@dataclass(eq=False)
+class LoadBack:
+    """A load-back in flight or done.
+
+    ``device_indices``: device slots of the whole prefix (device hit + loaded part). Await
+    ``layer(i)`` to start layer ``i`` of a forward pass while later layers are still copying, or
+    ``wait()`` for all. Once the copy completes the cache takes a device lock on the loaded prefix
+    for the caller (``receipt``); call :meth:`HierarchicalCache.release_load` when done.
+    """
+
+    op_id: int
+    node_id: int
+    num_tokens: int
+    device_indices: np.ndarray
+    handle: LayerwiseHandle
+    receipt: LockReceipt | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
+
+    def layer(self, i: int) -> Any:
+        return self.handle.layer(i)
+
+    async def wait(self) -> None:
+        await self.handle
+        if self.error is not None:
+            raise TransferError(f"load-back {self.op_id} failed: {self.error}") from self.error
+
+
+@dataclass(eq=False)
+class CacheRequest:
+    """A request's view of the cache.
+
+    ``slots[i]`` is the device slot holding the KV of token ``i`` for the ``computed`` tokens so
+    far; the first ``prefix_len`` slots belong to the tree (cached prefix, kept alive by
+    ``receipt``), the rest to the request. ``spare`` holds allocated, not yet used slots of the
+    request's last page.
+    """
+
+    rid: str
+    key: RadixKey
+    slots: np.ndarray
+    prefix_len: int
+    last_node: int
+    best_node: int
+    host_hit_length: int
+    receipt: LockReceipt | None
+    pending_loads: tuple[int, ...] = ()
+    spare: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    inserted_len: int = 0
+    finished: bool = False
+
+    @property
+    def computed(self) -> int:
+        return len(self.slots)
+
+
+class HierarchicalCache:
+    """A prefix KV cache over a device pool (L1) and an optional host pool (L2).
+
+    Use it as ``async with HierarchicalCache(config) as cache:``. The synchronous calls
+    (``match_prefix``, ``insert``, ``evict``, ``lock``...) are cheap and must run on the loop's
+    thread; copies are coroutines or handles.
+    """
+
+    def __init__(self, config: CacheConfig, *, metrics: CacheMetrics | None = None) -> None:
+        if not isinstance(config, CacheConfig):
+            raise InvalidInputError(f"config must be a CacheConfig, got {config!r}")
+        self.config = config
+        self.page_size = config.page_size
+        self.shape = KVShape(config.num_layers, config.num_heads, config.head_dim,
+                             config.torch_dtype)
+        if config.device_tokens is not None:
+            self.device_pool = DevicePool.from_tokens(
+                self.shape, config.device_tokens, config.page_size, device=config.device)
+        else:
+            assert config.device_bytes is not None
+            self.device_pool = DevicePool.from_bytes(
+                self.shape, config.device_bytes, config.page_size, device=config.device)
+        self.host_pool: HostPool | None = None
+        if config.host_enabled:
+            pin = torch.cuda.is_available() and self.device_pool.device.type == "cuda"
+            if config.host_tokens:
+                self.host_pool = HostPool.from_tokens(
+                    self.shape, config.host_tokens, config.page_size,
+                    layout=config.host_layout, pin_memory=pin)
+            else:
+                assert config.host_bytes
+                self.host_pool = HostPool.from_bytes(
+                    self.shape, config.host_bytes, config.page_size,
+                    layout=config.host_layout, pin_memory=pin)
+        self.tree = RadixTree(TreeConfig(
+            page_size=config.page_size,
+            eviction_policy=config.eviction_policy,
+            host_enabled=config.host_enabled,
+            write_policy=config.write_policy,
+            enable_kv_events=config.enable_kv_events,
+            enable_page_hashes=config.enable_page_hashes,
+        ))
+        self.metrics = metrics if metrics is not None else CacheMetrics()
+        if self.host_pool is not None:
+            self.metrics.host_total_tokens.set(self.host_pool.num_slots)
+        self._engine: Any = None
+        self._state = "new"
+        self._inflight: dict[int, CopyHandle] = {}
+        self._outstanding = 0  # device slots handed to callers, not yet freed or adopted
+        self._host_inflight = 0  # host slots allocated for backups not yet committed
+        self._next_rid = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> HierarchicalCache:
+        if self._state != "new":
+            raise ClosedError(f"cache cannot start: it is {self._state}")
+        self.tree.bind_owner()
+        if self.host_pool is not None:
+            from transfers.engine import CopyEngine
+
+            self._engine = CopyEngine(self.device_pool, self.host_pool, name="asynccache-copy")
+            await self._engine.start()
+        self._state = "running"
+        return self
+
+    async def aclose(self) -> None:
+        """Wait for in-flight copies, commit them, free every slot, stop the copy thread."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            if self._inflight:
+                await asyncio.gather(*(h.done() for h in list(self._inflight.values())),
+                                     return_exceptions=True)
+            if self._engine is not None:
+                await self._engine.aclose()
+        finally:
+            device, host = self.tree.reset() if not self.tree.pending_ops else ([], [])
+            for slots in device:
+                self.device_pool.allocator.free(slots)
+            if self.host_pool is not None:
+                for slots in host:
+                    self.host_pool.allocator.free(slots)
+            self._state = "closed"
+
+    async def __aenter__(self) -> HierarchicalCache:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> None:
+        if self._state != "running":
+            raise ClosedError(f"cache is {self._state}; use 'async with HierarchicalCache(...)'")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self.tree.protected_size
+
+    @property
+    def host_size(self) -> int:
+        return self.tree.host_size
+
+    @property
+    def device_available(self) -> int:
+        """Free device slots (without evicting)."""
+        return self.device_pool.allocator.available_size
+
+    @property
+    def in_flight(self) -> int:
+        """Copies (backups and load-backs) not yet completed."""
+        return len(self._inflight)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.tree.take_events()
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        m.evictable_tokens.set(self.tree.evictable_size)
+        m.protected_tokens.set(self.tree.protected_size)
+        m.host_used_tokens.set(self.host_pool.allocator.used_size if self.host_pool else 0)
+
+    def sanity_check(self) -> None:
+        """Tree invariants plus pool accounting: every allocated slot has exactly one owner."""
+        self.tree.sanity_check()
+        dev_used = self.device_pool.allocator.used_size
+        want = self.tree.device_size + self._outstanding
+        if dev_used != want:
+            raise AssertionError(
+                f"device accounting: allocator uses {dev_used} slots, tree holds "
+                f"{self.tree.device_size} and callers {self._outstanding}"
+            )
+        if self.host_pool is not None:
+            host_used = self.host_pool.allocator.used_size
+            want = self.tree.host_size + self._host_inflight
+            if host_used != want:
+                raise AssertionError(
+                    f"host accounting: allocator uses {host_used} slots, tree holds "
+                    f"{self.tree.host_size} and in-flight backups {self._host_inflight}"
+                )
+
+    # ------------------------------------------------------------------ tree calls
+    def match_prefix(self, key: RadixKey | Any) -> MatchResult:
+        self._check_open()
+        key = as_key(key)
+        if self.config.disable:
+            return MatchResult(EMPTY_SLOTS, 0, 0, 0, 0)
+        res = self.tree.match_prefix(key)
+        self.metrics.matched_tokens.inc(len(key))
+        self.metrics.hit_tokens.inc(res.total_hit_length)
+        return res
+
+    def insert(self, key: RadixKey | Any, value: Any, *, prev_prefix_len: int = 0,
+               inserted_len: int = 0, priority: int = 0) -> InsertResult:
+        """Insert and execute: duplicate slots are freed here, write-through backups started.
+
+        The slots of ``value`` past ``prev_prefix_len`` must come from :meth:`alloc_device`; the
+        tree adopts the page-aligned part, the unaligned tail stays the caller's.
+        """
+        self._check_open()
+        if self.config.disable:
+            raise InvalidInputError("insert is not available on a disabled cache")
+        res = self.tree.insert(key, value, prev_prefix_len=prev_prefix_len,
+                               inserted_len=inserted_len, priority=priority)
+        for slots in res.device_frees:
+            self.device_pool.allocator.free(slots)
+        self._outstanding -= max(0, res.cached_len - prev_prefix_len)
+        if res.backups:
+            self._start_backups(res.backups)
+        return res
+
+    def lock(self, node_id: int) -> LockReceipt:
+        self._check_open()
+        return self.tree.lock(node_id)
+
+    def unlock(self, receipt: LockReceipt) -> int:
+        self._check_open()
+        return self.tree.unlock(receipt)
+
+    # ------------------------------------------------------------------ slots
+    def _round_up(self, n: int) -> int:
+        ps = self.page_size
+        return -(-n // ps) * ps
+
+    def try_alloc_device(self, num_tokens: int) -> np.ndarray | None:
+        """Allocate whole pages for ``num_tokens`` (rounded up), evicting synchronously if short.
+
+        Returns None when even eviction cannot make room (under write-back, use
+        :meth:`alloc_device`, which waits for write-back copies).
+        """
+        self._check_open()
+        need = self._round_up(num_tokens)
+        alloc = self.device_pool.allocator
+        slots = alloc.alloc(need)
+        if slots is None:
+            self.evict(need - alloc.available_size)
+            slots = alloc.alloc(need)
+        if slots is not None:
+            self._outstanding += len(slots)
+        return slots
+
+    async def alloc_device(self, num_tokens: int) -> np.ndarray:
+        """Allocate whole pages for ``num_tokens``, evicting (and writing back) as needed.
+
+        Raises :class:`PoolExhaustedError` when the pool cannot hold them even after eviction.
+        """
+        slots = self.try_alloc_device(num_tokens)
+        if slots is None:
+            need = self._round_up(num_tokens)
+            alloc = self.device_pool.allocator
+            await self.evict_async(need - alloc.available_size)
+            slots = alloc.alloc(need)
+            if slots is None:
+                raise PoolExhaustedError(
+                    f"cannot allocate {need} device slots: {alloc.available_size} free, "
+                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
+                )
+            self._outstanding += len(slots)
+        return slots
+
+    def free_device(self, slots: Any) -> None:
+        """Return slots obtained from :meth:`alloc_device` (whole pages)."""
+        arr = as_slots(slots, "slots")
+        if len(arr):
+            self.device_pool.allocator.free(arr)
+            self._outstanding -= len(arr)
+
+    def _alloc_host(self, num_tokens: int) -> np.ndarray | None:
+        assert self.host_pool is not None
+        alloc = self.host_pool.allocator
+        slots = alloc.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens - alloc.available_size)
+            slots = alloc.alloc(num_tokens)
+        return slots
+
+    # ------------------------------------------------------------------ eviction
+    def _apply_evict(self, res: EvictResult, started: float) -> None:
+        for slots in res.device_frees:
+            self.device_pool.allocator.free(slots)
+        if res.host_frees:
+            assert self.host_pool is not None
+            for slots in res.host_frees:
+                self.host_pool.allocator.free(slots)
+        if res.dropped_host_tokens:
+            self.metrics.dropped_tokens.labels(reason="host_pressure").inc(res.dropped_host_tokens)
+        if res.num_evicted:
+            self.metrics.evicted_tokens.inc(res.num_evicted)
+        self.metrics.eviction_duration.observe(time.perf_counter() - started)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens now if possible; returns tokens freed.
+
+        Under write-back, un-backed victims start their write-back copy and are demoted by a
+        later call (see :meth:`evict_async`).
+        """
+        self._check_open()
+        started = time.perf_counter()
+        res = self.tree.evict(num_tokens)
+        self._apply_evict(res, started)
+        if res.backups:
+            self._start_backups(res.backups)
+        return res.num_evicted
+
+    async def evict_async(self, num_tokens: int) -> int:
+        """Like :meth:`evict`, but waits for write-back copies and demotes their nodes."""
+        self._check_open()
+        total = 0
+        while total < num_tokens:
+            started = time.perf_counter()
+            res = self.tree.evict(num_tokens - total)
+            self._apply_evict(res, started)
+            total += res.num_evicted
+            if not res.backups:
+                break
+            handles = self._start_backups(res.backups)
+            await asyncio.gather(*(h.done() for h in handles),
+                                 return_exceptions=True)
+            if not any(h.finished for h in handles):
+                break
+        return total
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates)."""
+        self._check_open()
+        res = self.tree.evict_host(num_tokens)
+        assert self.host_pool is not None or not res.host_frees
+        for slots in res.host_frees:
+            assert self.host_pool is not None
+            self.host_pool.allocator.free(slots)
+        return res.num_evicted
+
+    # ------------------------------------------------------------------ backups (D -> H)
+    def _start_backups(self, reqs: Sequence[BackupRequest]) -> list[CopyHandle]:
+        """Submit the D->H copies of ``reqs`` (a root-first chain); commits happen on completion."""
+        handles: list[CopyHandle] = []
+        failed = [False]  # shared by the chain: a failed ancestor aborts its descendants
+        for i, req in enumerate(reqs):
+            host = self._alloc_host(req.num_tokens) if self._engine is not None else None
+            if host is None:
+                for rest in reqs[i:]:
+                    self._backup_failed(rest, "host_pressure")
+                break
+            self._host_inflight += len(host)
+            handle = self._engine.submit_d2h(req.device_slots, host)
+            self._inflight[req.op_id] = handle
+            handle.add_done_callback(
+                lambda h, req=req, host=host: self._backup_done(req, host, h, failed))
+            handles.append(handle)
+        return handles
+
+    def _backup_failed(self, req: BackupRequest, reason: str) -> None:
+        self.tree.abort_backup(req.op_id)
+        if req.write_back:
+            res = self.tree.drop(req.node_id)
+            self._apply_evict(res, time.perf_counter())
+            self.metrics.dropped_tokens.labels(reason=reason).inc(res.num_evicted)
+        _log.info("backup_skipped", node=req.node_id, tokens=req.num_tokens, reason=reason)
+
+    def _backup_done(self, req: BackupRequest, host: np.ndarray, handle: CopyHandle,
+                     failed: list[bool]) -> None:
+        self._inflight.pop(req.op_id, None)
+        self._host_inflight -= len(host)
+        assert self.host_pool is not None
+        error = _error_of(handle)
+        if error is not None or failed[0]:
+            failed[0] = True
+            self.host_pool.allocator.free(host)
+            if error is not None:
+                _log.warning("backup_failed", node=req.node_id, error=repr(error))
+            self._backup_failed(req, "backup_failed")
+            return
+        self.tree.commit_backup(req.op_id, host)
+        result = handle.result()
+        self.metrics.backup_tokens.inc(result.num_tokens)
+        self.metrics.backup_bytes.inc(result.num_bytes)
+        self.metrics.backup_duration.observe(result.duration_s)
+
+    async def flush(self) -> None:
+        """Wait until every copy started so far has completed and been committed."""
+        while self._inflight:
+            await asyncio.gather(
+                *(h.done() for h in list(self._inflight.values())),
+                return_exceptions=True,
+            )
+            await asyncio.sleep(0)
+
+    # ------------------------------------------------------------------ load-back (H -> D)
+    def begin_load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
+        """Start loading ``match``'s host hit into device memory; returns None when skipped.
+
+        Skipped when there is no host hit, when it is shorter than ``load_back_threshold``, when
+        it exceeds ``mem_quota`` tokens, or when the device cannot make room. The copy runs layer
+        by layer: ``await lb.layer(i)`` before reading layer ``i``.
+        """
+        self._check_open()
+        n = match.host_hit_length
+        if n == 0 or self._engine is None or n < self.config.load_back_threshold:
+            return None
+        if mem_quota is not None and n > mem_quota:
+            return None
+        anchor = self.tree.lock(match.last_device_node)  # keep the device prefix while evicting
+        try:
+            slots = self.try_alloc_device(n)
+        finally:
+            self.tree.unlock(anchor)
+        if slots is None:
+            return None
+        self._outstanding -= len(slots)  # the tree owns them from here on
+        ticket = self.tree.start_load_back(match.best_node, slots)
+        handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
+        lb = LoadBack(
+            op_id=ticket.op_id,
+            node_id=match.best_node,
+            num_tokens=ticket.num_tokens,
+            device_indices=np.concatenate([match.device_indices, ticket.device_slots]),
+            handle=handle,
+        )
+        self._inflight[ticket.op_id] = handle
+        handle.add_done_callback(lambda h: self._load_done(ticket, lb, h))
+        return lb
+
+    def _load_done(self, ticket: LoadBackTicket, lb: LoadBack, handle: CopyHandle) -> None:
+        self._inflight.pop(ticket.op_id, None)
+        error = _error_of(handle)
+        if error is not None:
+            lb.error = error
+            for slots in self.tree.abort_load_back(ticket.op_id):
+                self.device_pool.allocator.free(slots)
+            _log.warning("load_back_failed", node=lb.node_id, error=repr(error))
+            return
+        self.tree.commit_load_back(ticket.op_id)
+        if not lb.abandoned:
+            lb.receipt = self.tree.lock(lb.node_id)
+        result = handle.result()
+        self.metrics.load_back_tokens.inc(result.num_tokens)
+        self.metrics.load_back_bytes.inc(result.num_bytes)
+        self.metrics.load_back_duration.observe(result.duration_s)
+
+    async def load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
+        """Load ``match``'s host hit and wait for it; the result holds a lock on the prefix.
+
+        Cancelling the caller leaves no lock behind: the copy still completes and commits.
+        """
+        lb = self.begin_load_back(match, mem_quota=mem_quota)
+        if lb is None:
+            return None
+        try:
+            await lb.wait()
+        except BaseException:
+            self.release_load(lb)
+            raise
+        return lb
+
+    def release_load(self, lb: LoadBack) -> None:
+        """Release the lock a load-back took for its caller (or renounce it if still copying)."""
+        if lb.receipt is not None:
+            self.tree.unlock(lb.receipt)
+            lb.receipt = None
+        lb.abandoned = True
+
+    async def wait_loads(self, op_ids: Sequence[int]) -> None:
+        """Wait for the load-backs named by a match's ``pending_loads``."""
+        handles = [self._inflight[i] for i in op_ids if i in self._inflight]
+        if handles:
+            await asyncio.gather(*(h.done() for h in handles),
+                                 return_exceptions=True)
+
+    # ------------------------------------------------------------------ request helpers
+    def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest:
+        """Match a new request and pin its cached prefix."""
+        self._check_open()
+        key = as_key(tokens)
+        m = self.match_prefix(key)
+        if rid is None:
+            self._next_rid += 1
+            rid = f"req-{self._next_rid}"
+        receipt = None if self.config.disable else self.tree.lock(m.last_device_node)
+        return CacheRequest(
+            rid=rid, key=key, slots=m.device_indices, prefix_len=m.device_prefix_len,
+            last_node=m.last_device_node, best_node=m.best_node,
+            host_hit_length=m.host_hit_length, receipt=receipt, pending_loads=m.pending_loads,
+        )
+
+    async def load_back_request(self, req: CacheRequest, *, mem_quota: int | None = None) -> int:
+        """Load the request's host hit (if worth it) and wait for pending loads of its prefix.
+
+        Returns the tokens loaded; ``req.slots`` / ``req.prefix_len`` grow by that much.
+        """
+        await self.wait_loads(req.pending_loads)
+        req.pending_loads = ()
+        if req.host_hit_length == 0 or req.computed != req.prefix_len:
+            return 0
+        m = MatchResult(req.slots, req.prefix_len, req.last_node, req.best_node,
+                        req.host_hit_length)
+        lb = await self.load_back(m, mem_quota=mem_quota)
+        if lb is None:
+            return 0
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)
+        req.receipt, lb.receipt = lb.receipt, None
+        req.slots = lb.device_indices
+        req.prefix_len = len(lb.device_indices)
+        req.last_node = lb.node_id
+        req.host_hit_length = 0
+        return lb.num_tokens
+
+    async def extend(self, req: CacheRequest, num_tokens: int) -> np.ndarray:
+        """Reserve device slots for the next ``num_tokens`` tokens of ``req``; returns them.
+
+        The caller writes the KV of those tokens into the returned slots.
+        """
+        if num_tokens < 0:
+            raise InvalidInputError(f"num_tokens must be >= 0, got {num_tokens}")
+        spare = req.spare
+        if num_tokens <= len(spare):
+            new, req.spare = spare[:num_tokens], spare[num_tokens:]
+        else:
+            pages = await self.alloc_device(num_tokens - len(spare))
+            both = np.concatenate([spare, pages])
+            new, req.spare = both[:num_tokens], both[num_tokens:]
+        req.slots = np.concatenate([req.slots, new])
+        return new
+
+    def cache_unfinished_req(self, req: CacheRequest) -> None:
+        """Cache what ``req`` computed so far and keep running: its slots now point at the tree's."""
+        self._check_open()
+        if self.config.disable or req.computed == req.prefix_len:
+            return
+        key = req.key[: req.computed]
+        res = self.insert(key, req.slots, prev_prefix_len=req.prefix_len,
+                          inserted_len=req.inserted_len)
+        cached = res.cached_len
+        m = self.tree.match_prefix(key)
+        assert m.device_prefix_len == cached, (m.device_prefix_len, cached)
+        req.slots = np.concatenate([m.device_indices, req.slots[cached:]])
+        receipt = self.tree.lock(res.last_node)
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)
+        req.receipt = receipt
+        req.prefix_len = cached
+        req.inserted_len = cached
+        req.last_node = res.last_node
+
+    def cache_finished_req(self, req: CacheRequest, *, insert: bool = True) -> None:
+        """Cache ``req``'s KV (unless ``insert=False``, e.g. on abort), free the rest, unlock."""
+        self._check_open()
+        if req.finished:
+            raise InvalidInputError(f"request {req.rid} is already finished")
+        own_from = req.prefix_len
+        if insert and not self.config.disable and req.computed > 0:
+            res = self.insert(req.key[: req.computed], req.slots, prev_prefix_len=req.prefix_len,
+                              inserted_len=req.inserted_len)
+            own_from = max(own_from, res.cached_len)
+        self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)
+        req.receipt = None
+        req.spare = EMPTY_SLOTS
+        req.finished = True
+
+    def abort_req(self, req: CacheRequest) -> None:
+        """Drop a request without caching its KV."""
+        self.cache_finished_req(req, insert=False)
+
+    # ------------------------------------------------------------------ KV access (for tests/replay)
+    def read_kv(self, slots: Any) -> torch.Tensor:
+        """A copy of the device KV of ``slots`` as (layers, 2, n, heads, head_dim)."""
+        idx = torch.as_tensor(as_slots(slots, "slots"), device=self.device_pool.device)
+        return self.device_pool.kv.index_select(2, idx).cpu()
+
+    def write_kv(self, slots: Any, values: torch.Tensor) -> None:
+        """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
+        idx = torch.as_tensor(as_slots(slots, "slots"), device=self.device_pool.device)
+        if values.shape[2] != len(idx):
+            raise InvalidInputError(f"{values.shape[2]} tokens of KV for {len(idx)} slots")
+        self.device_pool.kv.index_copy_(2, idx, values.to(self.device_pool.kv))

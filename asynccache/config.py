@@ -1,0 +1,98 @@
+"""Validated configuration of a :class:`~asynccache.HierarchicalCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from asynccache.errors import ConfigError
+from asynccache.tree.queues import POLICIES
+from asynccache.tree.tree import WRITE_POLICIES
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything a cache needs; every field is checked in ``__post_init__``.
+
+    Capacities: give ``device_tokens`` or ``device_bytes`` (and ``host_tokens`` or
+    ``host_bytes``; zero or unset host capacity means no L2 tier). ``load_back_threshold``: host
+    hits shorter than this many tokens are recomputed rather than loaded.
+    """
+
+    page_size: int = 16
+    num_layers: int = 4
+    num_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float16"
+    device_tokens: int | None = None
+    device_bytes: int | None = None
+    host_tokens: int | None = None
+    host_bytes: int | None = None
+    host_layout: str = "layer_first"
+    device: str = "cpu"
+    write_policy: str = "write_through_selective"
+    eviction_policy: str = "lru"
+    load_back_threshold: int = 10
+    enable_kv_events: bool = False
+    enable_page_hashes: bool = False
+    disable: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_layers", "num_heads", "head_dim"):
+            _positive(name, getattr(self, name))
+        _positive("load_back_threshold", self.load_back_threshold, allow_zero=True)
+        if str(self.dtype) not in _DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(_DTYPES)}")
+        for tier in ("device", "host"):
+            tokens, nbytes = getattr(self, f"{tier}_tokens"), getattr(self, f"{tier}_bytes")
+            if tokens is not None and nbytes is not None:
+                raise ConfigError(f"give {tier}_tokens or {tier}_bytes, not both")
+            for name, val in ((f"{tier}_tokens", tokens), (f"{tier}_bytes", nbytes)):
+                if val is not None:
+                    _positive(name, val, allow_zero=tier == "host")
+        if self.device_tokens is None and self.device_bytes is None:
+            raise ConfigError("set device_tokens or device_bytes (the L1 capacity)")
+        if self.host_layout not in ("layer_first", "page_first"):
+            raise ConfigError(f"unknown host_layout {self.host_layout!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"unknown write_policy {self.write_policy!r}; choose one of {list(WRITE_POLICIES)}"
+            )
+        if self.eviction_policy not in POLICIES:
+            raise ConfigError(
+                f"unknown eviction_policy {self.eviction_policy!r}; choose one of {sorted(POLICIES)}"
+            )
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"bad device {self.device!r}: {exc}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[str(self.dtype)]
+
+    @property
+    def host_enabled(self) -> bool:
+        return bool(self.host_tokens) or bool(self.host_bytes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**data)

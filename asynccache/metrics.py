@@ -1,0 +1,48 @@
+"""Prometheus metrics of one cache (a registry per cache, so several caches can coexist)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+
+
+class CacheMetrics:
+    """Counters, histograms and gauges named like the reference's, prefixed ``asynccache_``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.evicted_tokens = Counter("asynccache_evicted_tokens", "Device tokens evicted", registry=r)
+        self.eviction_duration = Histogram(
+            "asynccache_eviction_duration_seconds", "Duration of one evict call",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )
+        self.load_back_tokens = Counter("asynccache_load_back_tokens", "Tokens loaded H->D", registry=r)
+        self.load_back_bytes = Counter("asynccache_load_back_bytes", "Bytes loaded H->D", registry=r)
+        self.load_back_duration = Histogram(
+            "asynccache_load_back_duration_seconds", "H->D copy duration",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )
+        self.backup_tokens = Counter("asynccache_backup_tokens", "Tokens backed up D->H", registry=r)
+        self.backup_bytes = Counter("asynccache_backup_bytes", "Bytes backed up D->H", registry=r)
+        self.backup_duration = Histogram(
+            "asynccache_backup_duration_seconds", "D->H copy duration",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )
+        self.dropped_tokens = Counter(
+            "asynccache_dropped_tokens", "Tokens dropped without a host copy", ["reason"], registry=r
+        )
+        for reason in ("host_pressure", "backup_failed"):
+            self.dropped_tokens.labels(reason=reason)
+        self.matched_tokens = Counter("asynccache_matched_tokens", "Tokens asked in match_prefix", registry=r)
+        self.hit_tokens = Counter("asynccache_hit_tokens", "Tokens found on device or host", registry=r)
+        self.hit_rate = Gauge("asynccache_cache_hit_rate", "Hit tokens / matched tokens", registry=r)
+        self.evictable_tokens = Gauge("asynccache_evictable_tokens", "Evictable device tokens", registry=r)
+        self.protected_tokens = Gauge("asynccache_protected_tokens", "Locked device tokens", registry=r)
+        self.host_used_tokens = Gauge("asynccache_host_used_tokens", "Host tokens in use", registry=r)
+        self.host_total_tokens = Gauge("asynccache_host_total_tokens", "Host capacity", registry=r)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
