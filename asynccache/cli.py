@@ -1,104 +1,179 @@
-"""The ``asynccache`` command line."""
+"""The ``asynccache`` command line: ``asynccache replay [TRACE] [options]``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import glob
 import json
+import re
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import numpy as np
+from asynccache.config import CacheConfig
+from asynccache.errors import AsyncCacheError, ConfigError
+from asynccache.replay.driver import ReplayOptions, Replayer
+from asynccache.replay.formats import (
+    TraceRequest,
+    detect_format,
+    read_kvtester,
+    read_mooncake,
+    read_tokens,
+)
+from asynccache.replay.report import build_report, format_table, plot_sweep
+from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
 
-from asynccache.tree import RadixKey, RadixTree
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """Replay a seeded synthetic multi-turn workload through the tree core with a device budget."""
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, 32000, size=int(rng.integers(100, 400))) for _ in range(8)]
-    tree = RadixTree(page_size=args.page_size, eviction_policy=args.eviction_policy)
-    free = list(range(args.capacity))[::-1]
-    convs: list[np.ndarray] = []
-    asked = reused = 0
-    t0 = time.perf_counter()
-    for _ in range(args.requests):
-        if convs and rng.random() < 0.6:
-            i = int(rng.integers(len(convs)))
-            seq = np.concatenate([convs[i], rng.integers(0, 32000, size=int(rng.integers(20, 200)))])
-            convs[i] = seq
+def parse_size(text: str) -> int:
+    """``4096``, ``64k``, ``3M``, ``2GiB``, ``1.5e6`` -> an int (bytes suffixes ``B``/``iB`` allowed)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 4096, 64k, 3M, 2GiB)")
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}") from None
+    unit = (m.group(2) or "").lower()
+    out = int(value * _UNITS[unit])
+    if out < 0:
+        raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+    return out
+
+
+def load_trace(args: argparse.Namespace) -> tuple[str, Iterator[TraceRequest]]:
+    if args.trace in (None, "synthetic"):
+        return "synthetic", synthetic_trace(SyntheticSpec(seed=args.seed))
+    paths = sorted(glob.glob(args.trace)) or [args.trace]
+    fmt = args.format if args.format != "auto" else detect_format(paths[0])
+    if fmt == "kvtester":
+        return args.trace, read_kvtester(paths, gap_s=args.conversation_gap)
+    if len(paths) != 1:
+        raise ConfigError(f"{fmt} traces are one file; {args.trace!r} matches {len(paths)}")
+    reader = read_mooncake if fmt == "mooncake" else read_tokens
+    return args.trace, reader(paths[0])
+
+
+def _config(args: argparse.Namespace, device_tokens: int | None = None) -> CacheConfig:
+    return CacheConfig(
+        page_size=args.page_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        device_tokens=device_tokens if device_tokens is not None else (
+            None if args.device_bytes else args.device_tokens),
+        device_bytes=None if device_tokens is not None else args.device_bytes,
+        host_tokens=None if args.host_bytes else args.host_tokens,
+        host_bytes=args.host_bytes,
+        write_policy=args.write_policy,
+        eviction_policy=args.eviction_policy,
+        load_back_threshold=args.load_back_threshold,
+    )
+
+
+class _Progress:
+    """A one-line progress counter on a terminal (nothing when stderr is not a terminal)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.enabled and self.done % 50 == 0:
+            print(f"\rreplayed {self.done} requests", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            print(file=sys.stderr)
+
+
+def _replay_once(args: argparse.Namespace, config: CacheConfig) -> dict[str, Any]:
+    source, trace = load_trace(args)
+    opts = ReplayOptions(time_scale=args.time_scale, max_in_flight=args.max_in_flight,
+                         verify=args.verify, limit=args.limit)
+    progress = _Progress()
+    try:
+        stats = asyncio.run(Replayer(config, opts, progress).run(trace))
+    finally:
+        progress.close()
+    return build_report(stats, config, source)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    if args.sweep:
+        points = [_replay_once(args, _config(args, device_tokens=c)) for c in args.sweep]
+        if args.plot:
+            plot_sweep(points, args.plot)
+        if args.json:
+            print(json.dumps({"sweep": points}, indent=1))
         else:
-            seq = np.concatenate([prompts[int(rng.integers(len(prompts)))],
-                                  rng.integers(0, 32000, size=int(rng.integers(50, 400)))])
-            convs.append(seq)
-        key = RadixKey(seq)
-        hit = tree.match_prefix(key)
-        lock = tree.lock(hit.last_device_node)
-        need = len(seq) - hit.device_prefix_len
-        if need > len(free):
-            for slots in tree.evict(need - len(free)).device_frees:
-                free.extend(slots.tolist())
-        tree.unlock(lock)
-        if need > len(free):
-            continue  # the request does not fit even after eviction
-        new = [free.pop() for _ in range(need)]
-        value = np.concatenate([hit.device_indices, np.asarray(new, dtype=np.int64)])
-        res = tree.insert(key, value, prev_prefix_len=hit.device_prefix_len)
-        for slots in res.device_frees:
-            free.extend(slots.tolist())
-        tail = len(seq) - res.cached_len
-        if tail:
-            free.extend(value[res.cached_len:].tolist())
-        asked += len(seq)
-        reused += hit.device_prefix_len
-    tree.sanity_check()
-    report = {
-        "requests": args.requests,
-        "capacity_tokens": args.capacity,
-        "page_size": args.page_size,
-        "eviction_policy": args.eviction_policy,
-        "prompt_tokens": asked,
-        "reused_tokens": reused,
-        "hit_rate": round(reused / asked, 4) if asked else 0.0,
-        "cached_tokens": tree.device_size,
-        "nodes": tree.node_count,
-        "wall_s": round(time.perf_counter() - t0, 3),
-    }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        width = max(len(k) for k in report)
-        for k, v in report.items():
-            print(f"{k:<{width}}  {v}")
+            for p in points:
+                print(format_table(p), end="\n\n")
+        return 0
+    report = _replay_once(args, _config(args))
+    if args.plot:
+        plot_sweep([report], args.plot)
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynccache", description="Hierarchical prefix KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="replay a small synthetic workload through the tree core")
-    demo.add_argument("--requests", type=int, default=2000)
-    demo.add_argument("--capacity", type=int, default=50_000, help="device capacity in tokens")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--eviction-policy", default="lru")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", action="store_true")
-    demo.set_defaults(func=_demo)
+    rp = sub.add_parser(
+        "replay",
+        help="replay a request trace through the real engine and report hit rates",
+        description="Replay a request trace (default: the built-in synthetic workload) through "
+        "a real cache with real pools and copies, verify every KV page served from host memory, "
+        "and report per-tier hit rates, bytes moved and throughput.",
+    )
+    rp.add_argument("trace", nargs="?", default=None,
+                    help="trace file (Mooncake .jsonl, token .jsonl, kv-cache-tester .json or a "
+                         "glob of them); default: synthetic")
+    rp.add_argument("--format", choices=["auto", "mooncake", "kvtester", "tokens"], default="auto")
+    rp.add_argument("--device-tokens", type=parse_size, default=32768)
+    rp.add_argument("--device-bytes", type=parse_size, default=None)
+    rp.add_argument("--host-tokens", type=parse_size, default=131072,
+                    help="L2 capacity in tokens (0 disables the host tier)")
+    rp.add_argument("--host-bytes", type=parse_size, default=None)
+    rp.add_argument("--page-size", type=int, default=16)
+    rp.add_argument("--layers", type=int, default=2)
+    rp.add_argument("--heads", type=int, default=2)
+    rp.add_argument("--head-dim", type=int, default=16)
+    rp.add_argument("--dtype", default="float16")
+    rp.add_argument("--write-policy", default="write_through_selective")
+    rp.add_argument("--eviction-policy", default="lru")
+    rp.add_argument("--load-back-threshold", type=int, default=10)
+    rp.add_argument("--time-scale", type=float, default=0.0,
+                    help="0: as fast as possible; 1: the trace's own clock; 0.01: 100x faster")
+    rp.add_argument("--max-in-flight", type=int, default=32)
+    rp.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    rp.add_argument("--verify", choices=["loaded", "all", "none"], default="loaded")
+    rp.add_argument("--conversation-gap", type=float, default=0.0,
+                    help="kv-cache-tester: seconds between conversation starts")
+    rp.add_argument("--sweep", type=lambda s: [parse_size(x) for x in s.split(",")], default=None,
+                    help="comma-separated device capacities (tokens) to replay in turn")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
+    rp.add_argument("--plot", help="write a hit-rate plot (PNG) to this path")
+    rp.set_defaults(func=_replay)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "replay" and args.max_in_flight < 1:
+        parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     try:
         return int(args.func(args))
-    except Exception as exc:  # a clean one-line error for the command line
-        from asynccache.errors import AsyncCacheError
-
-        if isinstance(exc, AsyncCacheError):
-            print(f"asynccache: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except AsyncCacheError as exc:
+        print(f"asynccache: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -152,5 +152,7 @@ def check_tree(tree: RadixTree) -> None:
     for name, parts in (("device", dev_slots), ("host", host_slots)):
         if parts:
             allslots = np.concatenate(parts)
-            if len(np.unique(allslots)) != len(allslots):
+            if allslots.min() < 0:
+                _fail(f"a {name} slot index is negative")
+            if np.bincount(allslots).max() > 1:
                 _fail(f"a {name} slot is held by two nodes")

@@ -1,0 +1,1 @@
+"""Trace replay: formats, the synthetic workload, the replay driver and its report."""
