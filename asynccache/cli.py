@@ -13,7 +13,7 @@ from typing import Any
 
 from asynccache.config import CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError
-from asynccache.replay.driver import ReplayOptions, Replayer
+from asynccache.replay.driver import Replayer, ReplayOptions
 from asynccache.replay.formats import (
     TraceRequest,
     detect_format,
