@@ -91,7 +91,8 @@ class CacheRequest:
     ``slots[i]`` is the device slot holding the KV of token ``i`` for the ``computed`` tokens so
     far; the first ``prefix_len`` slots belong to the tree (cached prefix, kept alive by
     ``receipt``), the rest to the request. ``spare`` holds allocated, not yet used slots of the
-    request's last page.
+    request's last page. While ``pending_loads`` is not empty, wait for them
+    (:meth:`HierarchicalCache.wait_loads`) before reading the prefix KV.
     """
 
     rid: str
@@ -102,6 +103,7 @@ class CacheRequest:
     best_node: int
     host_hit_length: int
     receipt: LockReceipt | None
+    host_receipt: LockReceipt | None = None  # pins the host hit until it is loaded or dropped
     pending_loads: tuple[int, ...] = ()
     spare: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     inserted_len: int = 0
@@ -162,7 +164,11 @@ class HierarchicalCache:
         self._inflight: dict[int, CopyHandle] = {}
         self._outstanding = 0  # device slots handed to callers, not yet freed or adopted
         self._host_inflight = 0  # host slots allocated for backups not yet committed
+        self._evicted_total = 0
+        self._matched = 0
+        self._hits = 0
         self._next_rid = 0
+        self._close_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> HierarchicalCache:
@@ -178,15 +184,24 @@ class HierarchicalCache:
         return self
 
     async def aclose(self) -> None:
-        """Wait for in-flight copies, commit them, free every slot, stop the copy thread."""
-        if self._state in ("closed", "new"):
+        """Wait for in-flight copies, commit them, free every slot, stop the copy thread.
+
+        Cancelling ``aclose`` does not stop the shutdown: it finishes in the background, and a
+        second ``aclose`` waits for it.
+        """
+        if self._state == "new":
             self._state = "closed"
             return
-        self._state = "closing"
+        if self._close_task is None:
+            if self._state == "closed":
+                return
+            self._state = "closing"
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         try:
-            if self._inflight:
-                await asyncio.gather(*(h.done() for h in list(self._inflight.values())),
-                                     return_exceptions=True)
+            await self._settle(list(self._inflight.values()))
             if self._engine is not None:
                 await self._engine.aclose()
         finally:
@@ -267,8 +282,13 @@ class HierarchicalCache:
         if self.config.disable:
             return MatchResult(EMPTY_SLOTS, 0, 0, 0, 0)
         res = self.tree.match_prefix(key)
-        self.metrics.matched_tokens.inc(len(key))
-        self.metrics.hit_tokens.inc(res.total_hit_length)
+        m = self.metrics
+        m.matched_tokens.inc(len(key))
+        m.hit_tokens.inc(res.total_hit_length)
+        self._matched += len(key)
+        self._hits += res.total_hit_length
+        if self._matched:
+            m.hit_rate.set(self._hits / self._matched)
         return res
 
     def insert(self, key: RadixKey | Any, value: Any, *, prev_prefix_len: int = 0,
@@ -325,19 +345,27 @@ class HierarchicalCache:
 
         Raises :class:`PoolExhaustedError` when the pool cannot hold them even after eviction.
         """
-        slots = self.try_alloc_device(num_tokens)
-        if slots is None:
-            need = self._round_up(num_tokens)
-            alloc = self.device_pool.allocator
-            await self.evict_async(need - alloc.available_size)
+        self._check_open()
+        need = self._round_up(num_tokens)
+        alloc = self.device_pool.allocator
+        for _ in range(64):
             slots = alloc.alloc(need)
-            if slots is None:
-                raise PoolExhaustedError(
-                    f"cannot allocate {need} device slots: {alloc.available_size} free, "
-                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
-                )
-            self._outstanding += len(slots)
-        return slots
+            if slots is not None:
+                self._outstanding += len(slots)
+                return slots
+            await self.evict_async(need - alloc.available_size)
+            if alloc.available_size >= need:
+                continue
+            # What is left may be pinned by copies in flight (write-through backups hold their
+            # nodes until they land): wait for those, then evict again.
+            in_flight = list(self._inflight.values())
+            if not in_flight:
+                break
+            await self._settle(in_flight)
+        raise PoolExhaustedError(
+            f"cannot allocate {need} device slots: {alloc.available_size} free, "
+            f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
+        )
 
     def free_device(self, slots: Any) -> None:
         """Return slots obtained from :meth:`alloc_device` (whole pages)."""
@@ -366,6 +394,7 @@ class HierarchicalCache:
         if res.dropped_host_tokens:
             self.metrics.dropped_tokens.labels(reason="host_pressure").inc(res.dropped_host_tokens)
         if res.num_evicted:
+            self._evicted_total += res.num_evicted
             self.metrics.evicted_tokens.inc(res.num_evicted)
         self.metrics.eviction_duration.observe(time.perf_counter() - started)
 
@@ -386,20 +415,18 @@ class HierarchicalCache:
     async def evict_async(self, num_tokens: int) -> int:
         """Like :meth:`evict`, but waits for write-back copies and demotes their nodes."""
         self._check_open()
-        total = 0
-        while total < num_tokens:
+        before = self._evicted_total
+        while self._evicted_total - before < num_tokens:
             started = time.perf_counter()
-            res = self.tree.evict(num_tokens - total)
+            res = self.tree.evict(num_tokens - (self._evicted_total - before))
             self._apply_evict(res, started)
-            total += res.num_evicted
             if not res.backups:
                 break
             handles = self._start_backups(res.backups)
-            await asyncio.gather(*(h.done() for h in handles),
-                                 return_exceptions=True)
-            if not any(h.finished for h in handles):
-                break
-        return total
+            if not handles:
+                continue  # no host memory: the victims were dropped (counted above)
+            await self._settle(handles)
+        return self._evicted_total - before
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates)."""
@@ -458,37 +485,60 @@ class HierarchicalCache:
         self.metrics.backup_duration.observe(result.duration_s)
 
     async def flush(self) -> None:
-        """Wait until every copy started so far has completed and been committed."""
-        while self._inflight:
-            await asyncio.gather(
-                *(h.done() for h in list(self._inflight.values())),
-                return_exceptions=True,
-            )
-            await asyncio.sleep(0)
+        """Wait until every copy started before this call has completed and been committed."""
+        await self._settle(list(self._inflight.values()))
+
+    @staticmethod
+    async def _settle(handles: Sequence[CopyHandle]) -> None:
+        """Wait for copies to finish (success or failure); their callbacks have run by then."""
+        if handles:
+            await asyncio.gather(*(h.done() for h in handles), return_exceptions=True)
 
     # ------------------------------------------------------------------ load-back (H -> D)
+    def _load_size(self, match: MatchResult, mem_quota: int | None) -> int:
+        """Tokens a load-back of ``match`` would copy, or 0 when it should be skipped."""
+        n = match.host_hit_length
+        if n == 0 or self._engine is None or match.pending_loads:
+            return 0
+        if n < self.config.load_back_threshold or (mem_quota is not None and n > mem_quota):
+            return 0
+        return n
+
+    def _pin(self, match: MatchResult) -> tuple[LockReceipt, LockReceipt]:
+        """Pin the device prefix and the host hit of ``match`` while making room for a load."""
+        return self.tree.lock(match.last_device_node), self.tree.lock_host(match.best_node)
+
+    def _unpin(self, pins: tuple[LockReceipt, LockReceipt]) -> None:
+        self.tree.unlock(pins[0])
+        self.tree.unlock_host(pins[1])
+
     def begin_load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
         """Start loading ``match``'s host hit into device memory; returns None when skipped.
 
         Skipped when there is no host hit, when it is shorter than ``load_back_threshold``, when
-        it exceeds ``mem_quota`` tokens, or when the device cannot make room. The copy runs layer
-        by layer: ``await lb.layer(i)`` before reading layer ``i``.
+        it exceeds ``mem_quota`` tokens, when it is already being loaded (``pending_loads``) or
+        when the device cannot make room without waiting. The copy runs layer by layer:
+        ``await lb.layer(i)`` before reading layer ``i``.
         """
         self._check_open()
-        n = match.host_hit_length
-        if n == 0 or self._engine is None or n < self.config.load_back_threshold:
+        n = self._load_size(match, mem_quota)
+        if not n:
             return None
-        if mem_quota is not None and n > mem_quota:
-            return None
-        anchor = self.tree.lock(match.last_device_node)  # keep the device prefix while evicting
+        pins = self._pin(match)
         try:
             slots = self.try_alloc_device(n)
         finally:
-            self.tree.unlock(anchor)
-        if slots is None:
+            self._unpin(pins)
+        return None if slots is None else self._start_load(match, slots)
+
+    def _start_load(self, match: MatchResult, slots: np.ndarray) -> LoadBack | None:
+        try:
+            ticket = self.tree.start_load_back(match.best_node, slots)
+        except InvalidInputError:
+            # The host hit changed while room was made (loaded or recomputed by another request).
+            self.free_device(slots)
             return None
         self._outstanding -= len(slots)  # the tree owns them from here on
-        ticket = self.tree.start_load_back(match.best_node, slots)
         handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
         lb = LoadBack(
             op_id=ticket.op_id,
@@ -523,7 +573,18 @@ class HierarchicalCache:
 
         Cancelling the caller leaves no lock behind: the copy still completes and commits.
         """
-        lb = self.begin_load_back(match, mem_quota=mem_quota)
+        self._check_open()
+        n = self._load_size(match, mem_quota)
+        if not n:
+            return None
+        pins = self._pin(match)
+        try:
+            slots = await self.alloc_device(n)
+        except PoolExhaustedError:
+            return None
+        finally:
+            self._unpin(pins)
+        lb = self._start_load(match, slots)
         if lb is None:
             return None
         try:
@@ -557,34 +618,82 @@ class HierarchicalCache:
             self._next_rid += 1
             rid = f"req-{self._next_rid}"
         receipt = None if self.config.disable else self.tree.lock(m.last_device_node)
+        host = self.tree.lock_host(m.best_node) if m.host_hit_length else None
         return CacheRequest(
             rid=rid, key=key, slots=m.device_indices, prefix_len=m.device_prefix_len,
             last_node=m.last_device_node, best_node=m.best_node,
-            host_hit_length=m.host_hit_length, receipt=receipt, pending_loads=m.pending_loads,
+            host_hit_length=m.host_hit_length, receipt=receipt, host_receipt=host,
+            pending_loads=m.pending_loads,
         )
 
-    async def load_back_request(self, req: CacheRequest, *, mem_quota: int | None = None) -> int:
-        """Load the request's host hit (if worth it) and wait for pending loads of its prefix.
+    def _rematch(self, req: CacheRequest) -> None:
+        """Refresh ``req`` from the tree's current state, moving its pins to the new match."""
+        m = self.tree.match_prefix(req.key)
+        dev = self.tree.lock(m.last_device_node)
+        host = self.tree.lock_host(m.best_node) if m.host_hit_length else None
+        self._release_pins(req)
+        req.receipt, req.host_receipt = dev, host
+        req.slots = m.device_indices
+        req.prefix_len = m.device_prefix_len
+        req.last_node = m.last_device_node
+        req.best_node = m.best_node
+        req.host_hit_length = m.host_hit_length
+        req.pending_loads = m.pending_loads
 
-        Returns the tokens loaded; ``req.slots`` / ``req.prefix_len`` grow by that much.
-        """
-        await self.wait_loads(req.pending_loads)
-        req.pending_loads = ()
-        if req.host_hit_length == 0 or req.computed != req.prefix_len:
-            return 0
-        m = MatchResult(req.slots, req.prefix_len, req.last_node, req.best_node,
-                        req.host_hit_length)
-        lb = await self.load_back(m, mem_quota=mem_quota)
-        if lb is None:
-            return 0
+    def _release_pins(self, req: CacheRequest) -> None:
         if req.receipt is not None:
             self.tree.unlock(req.receipt)
-        req.receipt, lb.receipt = lb.receipt, None
-        req.slots = lb.device_indices
-        req.prefix_len = len(lb.device_indices)
-        req.last_node = lb.node_id
-        req.host_hit_length = 0
-        return lb.num_tokens
+            req.receipt = None
+        if req.host_receipt is not None:
+            self.tree.unlock_host(req.host_receipt)
+            req.host_receipt = None
+
+    async def load_back_request(self, req: CacheRequest, *, mem_quota: int | None = None) -> int:
+        """Bring ``req``'s cached prefix onto the device before it computes anything.
+
+        Waits for load-backs of its prefix started by other requests, then loads its own host hit
+        if worth it (threshold, ``mem_quota``, room). Returns how many tokens the device prefix
+        grew by; ``req.slots`` / ``req.prefix_len`` follow. The host hit stays pinned until then.
+        """
+        self._check_open()
+        if req.finished or req.computed != req.prefix_len:
+            raise InvalidInputError(
+                f"request {req.rid}: load_back_request must come before it computes tokens"
+            )
+        before = req.prefix_len
+        try:
+            for _ in range(16):
+                if req.pending_loads:
+                    await self.wait_loads(req.pending_loads)
+                    self._rematch(req)
+                    continue
+                if not self._load_size(self._match_of(req), mem_quota):
+                    break
+                state = (req.prefix_len, req.host_hit_length)
+                lb = await self.load_back(self._match_of(req), mem_quota=mem_quota)
+                if lb is not None:
+                    old = req.receipt
+                    req.receipt, lb.receipt = lb.receipt, None
+                    if old is not None:
+                        self.tree.unlock(old)
+                    req.slots = lb.device_indices
+                    req.prefix_len = len(lb.device_indices)
+                    req.last_node = req.best_node = lb.node_id
+                    req.host_hit_length = 0
+                    break
+                self._rematch(req)
+                if not req.pending_loads and (req.prefix_len, req.host_hit_length) == state:
+                    break  # skipped (no room): compute instead
+        finally:
+            if req.host_receipt is not None:
+                self.tree.unlock_host(req.host_receipt)
+                req.host_receipt = None
+        return req.prefix_len - before
+
+    @staticmethod
+    def _match_of(req: CacheRequest) -> MatchResult:
+        return MatchResult(req.slots, req.prefix_len, req.last_node, req.best_node,
+                           req.host_hit_length, req.pending_loads)
 
     async def extend(self, req: CacheRequest, num_tokens: int) -> np.ndarray:
         """Reserve device slots for the next ``num_tokens`` tokens of ``req``; returns them.
@@ -615,6 +724,7 @@ class HierarchicalCache:
         m = self.tree.match_prefix(key)
         assert m.device_prefix_len == cached, (m.device_prefix_len, cached)
         req.slots = np.concatenate([m.device_indices, req.slots[cached:]])
+        req.pending_loads = m.pending_loads
         receipt = self.tree.lock(res.last_node)
         if req.receipt is not None:
             self.tree.unlock(req.receipt)
@@ -634,9 +744,7 @@ class HierarchicalCache:
                               inserted_len=req.inserted_len)
             own_from = max(own_from, res.cached_len)
         self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
-        if req.receipt is not None:
-            self.tree.unlock(req.receipt)
-        req.receipt = None
+        self._release_pins(req)
         req.spare = EMPTY_SLOTS
         req.finished = True
 
@@ -647,12 +755,12 @@ class HierarchicalCache:
     # ------------------------------------------------------------------ KV access (for tests/replay)
     def read_kv(self, slots: Any) -> torch.Tensor:
         """A copy of the device KV of ``slots`` as (layers, 2, n, heads, head_dim)."""
-        idx = torch.as_tensor(as_slots(slots, "slots"), device=self.device_pool.device)
+        idx = torch.tensor(as_slots(slots, "slots"), device=self.device_pool.device)
         return self.device_pool.kv.index_select(2, idx).cpu()
 
     def write_kv(self, slots: Any, values: torch.Tensor) -> None:
         """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
-        idx = torch.as_tensor(as_slots(slots, "slots"), device=self.device_pool.device)
+        idx = torch.tensor(as_slots(slots, "slots"), device=self.device_pool.device)
         if values.shape[2] != len(idx):
             raise InvalidInputError(f"{values.shape[2]} tokens of KV for {len(idx)} slots")
         self.device_pool.kv.index_copy_(2, idx, values.to(self.device_pool.kv))

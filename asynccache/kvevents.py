@@ -2,7 +2,7 @@
 
 A batch is ``[ts, [event, ...], attn_dp_rank]``; each event is an array whose first element is
 its tag: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium, lora_name, cache_salt, session_id]``, ``["BlockRemoved", block_hashes, medium]``,
+medium, cache_salt, session_id, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
 ``["AllBlocksCleared"]``.
 """
 
@@ -20,7 +20,7 @@ from asynccache.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, 
 def event_to_wire(ev: KVEvent) -> list[Any]:
     if isinstance(ev, BlockStored):
         return ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
-                ev.lora_id, ev.medium.value, ev.lora_name, ev.cache_salt, ev.session_id]
+                ev.lora_id, ev.medium.value, ev.cache_salt, ev.session_id, ev.lora_name]
     if isinstance(ev, BlockRemoved):
         return ["BlockRemoved", ev.block_hashes, ev.medium.value]
     if isinstance(ev, AllBlocksCleared):
@@ -33,8 +33,8 @@ def event_from_wire(item: list[Any]) -> KVEvent:
     if tag == "BlockStored":
         return BlockStored(block_hashes=list(item[1]), parent_block_hash=item[2],
                            token_ids=list(item[3]), block_size=item[4], lora_id=item[5],
-                           medium=Medium(item[6]), lora_name=item[7], cache_salt=item[8],
-                           session_id=item[9])
+                           medium=Medium(item[6]), cache_salt=item[7], session_id=item[8],
+                           lora_name=item[9])
     if tag == "BlockRemoved":
         return BlockRemoved(block_hashes=list(item[1]), medium=Medium(item[2]))
     if tag == "AllBlocksCleared":

@@ -85,10 +85,12 @@ def encode_tokens(tokens: Any) -> bytes:
         return arr.astype("<u4", copy=False).tobytes()
     if not isinstance(tokens, Sequence):
         raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    try:
-        packed = array("I", tokens) if _ARRAY_I_OK else None
-    except (TypeError, OverflowError):
-        packed = None
+    packed = None
+    if _ARRAY_I_OK and set(map(type, tokens)) <= {int}:  # exact ints only: no bools, no floats
+        try:
+            packed = array("I", tokens)
+        except OverflowError:
+            packed = None
     if packed is None:
         for pos, tok in enumerate(tokens):
             if isinstance(tok, bool) or not isinstance(tok, int | np.integer):

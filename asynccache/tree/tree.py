@@ -65,6 +65,9 @@ class TreeConfig:
             raise ConfigError(f"page_size must be an int, got {self.page_size!r}")
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         policy_key(self.eviction_policy)
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
@@ -123,7 +126,7 @@ class RadixTree:
         self._pb = 4 * config.page_size
         self._host = config.host_enabled
         self._write_back = config.host_enabled and config.write_policy == "write_back"
-        self._count_hits = config.host_enabled and not self._write_back
+        self._write_through = config.host_enabled and not self._write_back
         self._threshold = config.write_through_threshold
         policy = config.eviction_policy
         self._touch_requeues = policy in USES_ACCESS
@@ -322,6 +325,7 @@ class RadixTree:
 
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events recorded since the last call (empty when events are off)."""
+        self._check_owner()
         return self._events.take() if self._events is not None else []
 
     def page_hashes(self, node_id: int) -> list[str]:
@@ -401,11 +405,13 @@ class RadixTree:
             nb = self._match_bytes(child.key, data, off, end)
             if nb < len(child.key):
                 child = self._split(child, nb)
-            if child.value is not None:
+            if child.pending and self._pending[child.pending].kind == "load":
+                # Still copying in: a host hit until the load commits.
+                pending.append(child.pending)
+                host_len += nb >> 2
+            elif child.value is not None and not pending:
                 values.append(child.value)
                 last_device = child
-                if child.pending and self._pending[child.pending].kind == "load":
-                    pending.append(child.pending)
             else:
                 host_len += nb >> 2
             path.append(child)
@@ -487,6 +493,10 @@ class RadixTree:
             )
             if child is None:
                 break
+            if child.pending and self._pending[child.pending].kind == "load":
+                # Its KV is still being copied in: the caller keeps its own slots from here on.
+                result.cached_len = off >> 2
+                break
             nb = self._match_bytes(child.key, data, off, end)
             if nb < len(child.key):
                 child = self._split(child, nb)
@@ -508,17 +518,17 @@ class RadixTree:
                     # A caller handing back the tree's own slots is not a duplicate.
                     if dup[0] != own[0] or not np.array_equal(dup, own):
                         frees.append(dup)
-            if self._count_hits and pos + m > inserted_len:
+            if pos + m > inserted_len:
                 child.hit_count += 1
                 requeue = requeue or self._hit_requeues
-                if child.hit_count >= self._threshold:
+                if self._write_through and child.hit_count >= self._threshold:
                     self._backup_chain(child, result.backups)
             if requeue:
                 self._requeue(child)
             node = child
             off += nb
         result.prefix_len = off >> 2
-        if off < end:
+        if off < end and result.cached_len == n_tok:
             leaf = Node(next(self._ids), node, data[off:end], ns)
             self._nodes[leaf.id] = leaf
             leaf.value = frozen(slots[off >> 2 : n_tok])
@@ -536,11 +546,104 @@ class RadixTree:
             self._emit_stored(leaf, Medium.GPU)
             self._refresh(node)
             self._refresh(leaf)
-            if self._count_hits and self._threshold <= 1:
+            if self._write_through and self._threshold <= 1:
                 self._backup_chain(leaf, result.backups)
             node = leaf
         result.last_node = node.id
         return result
+
+    def insert_host(self, key: RadixKey | Any, start: int, host_slots: Any) -> InsertResult:
+        """Record host copies (e.g. pages prefetched from storage) of ``key[start:]``.
+
+        ``host_slots`` holds one host slot per token of ``key[start:start + len(host_slots)]``
+        (whole pages). Spans the tree already has on host are duplicates: their slots come back
+        in ``InsertResult.device_frees`` (they are *host* slots here). A device node without a
+        host copy adopts the slots as its backup; the rest becomes host-only nodes. ``last_node``
+        is the node ending at the end of the inserted span.
+        """
+        self._check_owner()
+        key = as_key(key)
+        slots = as_slots(host_slots, "host_slots")
+        start = _check_count("start", start)
+        end_tok = start + len(slots)
+        if start % self.page_size or len(slots) % self.page_size or end_tok > len(key):
+            raise InvalidInputError(
+                f"host span [{start}, {end_tok}) must be whole pages within the key of "
+                f"{len(key)} tokens (page_size={self.page_size})"
+            )
+        data = key.data
+        pb = self._pb
+        end = end_tok * 4
+        ns = key.namespace
+        root = self._root
+        node = root
+        off = 0
+        result = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
+        while off < end:
+            page = data[off : off + pb]
+            child = node.children.get(
+                (ns, page) if node is root and ns is not DEFAULT_NAMESPACE else page
+            )
+            if child is None:
+                break
+            nb = self._match_bytes(child.key, data, off, end)
+            if nb < len(child.key):
+                child = self._split(child, nb)
+            pos = off >> 2
+            m = nb >> 2
+            if pos + m > start:
+                lo = max(pos, start)
+                span = slots[lo - start : pos + m - start]
+                if child.host_value is None and child.pending == 0 and lo == pos:
+                    child.host_value = frozen(span)
+                    self._host_size += m
+                    self._emit_stored(child, Medium.CPU_PINNED)
+                    self._refresh(child)
+                else:
+                    result.device_frees.append(span)
+            node = child
+            off += nb
+        result.prefix_len = off >> 2
+        if off < end:
+            if off >> 2 < start:
+                raise InvalidInputError(
+                    f"the tree holds only {off >> 2} tokens of the key; a host span starting at "
+                    f"{start} would leave a gap"
+                )
+            leaf = Node(next(self._ids), node, data[off:end], ns)
+            self._nodes[leaf.id] = leaf
+            leaf.host_value = frozen(slots[(off >> 2) - start :])
+            leaf.creation = leaf.last_access = self._tick()
+            leaf.hit_count = 1
+            node.children[
+                (ns, data[off : off + pb]) if node is root and ns is not DEFAULT_NAMESPACE
+                else data[off : off + pb]
+            ] = leaf
+            self._host_size += leaf.ntok
+            if self._eager_hashes:
+                self._digests(leaf)
+            self._emit_stored(leaf, Medium.CPU_PINNED)
+            self._refresh(node)
+            self._refresh(leaf)
+            node = leaf
+        result.last_node = node.id
+        return result
+
+    def node_page_keys(self, node_id: int) -> list[str]:
+        """Storage keys of the pages of ``node_id`` itself (not its ancestors)."""
+        return [storage_key(d) for d in self._digests(self._node(node_id))]
+
+    def chain_keys(self, node_id: int, key: RadixKey | Any, start: int) -> list[str]:
+        """Storage keys of the whole pages of ``key[start:]``, continuing the chain of ``node_id``.
+
+        ``node_id`` must end at token ``start`` of ``key`` (e.g. a match's ``best_node``).
+        """
+        key = as_key(key)
+        n = self._node(node_id)
+        prev = chain_seed(key.namespace) if n is self._root else self._digests(n)[-1]
+        data = key.data[start * 4 :]
+        data = data[: len(data) - len(data) % self._pb]
+        return [storage_key(d) for d in chain_digests(prev, data, self._pb)]
 
     def _unevict(self, n: Node, slots: np.ndarray) -> None:
         """Give a host-only node device slots again (the caller recomputed its KV)."""
@@ -625,6 +728,8 @@ class RadixTree:
         node = self._node(node_id)
         if node is not self._root and node.value is None:
             raise LockError(f"node {node_id} is not on device (host only); load it back first")
+        if node.pending and self._pending[node.pending].kind == "load":
+            raise LockError(f"node {node_id} is still being loaded; wait for load {node.pending}")
         token = next(self._receipt_ids)
         delta = self._inc(node)
         self._receipts[token] = (node, False)
@@ -812,10 +917,9 @@ class RadixTree:
     def abort_load_back(self, op_id: int) -> list[np.ndarray]:
         """The H->D copy of ``op_id`` failed: the nodes go back to host only.
 
-        Returns the device slots to free. Fragments that meanwhile got device children or other
-        locks cannot go back; they are revoked from the deepest up to the first such fragment and
-        the rest is kept on device (their host copy is intact; the caller must treat their KV as
-        lost only if it logged the failure before anyone read it).
+        Returns the device slots to free. Nothing can have built on the nodes meanwhile: while
+        a load is in flight, matches report its nodes as host hits, inserts stop before them and
+        locks on them are refused, so every fragment goes back to host only.
         """
         self._check_owner()
         op = self._pop_op(op_id, "load")
@@ -824,8 +928,7 @@ class RadixTree:
         self._dec(op.fragments[-1])
         frees: list[np.ndarray] = []
         for f in reversed(op.fragments):
-            if f.dchildren or f.lock_ref or f.value is None:
-                break
+            assert not f.dchildren and not f.lock_ref and f.value is not None
             frees.append(self._drop_device_value(f))
         for f in op.fragments:
             self._refresh(f)

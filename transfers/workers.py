@@ -1,0 +1,337 @@
+"""The threads that execute copies for :class:`transfers.engine.CopyEngine`.
+
+* :class:`DirectWorker` (CPU pools): one thread runs each job's copy plan straight from
+  source pages into destination pages (``index_select(out=)`` per destination run).
+* :class:`StagedWorker` (CUDA; also runs on CPU, where it exercises the same pipeline): an
+  *issuer* thread gathers host pages into pinned staging, enqueues DMA + device gather/scatter
+  on a dedicated copy stream behind the job's fence on the compute stream and records an event
+  per batch / per layer; a *completer* thread synchronises those events in submission order,
+  finishes device -> host copies (staging -> host pages) and posts completions.
+
+Both post completions through the :class:`LoopBridge` (one thread hop per burst) and retire
+jobs in submission order. A failing job fails its own futures with :class:`TransferError`;
+the threads keep serving later jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynccache.errors import TransferError
+from asynccache.logs import get_logger
+from transfers.bridge import Completion, LoopBridge
+from transfers.handles import CopyResult
+from transfers.plan import identity_pages, make_plan
+from transfers.pools import DevicePool, HostPool
+
+_log = get_logger("transfers.workers")
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One submitted copy, as the worker threads see it."""
+
+    op: str  # "d2h" | "h2d" | "h2d_layerwise"
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    fut: Any  # asyncio.Future[CopyResult]
+    layer_futs: list[Any] | None
+    num_tokens: int
+    num_bytes: int
+    submitted: float
+    fence: Any = None  # torch.cuda.Event recorded on the compute stream at submission
+    # Runs on the loop just before ``fut`` resolves (engine bookkeeping: stats, in-flight).
+    on_done: Callable[[CopyResult | None, BaseException | None], None] | None = None
+    started: float = 0.0
+    layers_done: int = 0
+    mark: float = 0.0  # when the previous layer was in place (layer durations are deltas)
+
+
+@dataclass(eq=False, slots=True)
+class _Stop:
+    fut: Any  # resolved once every earlier job has completed
+
+
+@dataclass(eq=False, slots=True)
+class _Issued:
+    """A job (or one layer of it) whose device work is queued behind ``event``."""
+
+    job: Job
+    event: Any
+    layer: int | None = None  # None: the whole job is complete after ``finish``
+    finish: Callable[[], None] | None = None  # CPU work after the event (staging -> host)
+    keep: tuple[Any, ...] = field(default_factory=tuple)  # buffers the DMA still reads
+    error: BaseException | None = None
+
+
+class _NullEvent:
+    """Stands in for a CUDA event on the CPU: work is complete when issued."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_NULL_EVENT = _NullEvent()
+
+
+def _transfer_error(job: Job, exc: BaseException) -> TransferError:
+    err = TransferError(f"{job.op} copy of {job.num_tokens} tokens failed: {exc!r}")
+    err.__cause__ = exc
+    return err
+
+
+class _WorkerBase:
+    def __init__(self, device: DevicePool, host: HostPool, bridge: LoopBridge, name: str) -> None:
+        self.device = device
+        self.host = host
+        self.bridge = bridge
+        self.name = name
+        self.num_layers = device.shape.num_layers
+        self.jobs: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def stop(self, drained: Any) -> None:
+        self.jobs.put(_Stop(drained))
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+    # ---------------------------------------------------------------- completions
+    def _result(self, job: Job, duration: float, layer: int | None = None) -> CopyResult:
+        nbytes = job.num_bytes if layer is None else job.num_bytes // self.num_layers
+        return CopyResult(
+            op=job.op,
+            num_tokens=job.num_tokens,
+            num_bytes=nbytes,
+            queued_s=job.started - job.submitted,
+            duration_s=duration,
+            layer=layer,
+        )
+
+    def _layer_done(self, job: Job, layer: int) -> CopyResult:
+        now = time.perf_counter()
+        res = self._result(job, now - job.mark, layer)
+        job.mark = now
+        job.layers_done = layer + 1
+        return res
+
+    def _finish(
+        self, job: Job, res: CopyResult | None, err: BaseException | None, items: list[Completion]
+    ) -> None:
+        """Post ``items`` then the job's own completion, after its bookkeeping, in one batch."""
+        if job.on_done is not None:
+            items.append((None, functools.partial(job.on_done, res, err), None))
+        items.append((job.fut, res, err))
+        self.bridge.complete_many(items)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        err = _transfer_error(job, exc)
+        items: list[Completion] = []
+        if job.layer_futs is not None:
+            items.extend((f, None, err) for f in job.layer_futs[job.layers_done :])
+        self._finish(job, None, err, items)
+        _log.warning("copy_failed", op=job.op, tokens=job.num_tokens, error=repr(exc))
+
+
+class DirectWorker(_WorkerBase):
+    """CPU pools: one thread, copies go straight from source pages to destination pages."""
+
+    def __init__(self, device: DevicePool, host: HostPool, bridge: LoopBridge, name: str) -> None:
+        super().__init__(device, host, bridge, name)
+        self.threads = [threading.Thread(target=self._run, name=f"{name}-worker", daemon=True)]
+
+    def _run(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if isinstance(item, _Stop):
+                self.bridge.set_result(item.fut, None)
+                return
+            try:
+                self._copy(item)
+            except BaseException as exc:  # never let the worker die with jobs queued
+                self._fail(item, exc)
+
+    def _copy(self, job: Job) -> None:
+        job.started = job.mark = start = time.perf_counter()
+        plan = make_plan(job.src_pages, job.dst_pages)
+        dev, host = self.device, self.host
+        if job.op == "d2h":
+            plan.execute(dev.page_view(), host.page_view(), 2)
+        elif job.op == "h2d":
+            plan.execute(host.page_view(), dev.page_view(), 2)
+        else:
+            assert job.layer_futs is not None
+            last = self.num_layers - 1
+            for layer in range(self.num_layers):
+                plan.execute(host.layer_page_view(layer), dev.layer_page_view(layer), 1)
+                res = self._layer_done(job, layer)
+                if layer < last:
+                    self.bridge.set_result(job.layer_futs[layer], res)
+                else:  # the last layer and the whole job ride one hop
+                    total = self._result(job, time.perf_counter() - start)
+                    self._finish(job, total, None, [(job.layer_futs[layer], res, None)])
+            return
+        self._finish(job, self._result(job, time.perf_counter() - start), None, [])
+
+
+class StagedWorker(_WorkerBase):
+    """CUDA pools (or CPU, to test the pipeline): issuer + completer threads, see module doc."""
+
+    def __init__(self, device: DevicePool, host: HostPool, bridge: LoopBridge, name: str) -> None:
+        super().__init__(device, host, bridge, name)
+        self.cuda = device.device.type == "cuda"
+        self.pin = self.cuda
+        self.stream: Any = (
+            torch.cuda.Stream(device=device.device) if self.cuda else None  # type: ignore[no-untyped-call]
+        )
+        self.issued: queue.SimpleQueue[_Issued | _Stop] = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._issue_loop, name=f"{name}-issuer", daemon=True),
+            threading.Thread(target=self._complete_loop, name=f"{name}-completer", daemon=True),
+        ]
+
+    # ---------------------------------------------------------------- CUDA helpers
+    def _stream_ctx(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return _NULL_EVENT
+        # blocking: the completer sleeps in synchronize() instead of spinning a core
+        ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        ev.record(self.stream)
+        return ev
+
+    def _to_device(self, pages: np.ndarray) -> torch.Tensor:
+        idx = torch.from_numpy(pages)
+        if not self.cuda:
+            return idx
+        # From pinned memory, non-blocking: a pageable copy would synchronise the copy stream
+        # (and so wait for the compute stream behind the fence) on the issuer thread.
+        return idx.pin_memory().to(self.device.device, non_blocking=True)
+
+    def _staging(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.device.shape.dtype, pin_memory=self.pin)
+
+    # ---------------------------------------------------------------- issuer
+    def _issue_loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device.device)
+        while True:
+            item = self.jobs.get()
+            if isinstance(item, _Stop):
+                self.issued.put(item)
+                return
+            try:
+                self._issue(item)
+            except BaseException as exc:
+                self.issued.put(_Issued(item, _NULL_EVENT, error=exc))
+
+    def _issue(self, job: Job) -> None:
+        job.started = job.mark = time.perf_counter()
+        n = int(job.src_pages.shape[0])
+        dev, host = self.device, self.host
+        # Validates the pair lists (lengths, repeated destinations) before any work is queued.
+        make_plan(job.src_pages, job.dst_pages)
+        if n == 0:
+            if job.layer_futs is not None:
+                for layer in range(self.num_layers):
+                    self.issued.put(_Issued(job, _NULL_EVENT, layer=layer))
+            self.issued.put(_Issued(job, _NULL_EVENT))
+            return
+        if job.op == "d2h":
+            with self._stream_ctx():
+                if job.fence is not None:
+                    self.stream.wait_event(job.fence)
+                src_idx = self._to_device(job.src_pages)
+                gstage = torch.index_select(dev.page_view(), 2, src_idx)
+                hstage = self._staging(tuple(gstage.shape))
+                hstage.copy_(gstage, non_blocking=self.cuda)
+                event = self._event()
+            to_host = make_plan(identity_pages(n), job.dst_pages)
+            self.issued.put(
+                _Issued(
+                    job,
+                    event,
+                    finish=lambda: to_host.execute(hstage, host.page_view(), 2),
+                    keep=(gstage, hstage, src_idx),
+                )
+            )
+            return
+        gather = make_plan(job.src_pages, identity_pages(n))
+        with self._stream_ctx():
+            if job.fence is not None:
+                self.stream.wait_event(job.fence)
+            dst_idx = self._to_device(job.dst_pages)
+        if job.op == "h2d":
+            hstage = self._staging((self.num_layers, 2, n, host.page_view().shape[3]))
+            gather.execute(host.page_view(), hstage, 2)
+            with self._stream_ctx():
+                gstage = hstage.to(dev.device, non_blocking=self.cuda)
+                dev.page_view().index_copy_(2, dst_idx, gstage)
+                event = self._event()
+            self.issued.put(_Issued(job, event, keep=(hstage, gstage, dst_idx)))
+            return
+        for layer in range(self.num_layers):
+            src_layer = host.layer_page_view(layer)
+            hstage = self._staging((2, n, src_layer.shape[2]))
+            gather.execute(src_layer, hstage, 1)
+            with self._stream_ctx():
+                gstage = hstage.to(dev.device, non_blocking=self.cuda)
+                dev.layer_page_view(layer).index_copy_(1, dst_idx, gstage)
+                event = self._event()
+            self.issued.put(_Issued(job, event, layer=layer, keep=(hstage, gstage, dst_idx)))
+        self.issued.put(_Issued(job, _NULL_EVENT))
+
+    # ---------------------------------------------------------------- completer
+    def _complete_loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device.device)
+        failed: Job | None = None
+        while True:
+            item = self.issued.get()
+            if isinstance(item, _Stop):
+                self.bridge.set_result(item.fut, None)
+                return
+            job = item.job
+            if job is failed:
+                continue  # the rest of a job that already failed
+            try:
+                if item.error is not None:
+                    raise item.error
+                item.event.synchronize()
+                if item.finish is not None:
+                    item.finish()
+                if item.layer is not None:
+                    assert job.layer_futs is not None
+                    res = self._layer_done(job, item.layer)
+                    self.bridge.set_result(job.layer_futs[item.layer], res)
+                else:
+                    res = self._result(job, time.perf_counter() - job.started)
+                    self._finish(job, res, None, [])
+            except BaseException as exc:
+                failed = job
+                self._fail(job, exc)
+            finally:
+                item.keep = ()
