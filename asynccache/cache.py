@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from asynccache.config import CacheConfig
+from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.errors import (
     ClosedError,
+    ConfigError,
     InvalidInputError,
     PoolExhaustedError,
     TransferError,
@@ -169,6 +171,7 @@ class HierarchicalCache:
         self._hits = 0
         self._next_rid = 0
         self._close_task: asyncio.Task[None] | None = None
+        self._storage: StorageTier | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> HierarchicalCache:
@@ -202,6 +205,8 @@ class HierarchicalCache:
     async def _close(self) -> None:
         try:
             await self._settle(list(self._inflight.values()))
+            if self._storage is not None:
+                await self._storage.close()
             if self._engine is not None:
                 await self._engine.aclose()
         finally:
@@ -478,7 +483,9 @@ class HierarchicalCache:
                 _log.warning("backup_failed", node=req.node_id, error=repr(error))
             self._backup_failed(req, "backup_failed")
             return
-        self.tree.commit_backup(req.op_id, host)
+        ids = self.tree.commit_backup(req.op_id, host)
+        if self._storage is not None:
+            self._storage.backup_nodes(ids)
         result = handle.result()
         self.metrics.backup_tokens.inc(result.num_tokens)
         self.metrics.backup_bytes.inc(result.num_bytes)
@@ -607,6 +614,77 @@ class HierarchicalCache:
         if handles:
             await asyncio.gather(*(h.done() for h in handles),
                                  return_exceptions=True)
+
+    # ------------------------------------------------------------------ storage (L3)
+    def storage_layout(self, *, tp_rank: int = 0, tp_size: int = 1,
+                       kv_replicated: bool = False) -> Any:
+        """The :class:`storage.StorageLayout` naming this cache's pages in a backend."""
+        from storage.base import StorageLayout
+
+        c = self.config
+        return StorageLayout(
+            model=c.model_name, page_size=c.page_size, kv_dtype=str(c.torch_dtype).split(".")[-1],
+            kv_layout="page-major", tp_rank=tp_rank, tp_size=tp_size,
+            kv_replicated=kv_replicated, extra=f"L{c.num_layers}H{c.num_heads}D{c.head_dim}",
+        )
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self._storage
+
+    def attach_storage(self, backend: Any, policy: StoragePolicy | None = None) -> None:
+        """Use ``backend`` (a started :class:`storage.StorageBackend`) as the L3 tier.
+
+        Pages backed up to host from now on are written to it; requests can prefetch from it.
+        The caller keeps ownership of the backend (close it after the cache).
+        """
+        self._check_open()
+        if self._storage is not None:
+            raise ConfigError("a storage backend is already attached; detach it first")
+        layout = getattr(backend, "layout", None)
+        if layout is not None and layout.page_size != self.page_size:
+            raise ConfigError(
+                f"backend layout page_size {layout.page_size} != cache page_size {self.page_size}"
+            )
+        self.tree.enable_page_hashes()
+        self._storage = StorageTier(self, backend, policy or StoragePolicy())
+
+    async def detach_storage(self) -> None:
+        """Stop using storage: abort prefetches, wait for writes, release their pins."""
+        tier, self._storage = self._storage, None
+        if tier is not None:
+            await tier.close()
+
+    def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
+        """Start fetching the pages after ``match``'s cached prefix from storage."""
+        self._check_open()
+        if self._storage is None:
+            return None
+        return self._storage.start_prefetch(as_key(key), match)
+
+    async def prefetch_request(self, req: CacheRequest, *, policy: str | None = None) -> int:
+        """Fetch ``req``'s uncached pages from storage into host memory (before it computes).
+
+        ``policy``: the stop policy (default: the attached :class:`StoragePolicy`'s). Returns
+        the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
+        """
+        self._check_open()
+        if self._storage is None or self.config.disable:
+            return 0
+        if req.finished or req.computed != req.prefix_len:
+            raise InvalidInputError(
+                f"request {req.rid}: prefetch_request must come before it computes tokens"
+            )
+        if req.pending_loads:
+            await self.wait_loads(req.pending_loads)
+            self._rematch(req)
+        op = self._storage.start_prefetch(req.key, self._match_of(req))
+        if op is None:
+            return 0
+        got = await self._storage.finish_prefetch(op, policy)
+        if got:
+            self._rematch(req)
+        return got
 
     # ------------------------------------------------------------------ request helpers
     def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest:

@@ -13,6 +13,7 @@ from typing import Any
 
 from asynccache.config import CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError
+from asynccache.l3 import PREFETCH_POLICIES, StoragePolicy
 from asynccache.replay.driver import Replayer, ReplayOptions
 from asynccache.replay.formats import (
     TraceRequest,
@@ -71,6 +72,7 @@ def _config(args: argparse.Namespace, device_tokens: int | None = None) -> Cache
         write_policy=args.write_policy,
         eviction_policy=args.eviction_policy,
         load_back_threshold=args.load_back_threshold,
+        model_name=args.model_name,
     )
 
 
@@ -93,14 +95,17 @@ class _Progress:
 
 def _replay_once(args: argparse.Namespace, config: CacheConfig) -> dict[str, Any]:
     source, trace = load_trace(args)
+    policy = StoragePolicy(prefetch_threshold=args.prefetch_threshold,
+                           prefetch_policy=args.prefetch_policy)
     opts = ReplayOptions(time_scale=args.time_scale, max_in_flight=args.max_in_flight,
-                         verify=args.verify, limit=args.limit)
+                         verify=args.verify, limit=args.limit, storage_url=args.storage,
+                         storage_policy=policy)
     progress = _Progress()
     try:
         stats = asyncio.run(Replayer(config, opts, progress).run(trace))
     finally:
         progress.close()
-    return build_report(stats, config, source)
+    return build_report(stats, config, source, args.storage)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -148,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--write-policy", default="write_through_selective")
     rp.add_argument("--eviction-policy", default="lru")
     rp.add_argument("--load-back-threshold", type=int, default=10)
+    rp.add_argument("--storage", metavar="URL",
+                    help="L3 storage: file:///dir[?capacity=10GiB] or "
+                         "s3://bucket/prefix?endpoint=http://127.0.0.1:8333")
+    rp.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
+    rp.add_argument("--prefetch-threshold", type=int, default=256)
+    rp.add_argument("--model-name", default="model", help="names L3 objects")
     rp.add_argument("--time-scale", type=float, default=0.0,
                     help="0: as fast as possible; 1: the trace's own clock; 0.01: 100x faster")
     rp.add_argument("--max-in-flight", type=int, default=32)

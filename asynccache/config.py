@@ -48,6 +48,7 @@ class CacheConfig:
     enable_kv_events: bool = False
     enable_page_hashes: bool = False
     disable: bool = False
+    model_name: str = "model"  # names L3 objects: different models never share one
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -64,6 +65,11 @@ class CacheConfig:
                     _positive(name, val, allow_zero=tier == "host")
         if self.device_tokens is None and self.device_bytes is None:
             raise ConfigError("set device_tokens or device_bytes (the L1 capacity)")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        for flag in ("enable_kv_events", "enable_page_hashes", "disable"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_layout not in ("layer_first", "page_first"):
             raise ConfigError(f"unknown host_layout {self.host_layout!r}")
         if self.write_policy not in WRITE_POLICIES:

@@ -42,6 +42,34 @@ class CacheMetrics:
         self.protected_tokens = Gauge("asynccache_protected_tokens", "Locked device tokens", registry=r)
         self.host_used_tokens = Gauge("asynccache_host_used_tokens", "Host tokens in use", registry=r)
         self.host_total_tokens = Gauge("asynccache_host_total_tokens", "Host capacity", registry=r)
+        # L3 storage
+        self.prefetched_tokens = Counter(
+            "asynccache_prefetched_tokens", "Tokens read from storage into host", registry=r)
+        self.storage_backup_tokens = Counter(
+            "asynccache_storage_backup_tokens", "Tokens written host -> storage", registry=r)
+        self.storage_backup_skipped_tokens = Counter(
+            "asynccache_storage_backup_skipped_tokens",
+            "Tokens not written to storage (known to exist, or the write failed)",
+            ["reason"], registry=r)
+        self.storage_hit_tokens = Counter(
+            "asynccache_storage_prefetch_hit_tokens", "Tokens found in storage by prefetch queries",
+            registry=r)
+        self.storage_miss_tokens = Counter(
+            "asynccache_storage_prefetch_miss_tokens", "Tokens asked of storage and not found",
+            registry=r)
+        self.prefetch_outcomes = Counter(
+            "asynccache_prefetch_outcomes", "Prefetch attempts by outcome", ["outcome"], registry=r)
+        for outcome in ("issued", "declined_too_short", "declined_rate_limited",
+                        "revoked_insufficient", "revoked_no_host_memory", "completed", "partial",
+                        "aborted"):
+            self.prefetch_outcomes.labels(outcome=outcome)
+        self.prefetch_bandwidth = Histogram(
+            "asynccache_prefetch_bandwidth_bytes_per_second", "Storage read bandwidth per prefetch",
+            buckets=(1e6, 1e7, 1e8, 5e8, 1e9, 2e9, 5e9, 1e10), registry=r)
+        self.storage_backup_bandwidth = Histogram(
+            "asynccache_storage_backup_bandwidth_bytes_per_second",
+            "Storage write bandwidth per backup batch",
+            buckets=(1e6, 1e7, 1e8, 5e8, 1e9, 2e9, 5e9, 1e10), registry=r)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

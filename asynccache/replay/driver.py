@@ -18,6 +18,7 @@ import numpy as np
 from asynccache.cache import HierarchicalCache
 from asynccache.config import CacheConfig
 from asynccache.errors import AsyncCacheError, PoolExhaustedError
+from asynccache.l3 import StoragePolicy
 from asynccache.logs import get_logger
 from asynccache.replay.formats import TraceRequest
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens
@@ -38,11 +39,13 @@ class ReplayStats:
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     computed_tokens: int = 0
     bound_hit_tokens: int = 0  # infinite-cache upper bound
     prompt_pages: int = 0
     device_hit_pages: int = 0
     host_hit_pages: int = 0
+    storage_hit_pages: int = 0
     bound_hit_pages: int = 0
     verified_tokens: int = 0
     max_in_flight: int = 0
@@ -51,15 +54,17 @@ class ReplayStats:
 
     @property
     def reused_tokens(self) -> int:
-        return self.device_hit_tokens + self.host_hit_tokens
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
     time_scale: float = 0.0  # 0: as fast as possible; 1: real time; 0.1: 10x faster
     max_in_flight: int = 32
-    verify: str = "loaded"  # "loaded" (KV served from L2), "all" (also device hits), "none"
+    verify: str = "loaded"  # "loaded" (KV served from L2/L3), "all" (also device hits), "none"
     limit: int | None = None
+    storage_url: str | None = None  # file:///dir or s3://bucket/prefix?endpoint=...
+    storage_policy: StoragePolicy | None = None
 
 
 class Replayer:
@@ -81,8 +86,14 @@ class Replayer:
         opts = self.options
         st = self.stats
         t0 = time.perf_counter()
+        backend = None
         async with HierarchicalCache(self.config) as cache:
             self.cache = cache
+            if opts.storage_url:
+                from storage.factory import open_backend
+
+                backend = await open_backend(opts.storage_url, cache.storage_layout())
+                cache.attach_storage(backend, opts.storage_policy)
             loop = asyncio.get_running_loop()
             start = loop.time()
             sem = asyncio.Semaphore(opts.max_in_flight)
@@ -114,8 +125,13 @@ class Replayer:
             if failure:
                 raise failure[0]
             await cache.flush()
+            if cache.storage is not None:
+                await cache.storage.drain()
             cache.sanity_check()
             st.extra = self._engine_figures(cache)
+            await cache.detach_storage()
+        if backend is not None:
+            await backend.aclose()
         st.wall_s = time.perf_counter() - t0
         return st
 
@@ -148,6 +164,7 @@ class Replayer:
                 req = cache.admit(key, rid=tr.rid)
                 try:
                     dev_hit = req.prefix_len
+                    fetched = await cache.prefetch_request(req)
                     loaded = await cache.load_back_request(req)
                     if self.options.verify == "all" and dev_hit:
                         self._verify(cache, tr, req.slots[:dev_hit], 0)
@@ -179,10 +196,13 @@ class Replayer:
                 break
             cache.cache_finished_req(req)
             ps = self.config.page_size
+            from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
             st.device_hit_tokens += dev_hit
-            st.host_hit_tokens += loaded
+            st.host_hit_tokens += loaded - from_l3
+            st.storage_hit_tokens += from_l3
             st.device_hit_pages += dev_hit // ps
-            st.host_hit_pages += loaded // ps
+            st.host_hit_pages += (loaded - from_l3) // ps
+            st.storage_hit_pages += from_l3 // ps
             st.computed_tokens += n - dev_hit - loaded
             st.completed += 1
             if self._progress is not None:
@@ -221,4 +241,10 @@ class Replayer:
             "load_back_bytes": val("asynccache_load_back_bytes_total"),
             "dropped_tokens": val("asynccache_dropped_tokens_total", reason="host_pressure")
             + val("asynccache_dropped_tokens_total", reason="backup_failed"),
+            "storage_write_tokens": val("asynccache_storage_backup_tokens_total"),
+            "prefetched_tokens": val("asynccache_prefetched_tokens_total"),
+            "storage_read_bytes": val("asynccache_prefetched_tokens_total")
+            * cache.shape.bytes_per_token,
+            "storage_write_bytes": val("asynccache_storage_backup_tokens_total")
+            * cache.shape.bytes_per_token,
         }

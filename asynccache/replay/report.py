@@ -12,7 +12,8 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b else 0.0
 
 
-def build_report(stats: ReplayStats, config: CacheConfig, source: str) -> dict[str, Any]:
+def build_report(stats: ReplayStats, config: CacheConfig, source: str,
+                 source_storage: str | None = None) -> dict[str, Any]:
     s = stats
     tok = s.prompt_tokens
     pages = s.prompt_pages
@@ -22,6 +23,7 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str) -> dict[s
             "page_size": config.page_size,
             "device_tokens": config.device_tokens,
             "host_tokens": config.host_tokens or 0,
+            "storage": source_storage,
             "write_policy": config.write_policy,
             "eviction_policy": config.eviction_policy,
             "kv_shape": [config.num_layers, config.num_heads, config.head_dim, config.dtype],
@@ -35,16 +37,21 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str) -> dict[s
         "hit_rate": {
             "device_tokens": _ratio(s.device_hit_tokens, tok),
             "host_tokens": _ratio(s.host_hit_tokens, tok),
+            "storage_tokens": _ratio(s.storage_hit_tokens, tok),
             "total_tokens": _ratio(s.reused_tokens, tok),
             "device_blocks": _ratio(s.device_hit_pages, pages),
             "host_blocks": _ratio(s.host_hit_pages, pages),
-            "total_blocks": _ratio(s.device_hit_pages + s.host_hit_pages, pages),
+            "storage_blocks": _ratio(s.storage_hit_pages, pages),
+            "total_blocks": _ratio(s.device_hit_pages + s.host_hit_pages + s.storage_hit_pages,
+                                   pages),
             "infinite_cache_bound_tokens": _ratio(s.bound_hit_tokens, tok),
             "fraction_of_bound": _ratio(s.reused_tokens, s.bound_hit_tokens),
         },
         "moved": {
             "device_to_host_bytes": int(s.extra.get("backup_bytes", 0)),
             "host_to_device_bytes": int(s.extra.get("load_back_bytes", 0)),
+            "host_to_storage_bytes": int(s.extra.get("storage_write_bytes", 0)),
+            "storage_to_host_bytes": int(s.extra.get("storage_read_bytes", 0)),
         },
         "evicted_device_tokens": int(s.extra.get("evicted_tokens", 0)),
         "dropped_tokens": int(s.extra.get("dropped_tokens", 0)),
@@ -66,11 +73,15 @@ def format_table(report: dict[str, Any]) -> str:
         ("reused / computed tokens", f"{report['reused_tokens']:,} / {report['computed_tokens']:,}"),
         ("hit rate L1 device (tokens / blocks)", f"{hr['device_tokens']:.2%} / {hr['device_blocks']:.2%}"),
         ("hit rate L2 host (tokens / blocks)", f"{hr['host_tokens']:.2%} / {hr['host_blocks']:.2%}"),
+        ("hit rate L3 storage (tokens / blocks)",
+         f"{hr['storage_tokens']:.2%} / {hr['storage_blocks']:.2%}"),
         ("hit rate total (tokens / blocks)", f"{hr['total_tokens']:.2%} / {hr['total_blocks']:.2%}"),
         ("infinite-cache bound", f"{hr['infinite_cache_bound_tokens']:.2%}"),
         ("fraction of the bound reached", f"{hr['fraction_of_bound']:.2%}"),
         ("bytes D->H / H->D", f"{report['moved']['device_to_host_bytes']:,} / "
                               f"{report['moved']['host_to_device_bytes']:,}"),
+        ("bytes H->L3 / L3->H", f"{report['moved']['host_to_storage_bytes']:,} / "
+                                f"{report['moved']['storage_to_host_bytes']:,}"),
         ("evicted device tokens", f"{report['evicted_device_tokens']:,}"),
         ("verified KV tokens", f"{report['verified_tokens']:,}"),
         ("wall time", f"{report['wall_s']} s"),

@@ -155,6 +155,11 @@ class RadixTree:
         for q in self._queues:
             q.clear()
 
+    def enable_page_hashes(self) -> None:
+        """Compute page hashes eagerly from now on (storage attached); existing nodes get theirs
+        on demand, continuing their parents' chains."""
+        self._eager_hashes = True
+
     # ------------------------------------------------------------------ ownership
     def bind_owner(self, thread_ident: int | None = None) -> None:
         """Make ``thread_ident`` (default: the calling thread) the only one allowed to mutate."""
@@ -628,6 +633,10 @@ class RadixTree:
             node = leaf
         result.last_node = node.id
         return result
+
+    def host_slots_of(self, node_id: int) -> np.ndarray | None:
+        """The host slots of ``node_id`` (None when it has no host copy); read-only."""
+        return self._node(node_id).host_value
 
     def node_page_keys(self, node_id: int) -> list[str]:
         """Storage keys of the pages of ``node_id`` itself (not its ancestors)."""

@@ -1,0 +1,340 @@
+"""The L3 tier inside the engine: storage backup (L2 -> L3) and prefetch (L3 -> L2).
+
+Backup: when a node's D->H copy commits, its pages are written to the backend from host memory
+(the node stays host-pinned until the write returns); pages known to exist are skipped.
+Prefetch: for a request whose prompt runs past its cached prefix, ask the backend how many of
+the following pages exist, allocate host memory, read them in batches and insert the fetched
+prefix into the tree as host copies, from where the usual load-back brings it to the device.
+
+Every storage fault degrades: the backend returns False for a page (a miss or a skipped write,
+counted and logged) and the engine goes on. Nothing here blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import torch
+
+from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.logs import get_logger
+from asynccache.tree import LockReceipt, MatchResult, RadixKey
+
+if TYPE_CHECKING:
+    from asynccache.cache import HierarchicalCache
+
+_log = get_logger("l3")
+
+BATCH_PAGES: Final = 128
+PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class StoragePolicy:
+    """How the engine uses storage.
+
+    ``prefetch_threshold``: prompts whose uncached part is shorter are not prefetched (tokens).
+    ``prefetch_policy``: when a request stops waiting for its prefetch — ``best_effort`` (take
+    what has arrived), ``wait_complete`` (all of it), ``timeout`` (all of it or
+    ``timeout_base_s + tokens / 1024 * timeout_per_ki_token_s``, whichever comes first).
+    ``prefetch_capacity_fraction``: prefetches may occupy at most this share of the host pool.
+    """
+
+    prefetch_threshold: int = 256
+    prefetch_policy: str = "best_effort"
+    timeout_base_s: float = 1.0
+    timeout_per_ki_token_s: float = 0.25
+    prefetch_capacity_fraction: float = 0.5
+    write_concurrency: int = 4
+    known_keys: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError(
+                f"unknown prefetch_policy {self.prefetch_policy!r}; choose one of "
+                f"{list(PREFETCH_POLICIES)}"
+            )
+        if isinstance(self.prefetch_threshold, bool) or not isinstance(self.prefetch_threshold, int) \
+                or self.prefetch_threshold < 0:
+            raise ConfigError(f"prefetch_threshold must be an int >= 0, got {self.prefetch_threshold!r}")
+        for name in ("timeout_base_s", "timeout_per_ki_token_s"):
+            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.prefetch_capacity_fraction <= 1:
+            raise ConfigError(
+                f"prefetch_capacity_fraction must be in (0, 1], got {self.prefetch_capacity_fraction!r}"
+            )
+        if self.write_concurrency < 1 or self.known_keys < 0:
+            raise ConfigError("write_concurrency must be >= 1 and known_keys >= 0")
+
+    def timeout_s(self, num_tokens: int) -> float:
+        """The ``timeout`` policy's deadline for a prefetch of ``num_tokens`` tokens."""
+        return self.timeout_base_s + num_tokens / 1024 * self.timeout_per_ki_token_s
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """One prefetch in flight. ``completed_tokens`` grows as batches land (visible progress)."""
+
+    key: RadixKey
+    start: int  # tokens of the key already cached when the prefetch started
+    requested_tokens: int
+    keys: list[str]
+    pin: LockReceipt
+    started: float
+    host_slots: np.ndarray | None = None
+    hit_tokens: int = 0
+    completed_tokens: int = 0
+    outcome: str = "issued"
+    task: asyncio.Task[None] | None = None
+    finished: bool = False
+    staging: list[torch.Tensor] = field(default_factory=list)
+
+
+class StorageTier:
+    """Storage backup and prefetch for one :class:`~asynccache.HierarchicalCache`."""
+
+    def __init__(self, cache: HierarchicalCache, backend: Any, policy: StoragePolicy) -> None:
+        if cache.host_pool is None:
+            raise ConfigError("storage needs a host tier: set host_tokens or host_bytes")
+        self.cache = cache
+        self.backend = backend
+        self.policy = policy
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._writes: set[asyncio.Task[None]] = set()
+        self._prefetches: set[PrefetchOp] = set()
+        self._occupied = 0
+        self._write_sem = asyncio.Semaphore(policy.write_concurrency)
+        host = cache.host_pool
+        self._zero_copy = host.layout == "page_first"
+        self._page_bytes = host.page_bytes
+        self._capacity_limit = int(host.num_slots * policy.prefetch_capacity_fraction)
+
+    # ------------------------------------------------------------------ known keys
+    def _remember(self, key: str) -> None:
+        if self.policy.known_keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            if len(self._known) > self.policy.known_keys:
+                self._known.popitem(last=False)
+
+    def _page_buffers(self, host_slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
+        """One uint8 buffer per page: views into a page_first pool, or copies (``fill``) /
+        empty staging for a layer_first pool."""
+        host = self.cache.host_pool
+        assert host is not None
+        firsts = host_slots[:: host.page_size].tolist()
+        if self._zero_copy:
+            return [host.page_buffer(f) for f in firsts]
+        if fill:
+            return [host.read_page(f) for f in firsts]
+        return [torch.empty(self._page_bytes, dtype=torch.uint8) for _ in firsts]
+
+    # ------------------------------------------------------------------ backup (L2 -> L3)
+    def backup_nodes(self, node_ids: Sequence[int]) -> None:
+        """Write the pages of freshly backed-up nodes to storage (in the background)."""
+        tree = self.cache.tree
+        for nid in node_ids:
+            keys = tree.node_page_keys(nid)
+            if all(k in self._known for k in keys):
+                self.cache.metrics.storage_backup_skipped_tokens.labels(reason="exists").inc(
+                    len(keys) * self.cache.page_size)
+                continue
+            pin = tree.lock_host(nid)
+            host_slots = tree.host_slots_of(nid)
+            assert host_slots is not None
+            task = asyncio.get_running_loop().create_task(self._write(keys, host_slots, pin))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _write(self, keys: list[str], host_slots: np.ndarray, pin: LockReceipt) -> None:
+        ps = self.cache.page_size
+        metrics = self.cache.metrics
+        try:
+            async with self._write_sem:
+                for i in range(0, len(keys), BATCH_PAGES):
+                    batch = keys[i : i + BATCH_PAGES]
+                    slots = host_slots[i * ps : (i + len(batch)) * ps]
+                    todo = [j for j, k in enumerate(batch) if k not in self._known]
+                    if not todo:
+                        continue
+                    pages = self._page_buffers(slots, fill=True)
+                    t0 = time.perf_counter()
+                    ok = await self.backend.set_batch([batch[j] for j in todo],
+                                                      [pages[j] for j in todo])
+                    dt = time.perf_counter() - t0
+                    written = sum(ok)
+                    for j, good in zip(todo, ok, strict=True):
+                        if good:
+                            self._remember(batch[j])
+                    metrics.storage_backup_tokens.inc(written * ps)
+                    if written < len(todo):
+                        metrics.storage_backup_skipped_tokens.labels(reason="failed").inc(
+                            (len(todo) - written) * ps)
+                    if written and dt > 0:
+                        metrics.storage_backup_bandwidth.observe(written * self._page_bytes / dt)
+        finally:
+            self.cache.tree.unlock_host(pin)
+
+    async def drain(self) -> None:
+        """Wait for every storage write started so far."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+    def start_prefetch(self, key: RadixKey, match: MatchResult) -> PrefetchOp | None:
+        """Start fetching the pages of ``key`` after ``match``'s cached prefix; None if declined."""
+        cache = self.cache
+        ps = cache.page_size
+        outcomes = cache.metrics.prefetch_outcomes
+        start = match.device_prefix_len + match.host_hit_length
+        total = len(key) - len(key) % ps
+        n = total - start
+        if n <= 0 or n < max(self.policy.prefetch_threshold, ps):
+            outcomes.labels(outcome="declined_too_short").inc()
+            return None
+        if self._occupied + n > self._capacity_limit:
+            outcomes.labels(outcome="declined_rate_limited").inc()
+            return None
+        keys = cache.tree.chain_keys(match.best_node, key, start)
+        pin = cache.tree.lock_host(match.best_node)
+        op = PrefetchOp(key=key, start=start, requested_tokens=n, keys=keys, pin=pin,
+                        started=time.perf_counter())
+        self._occupied += n
+        self._prefetches.add(op)
+        outcomes.labels(outcome="issued").inc()
+        op.task = asyncio.get_running_loop().create_task(self._fetch(op))
+        return op
+
+    async def _fetch(self, op: PrefetchOp) -> None:
+        cache = self.cache
+        ps = cache.page_size
+        metrics = cache.metrics
+        hit = 0
+        for i in range(0, len(op.keys), BATCH_PAGES):
+            batch = op.keys[i : i + BATCH_PAGES]
+            found = await self.backend.exists_prefix(batch)
+            hit += found
+            if found < len(batch):
+                break
+        op.hit_tokens = hit * ps
+        metrics.storage_hit_tokens.inc(hit * ps)
+        metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
+        if hit * ps < max(self.policy.prefetch_threshold, ps):
+            op.outcome = "revoked_insufficient"
+            return
+        # Host memory for the hit; under pressure a shorter prefix that still clears the bar.
+        want = hit
+        host = cache._alloc_host(want * ps)
+        while host is None and want > 1:
+            want = min(want - 1, cache.host_pool.allocator.available_size // ps)  # type: ignore[union-attr]
+            if want * ps < max(self.policy.prefetch_threshold, ps):
+                break
+            host = cache._alloc_host(want * ps)
+        if host is None:
+            op.outcome = "revoked_no_host_memory"
+            return
+        cache._host_inflight += len(host)
+        op.host_slots = host
+        t0 = time.perf_counter()
+        for i in range(0, want, BATCH_PAGES):
+            keys = op.keys[i : min(want, i + BATCH_PAGES)]
+            slots = host[i * ps : (i + len(keys)) * ps]
+            bufs = self._page_buffers(slots, fill=False)
+            ok = await self.backend.get_batch(keys, bufs)
+            good = next((j for j, g in enumerate(ok) if not g), len(ok))
+            if not self._zero_copy:
+                firsts = slots[::ps].tolist()
+                for j in range(good):
+                    cache.host_pool.write_page(firsts[j], bufs[j])  # type: ignore[union-attr]
+            for k in keys[:good]:
+                self._remember(k)
+            op.completed_tokens += good * ps
+            if good < len(keys):
+                break
+        dt = time.perf_counter() - t0
+        if op.completed_tokens and dt > 0:
+            metrics.prefetch_bandwidth.observe(op.completed_tokens // ps * self._page_bytes / dt)
+
+    async def finish_prefetch(self, op: PrefetchOp, policy: str | None = None) -> int:
+        """Stop ``op`` per the stop policy, insert what arrived, release the rest; returns tokens.
+
+        Cancelling the caller still releases everything (nothing fetched is inserted then).
+        """
+        if op.finished:
+            raise InvalidInputError("this prefetch was already finished")
+        policy = policy or self.policy.prefetch_policy
+        if policy not in PREFETCH_POLICIES:
+            raise ConfigError(f"unknown prefetch policy {policy!r}")
+        task = op.task
+        assert task is not None
+        try:
+            if policy == "wait_complete":
+                await asyncio.wait({task})
+            elif policy == "timeout":
+                remaining = self.policy.timeout_s(op.requested_tokens) - (
+                    time.perf_counter() - op.started)
+                if remaining > 0:
+                    await asyncio.wait({task}, timeout=remaining)
+        except BaseException:
+            await self._release(op, insert=False)
+            raise
+        return await self._release(op, insert=True)
+
+    async def abort_prefetch(self, op: PrefetchOp) -> None:
+        """Drop ``op``: nothing is inserted, every page and pin is released."""
+        if not op.finished:
+            await self._release(op, insert=False)
+
+    async def _release(self, op: PrefetchOp, *, insert: bool) -> int:
+        cache = self.cache
+        ps = cache.page_size
+        task = op.task
+        assert task is not None
+        if not task.done():
+            task.cancel()
+        # The backend never touches our buffers once its call returned or was cancelled.
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(asyncio.wait({task}))
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            _log.warning("prefetch_failed", error=repr(task.exception()))
+        op.finished = True
+        self._prefetches.discard(op)
+        self._occupied -= op.requested_tokens
+        taken = 0
+        host = op.host_slots
+        if host is not None:
+            cache._host_inflight -= len(host)
+            done = op.completed_tokens if insert else 0
+            if done:
+                res = cache.tree.insert_host(op.key, op.start, host[:done])
+                for dup in res.device_frees:  # host slots of pages the tree already had
+                    cache.host_pool.allocator.free(dup)  # type: ignore[union-attr]
+                taken = done
+            if len(host) > done:
+                cache.host_pool.allocator.free(host[done:])  # type: ignore[union-attr]
+        cache.tree.unlock_host(op.pin)
+        outcomes = cache.metrics.prefetch_outcomes
+        if not insert:
+            outcomes.labels(outcome="aborted").inc()
+        elif op.outcome == "issued":
+            full = host is not None and op.completed_tokens == len(host)
+            op.outcome = "completed" if full else "partial"
+            outcomes.labels(outcome=op.outcome).inc()
+        else:
+            outcomes.labels(outcome=op.outcome).inc()
+        cache.metrics.prefetched_tokens.inc(taken)
+        return taken
+
+    async def close(self) -> None:
+        """Abort prefetches and wait for writes (called by the cache before it frees memory)."""
+        for op in list(self._prefetches):
+            await self._release(op, insert=False)
+        await self.drain()
