@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from asynccache.config import CacheConfig
-from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.errors import (
     ClosedError,
     ConfigError,
@@ -27,6 +26,7 @@ from asynccache.errors import (
     PoolExhaustedError,
     TransferError,
 )
+from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.logs import get_logger
 from asynccache.metrics import CacheMetrics
 from asynccache.tree import (

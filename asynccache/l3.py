@@ -295,7 +295,6 @@ class StorageTier:
 
     async def _release(self, op: PrefetchOp, *, insert: bool) -> int:
         cache = self.cache
-        ps = cache.page_size
         task = op.task
         assert task is not None
         if not task.done():
