@@ -21,7 +21,7 @@ from asynccache.errors import AsyncCacheError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
 from asynccache.logs import get_logger
 from asynccache.replay.formats import TraceRequest
-from asynccache.replay.kvgen import expected_kv, mismatched_tokens
+from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
 from asynccache.tree import RadixKey, RadixTree
 
 _log = get_logger("replay")
@@ -216,9 +216,8 @@ class Replayer:
         n = len(slots)
         got = cache.read_kv(slots)
         want = expected_kv(cache.shape, tr.tokens[start : start + n], np.arange(start, start + n))
-        bad_at = mismatched_tokens(got, want)
-        if len(bad_at):
-            bad = int(bad_at[0])
+        if not same_bits(got, want):
+            bad = int(mismatched_tokens(got, want)[0])
             raise KVMismatchError(
                 f"request {tr.rid}: KV served for token position {start + bad} "
                 f"(slot {int(slots[bad])}) differs from the KV of its tokens"
