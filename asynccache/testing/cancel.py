@@ -68,9 +68,11 @@ class _Stepper:
         self.before_cancel = before_cancel
         self.suspensions = 0
         self.delivered = False
+        self.started = False
 
     def __await__(self) -> Generator[Any, Any, Any]:
         coro = self.coro
+        self.started = True
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -134,6 +136,8 @@ async def cancel_at(
         stepper.delivered = True
         task.cancel()
     done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not stepper.started:  # cancelled before its first step: never awaited, say so quietly
+        stepper.coro.close()
     if not done:
         task.cancel()
         raise AssertionError(

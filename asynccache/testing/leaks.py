@@ -82,7 +82,7 @@ def held_locks(cache: HierarchicalCache) -> list[str]:
         kind = "host" if is_host else "device"
         if token in by_prefetch:
             kind += ", pinned by an unfinished storage prefetch"
-        elif node.id == cache.tree.root_id:
+        elif node.id == cache.tree.root_id and not is_host:
             kind += ", the root: a request admitted with nothing cached"
         out.append(f"node {node.id} ({kind})")
     if not out and cache.tree.held_locks:  # receipts not inspectable: the count alone
@@ -210,13 +210,13 @@ def copy_threads() -> set[threading.Thread]:
 
 
 def describe_task(task: asyncio.Task[Any]) -> str:
-    """``"Task 'worker' running serve() at test_x.py:12"``."""
+    """``"Task 'Task-7' running worker() (defined at test_x.py:12)"``."""
     coro = task.get_coro()
     name = getattr(coro, "__qualname__", None) or type(coro).__name__
+    code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
     where = ""
-    frame = getattr(coro, "cr_frame", None)
-    if frame is not None:
-        where = f" at {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+    if code is not None:
+        where = f" (defined at {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
     return f"Task {task.get_name()!r} running {name}(){where}"
 
 

@@ -124,10 +124,8 @@ def _checks_of(node: pytest.Item | pytest.Collector) -> frozenset[str]:
         return CHECKS
     unknown = set(mark.args) - CHECKS
     if unknown:
-        raise pytest.UsageError(
-            f"@pytest.mark.{NO_LEAK_CHECK}: unknown checks {sorted(unknown)}; "
-            f"known: {sorted(CHECKS)}"
-        )
+        pytest.fail(f"@pytest.mark.{NO_LEAK_CHECK}: unknown checks {sorted(unknown)}; "
+                    f"known: {sorted(CHECKS)}", pytrace=False)
     return CHECKS - frozenset(mark.args) if mark.args else frozenset()
 
 
@@ -170,6 +168,27 @@ class CacheFactory:
         self._extra: list[str] = []
         self._baseline_tasks = set(asyncio.all_tasks())
         self._baseline_threads = copy_threads()
+        # A pending task nobody references is garbage-collected before teardown can see it;
+        # asyncio reports that (and unretrieved task exceptions) to the loop's handler.
+        self._loop = asyncio.get_running_loop()
+        self._lost: list[str] = []
+        self._prev_handler = self._loop.get_exception_handler()
+        self._loop.set_exception_handler(self._on_loop_error)
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        task = context.get("task") or context.get("future")
+        message = str(context.get("message", ""))
+        if isinstance(task, asyncio.Task):
+            if message.startswith("Task was destroyed but it is pending"):
+                self._lost.append(f"{describe_task(task)} was garbage-collected while still "
+                                  "pending (nothing kept a reference to it or awaited it)")
+            elif message.startswith("Task exception was never retrieved"):
+                self._lost.append(f"{describe_task(task)} raised "
+                                  f"{context.get('exception')!r} and nobody awaited it")
+        if self._prev_handler is not None:
+            self._prev_handler(loop, context)
+        else:
+            loop.default_exception_handler(context)
 
     @property
     def caches(self) -> list[HierarchicalCache]:
@@ -202,17 +221,19 @@ class CacheFactory:
         """Add a problem line to this test's teardown verdict."""
         self._extra.append(problem)
 
-    async def finalize(self, cache: HierarchicalCache) -> None:
-        """Check and close ``cache`` now (once); problems are reported at the factory's
-        teardown. Storage fixtures call it before they close the backend the cache uses."""
+    async def close(self, cache: HierarchicalCache) -> None:
+        """Check ``cache`` for leaks and close it now (an engine restart in the middle of a
+        test); what it leaked fails the test at teardown. Idempotent."""
+        self.track(cache)
         for t in self._tracked:
             if t.cache is cache and not t.finalized:
                 t.finalized = True
                 t.problems = await close_and_check(cache, checks=self.checks,
                                                    timeout=self.timeout)
 
-    async def finalize_using(self, backend: Any) -> None:
-        """Finalize the running caches whose attached storage is (a wrapper of) ``backend``."""
+    async def close_using(self, backend: Any) -> None:
+        """:meth:`close` the caches whose attached storage is (a wrapper of) ``backend``: the
+        storage fixtures call it before they close their backend."""
         for t in self._tracked:
             tier = t.cache.storage
             if tier is None or t.finalized:
@@ -221,13 +242,13 @@ class CacheFactory:
             while b is not backend and hasattr(b, "inner"):
                 b = b.inner
             if b is backend:
-                await self.finalize(t.cache)
+                await self.close(t.cache)
 
     async def _teardown(self) -> list[str]:
         problems: list[str] = []
         many = len(self._tracked) > 1
         for i, t in enumerate(self._tracked, 1):
-            await self.finalize(t.cache)
+            await self.close(t.cache)
             problems += [f"cache {i} of {len(self._tracked)}: {p}" if many else p
                          for p in t.problems]
         problems += self._extra
@@ -238,6 +259,10 @@ class CacheFactory:
                 f"(cancelled now): {'; '.join(describe_task(t) for t in tasks)}"
             )
         await cancel_tasks(tasks)
+        if self._loop.get_exception_handler() == self._on_loop_error:
+            self._loop.set_exception_handler(self._prev_handler)
+        if self._lost and "tasks" in self.checks:
+            problems += [f"background task lost: {lost}" for lost in self._lost]
         if "threads" in self.checks:
             known = {th for t in self._tracked if t.cache._engine is not None
                      for th in t.cache._engine.threads}
@@ -324,7 +349,7 @@ async def asynccache_file_storage(asynccache_cache: HierarchicalCache,
                           io_threads=2, timeout_s=10.0)
     await backend.start()
     yield backend
-    await asynccache_cache_factory.finalize_using(backend)
+    await asynccache_cache_factory.close_using(backend)
     for p in _attached_problems(backend, "file storage"):
         asynccache_cache_factory.report(p)
     await backend.aclose()
@@ -362,7 +387,7 @@ async def asynccache_s3_storage(asynccache_cache: HierarchicalCache,
         await backend.aclose()
         raise
     yield backend
-    await asynccache_cache_factory.finalize_using(backend)
+    await asynccache_cache_factory.close_using(backend)
     try:
         await backend.clear()
     finally:

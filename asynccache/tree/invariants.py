@@ -90,7 +90,7 @@ def check_tree(tree: RadixTree) -> None:
             if parent is not root and parent.value is None:
                 _fail(f"node {n.id} is on device below host-only node {parent.id}")
             dev_slots.append(n.value)
-            if n.lock_ref:
+            if n.lock_ref or (n.host_value is None and n.host_lock_ref):
                 protected += k
             else:
                 evictable += k
@@ -105,6 +105,10 @@ def check_tree(tree: RadixTree) -> None:
             _fail(f"node {n.id} lock_ref {n.lock_ref} != expected {exp_dev.get(n.id, 0)}")
         if n.host_lock_ref != exp_host.get(n.id, 0):
             _fail(f"node {n.id} host_lock_ref {n.host_lock_ref} != {exp_host.get(n.id, 0)}")
+        if n.value is not None and n.acct != (
+            2 if n.lock_ref or (n.host_value is None and n.host_lock_ref) else 1
+        ):
+            _fail(f"node {n.id} is counted in size class {n.acct}, not its state's")
         dch = sum(1 for c in n.children.values() if c.value is not None)
         if n.dchildren != dch:
             _fail(f"node {n.id} dchildren {n.dchildren} != {dch}")

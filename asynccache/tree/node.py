@@ -24,6 +24,7 @@ class Node:
     """
 
     __slots__ = (
+        "acct",
         "children",
         "creation",
         "dchildren",
@@ -60,6 +61,7 @@ class Node:
         self.digests: list[bytes] | None = None
         self.pending = 0  # id of the in-flight backup or load-back covering this node
         self.dchildren = 0  # number of children holding a device value
+        self.acct = 0  # how its device tokens are counted: 0 none, 1 evictable, 2 protected
         self.qe: list[tuple[Any, ...] | None] = [None, None, None]
 
     @property

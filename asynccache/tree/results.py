@@ -64,8 +64,8 @@ class MatchResult:
     ``device_indices`` are the device slots of the first ``device_prefix_len`` tokens (read-only).
     ``best_node`` is the deepest matched node, device or host (anchor for load-back and storage
     prefetch); ``host_hit_length`` the tokens after the device prefix that are on host only.
-    ``pending_loads`` names load-backs still copying pages of the device prefix: wait for them
-    before reading the KV.
+    ``pending_loads`` names load-backs still copying pages that follow the device prefix (they
+    count in ``host_hit_length`` until they commit): wait for them, then match again.
     """
 
     device_indices: np.ndarray

@@ -245,10 +245,37 @@ class RadixTree:
                 hi = mid - 1
         return lo * pb
 
+    def _account(self, n: Node) -> None:
+        """Count ``n``'s device tokens as evictable or protected, per its current state.
+
+        Protected: device-locked, or host-pinned without a host copy (eviction could only
+        delete it, which the pin forbids). The sizes are therefore exactly what ``evict`` can
+        free and what it cannot.
+        """
+        if n.value is None:
+            want = 0
+        elif n.lock_ref or (n.host_value is None and n.host_lock_ref):
+            want = 2
+        else:
+            want = 1
+        have = n.acct
+        if want != have:
+            k = n.ntok
+            if have == 1:
+                self._evictable -= k
+            elif have == 2:
+                self._protected -= k
+            if want == 1:
+                self._evictable += k
+            elif want == 2:
+                self._protected += k
+            n.acct = want
+
     def _refresh(self, n: Node) -> None:
-        """Put ``n`` in exactly the eviction queues its state calls for."""
+        """Recount ``n`` and put it in exactly the eviction queues its state calls for."""
         if n is self._root:
             return
+        self._account(n)
         free = n.pending == 0
         dq, hq, uq = self._queues
         if (
@@ -366,6 +393,7 @@ class RadixTree:
             x.digests = x.digests[k:]
         p.lock_ref = x.lock_ref
         p.host_lock_ref = x.host_lock_ref
+        p.acct = x.acct  # the prefix's tokens keep the class they were counted in
         p.last_access = x.last_access
         p.creation = x.creation
         p.hit_count = x.hit_count
@@ -545,7 +573,6 @@ class RadixTree:
                 else data[off : off + pb]
             ] = leaf
             node.dchildren += 1
-            self._evictable += leaf.ntok
             if self._eager_hashes:
                 self._digests(leaf)
             self._emit_stored(leaf, Medium.GPU)
@@ -579,6 +606,11 @@ class RadixTree:
         data = key.data
         pb = self._pb
         end = end_tok * 4
+        if self._cached_bytes(key, end) < start * 4:
+            raise InvalidInputError(
+                f"the tree holds only {self._cached_bytes(key, end) >> 2} tokens of the key; a "
+                f"host span starting at {start} would leave a gap"
+            )
         ns = key.namespace
         root = self._root
         node = root
@@ -610,11 +642,6 @@ class RadixTree:
             off += nb
         result.prefix_len = off >> 2
         if off < end:
-            if off >> 2 < start:
-                raise InvalidInputError(
-                    f"the tree holds only {off >> 2} tokens of the key; a host span starting at "
-                    f"{start} would leave a gap"
-                )
             leaf = Node(next(self._ids), node, data[off:end], ns)
             self._nodes[leaf.id] = leaf
             leaf.host_value = frozen(slots[(off >> 2) - start :])
@@ -638,6 +665,27 @@ class RadixTree:
         """The host slots of ``node_id`` (None when it has no host copy); read-only."""
         return self._node(node_id).host_value
 
+    def _cached_bytes(self, key: RadixKey, end: int) -> int:
+        """Bytes of ``key.data[:end]`` the tree holds (whole pages), without changing anything."""
+        data = key.data
+        pb = self._pb
+        ns = key.namespace
+        node = self._root
+        off = 0
+        while off < end:
+            page = data[off : off + pb]
+            child = node.children.get(
+                (ns, page) if node is self._root and ns is not DEFAULT_NAMESPACE else page
+            )
+            if child is None:
+                break
+            nb = self._match_bytes(child.key, data, off, end)
+            off += nb
+            if nb < len(child.key):
+                break
+            node = child
+        return off
+
     def node_page_keys(self, node_id: int) -> list[str]:
         """Storage keys of the pages of ``node_id`` itself (not its ancestors)."""
         return [storage_key(d) for d in self._digests(self._node(node_id))]
@@ -660,7 +708,6 @@ class RadixTree:
         assert parent is not None and n.lock_ref == 0
         n.value = frozen(slots)
         parent.dchildren += 1
-        self._evictable += n.ntok
         self._emit_stored(n, Medium.GPU)
         self._refresh(parent)
         self._refresh(n)
@@ -672,11 +719,10 @@ class RadixTree:
         root = self._root
         while n is not root:
             if n.lock_ref == 0:
-                k = n.ntok
-                self._evictable -= k
-                self._protected += k
-                delta += k
+                if n.acct == 1:
+                    delta += n.ntok
                 n.lock_ref = 1
+                self._account(n)
                 if n.qe[DLEAF] is not None:
                     self._queues[DLEAF].discard(n)
             else:
@@ -695,11 +741,9 @@ class RadixTree:
                 raise LockError(f"node {n.id} is not device-locked")
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                k = n.ntok
-                self._evictable += k
-                self._protected -= k
-                delta += k
                 self._refresh(n)
+                if n.acct == 1:
+                    delta += n.ntok
             parent = n.parent
             assert parent is not None
             n = parent
@@ -881,6 +925,10 @@ class RadixTree:
             n = n.parent
         if not chain:
             raise InvalidInputError(f"node {node_id} has nothing to load: it is on device")
+        if n.pending and self._pending[n.pending].kind == "load":
+            raise InvalidInputError(
+                f"node {n.id} is already being loaded (load {n.pending}, above node {node_id})"
+            )
         chain.reverse()
         slots = as_slots(device_slots, "device_slots")
         need = sum(c.ntok for c in chain)
@@ -900,7 +948,6 @@ class RadixTree:
             host_parts.append(c.host_value)
             assert c.parent is not None
             c.parent.dchildren += 1
-            self._evictable += k
         self._inc(node)
         self._refresh(n)
         for c in chain:
@@ -947,7 +994,7 @@ class RadixTree:
         value = n.value
         assert value is not None and n.lock_ref == 0
         n.value = None
-        self._evictable -= n.ntok
+        self._account(n)
         parent = n.parent
         assert parent is not None
         parent.dchildren -= 1
@@ -1011,6 +1058,7 @@ class RadixTree:
         """Delete ``top`` (a device leaf) and its host-only descendants."""
         parent = top.parent
         assert parent is not None
+        top_on_device = top.value is not None
         stack = [top]
         while stack:
             n = stack.pop()
@@ -1021,7 +1069,8 @@ class RadixTree:
                 self._emit_removed(n, Medium.GPU)
                 res.device_frees.append(n.value)
                 res.num_evicted += n.ntok
-                self._evictable -= n.ntok
+                n.value = None
+                self._account(n)
             if n.host_value is not None:
                 self._emit_removed(n, Medium.CPU_PINNED)
                 res.host_frees.append(n.host_value)
@@ -1030,7 +1079,7 @@ class RadixTree:
                     res.dropped_host_tokens += n.ntok
             del self._nodes[n.id]
         self._detach(top)
-        if top.value is not None:
+        if top_on_device:
             parent.dchildren -= 1
         self._refresh(parent)
 

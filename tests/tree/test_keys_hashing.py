@@ -1,0 +1,194 @@
+"""Keys, namespaces and the SHA-256 page-hash chain (behavior.md 1.2, 1.14)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from asynccache.errors import InvalidInputError
+from asynccache.tree import (
+    DEFAULT_NAMESPACE,
+    Namespace,
+    RadixKey,
+    RadixTree,
+    chain_seed,
+    event_hash,
+    storage_key,
+)
+
+PAGE_SIZES = (1, 4, 16, 64)
+NAMESPACES = (
+    (None, None),
+    ("lora-a", None),
+    (None, "lora-a"),
+    ("lora-a", "salt-b"),
+)
+
+
+# ---------------------------------------------------------------- independent reference
+def _u32le(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _part(value: str | None) -> bytes:
+    if value is None:
+        return b"\x00"
+    raw = value.encode("utf-8")
+    return b"\x01" + struct.pack("<Q", len(raw)) + raw
+
+
+def _seed(extra_key: str | None, cache_salt: str | None) -> bytes:
+    if extra_key is None and cache_salt is None:
+        return b""
+    return hashlib.sha256(
+        b"sglang-cache-namespace-v1" + _part(extra_key) + _part(cache_salt)
+    ).digest()
+
+
+def _chain(tokens: list[int], page: int, seed: bytes = b"") -> list[bytes]:
+    out = []
+    prev = seed
+    for off in range(0, len(tokens) - len(tokens) % page, page):
+        prev = hashlib.sha256(prev + _u32le(tokens[off : off + page])).digest()
+        out.append(prev)
+    return out
+
+
+def _event_hash(digest: bytes, extra_key: str | None = None, cache_salt: str | None = None) -> int:
+    if extra_key is None and cache_salt is None:
+        return struct.unpack(">q", digest[:8])[0]
+    seed = hashlib.sha256(
+        b"sglang-kv-event-namespace-v1" + _part(extra_key) + _part(cache_salt)
+    ).digest()
+    return struct.unpack(">q", hashlib.sha256(seed + digest[:8]).digest()[:8])[0]
+
+
+# ---------------------------------------------------------------- keys
+def test_radix_key_encodes_tokens_and_namespace() -> None:
+    key = RadixKey([1, 2, 2**32 - 1], extra_key="a", cache_salt="b")
+    assert len(key) == 3
+    assert key.tokens == [1, 2, 2**32 - 1]
+    assert key.data == _u32le([1, 2, 2**32 - 1])
+    assert key.namespace is Namespace("a", "b")
+    assert key[1:].tokens == [2, 2**32 - 1]
+    assert key[1:].namespace is key.namespace
+    assert RadixKey(np.array([1, 2], dtype=np.int32)).data == _u32le([1, 2])
+    assert RadixKey([1, 2]).namespace is DEFAULT_NAMESPACE
+
+
+def test_namespaces_are_interned_and_distinct() -> None:
+    assert Namespace("a", None) is Namespace("a", None)
+    assert Namespace("a", None) is not Namespace(None, "a")
+    assert Namespace("", None) is not DEFAULT_NAMESPACE
+    assert RadixKey([1], extra_key="a") != RadixKey([1], cache_salt="a")
+    assert RadixKey([1], extra_key="a") == RadixKey([1], namespace=Namespace("a"))
+    assert RadixKey([1]) != RadixKey([1], extra_key="a")
+
+
+def test_namespace_rejects_non_string() -> None:
+    with pytest.raises(InvalidInputError, match="extra_key must be a str or None, got 7"):
+        RadixKey([1], extra_key=7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="not both"):
+        RadixKey([1], extra_key="a", namespace=Namespace("a"))
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_namespaces_never_share_nodes(ps: int, alloc) -> None:
+    tree = RadixTree(page_size=ps)
+    tokens = list(range(100, 100 + 2 * ps))
+    values = {}
+    for i, (ek, salt) in enumerate(NAMESPACES):
+        v = alloc.take(2 * ps)
+        values[(ek, salt)] = v
+        res = tree.insert(RadixKey(tokens, ek, salt), v)
+        assert (res.prefix_len, res.cached_len, res.device_frees) == (0, 2 * ps, [])
+        assert tree.node_count == i + 1
+        assert tree.node_key(res.last_node) == RadixKey(tokens, ek, salt)
+    assert tree.device_size == 4 * 2 * ps
+    tree.sanity_check()
+    for (ek, salt), v in values.items():
+        m = tree.match_prefix(RadixKey(tokens, ek, salt))
+        assert m.device_prefix_len == 2 * ps
+        assert m.device_indices.tolist() == v.tolist()
+    # A namespace that was never inserted matches nothing, even with identical tokens.
+    m = tree.match_prefix(RadixKey(tokens, "other", None))
+    assert (m.device_prefix_len, m.best_node, m.last_device_node) == (0, 0, 0)
+    # A split inside one namespace leaves the others untouched.
+    tree.insert(RadixKey([*tokens[:ps], *([7] * ps)], "lora-a", None), alloc.take(2 * ps))
+    assert tree.node_count == 6
+    for (ek, salt), v in values.items():
+        assert tree.match_prefix(RadixKey(tokens, ek, salt)).device_indices.tolist() == v.tolist()
+    tree.sanity_check()
+
+
+# ---------------------------------------------------------------- page hashes
+def test_chain_helpers_match_independent_sha256() -> None:
+    assert chain_seed(DEFAULT_NAMESPACE) == b""
+    assert chain_seed(Namespace("x", None)) == _seed("x", None)
+    assert chain_seed(Namespace(None, "s")) == _seed(None, "s")
+    assert chain_seed(Namespace("x", "s")) == _seed("x", "s")
+    # The parts are length-prefixed, so ("ab", None) and ("a", "b") differ.
+    assert _seed("ab", None) != _seed("a", "b")
+    assert chain_seed(Namespace("ab", None)) != chain_seed(Namespace("a", "b"))
+    digest = hashlib.sha256(_u32le([1, 2])).digest()
+    assert storage_key(digest) == digest.hex()
+    assert event_hash(digest, DEFAULT_NAMESPACE) == int.from_bytes(digest[:8], "big", signed=True)
+    assert event_hash(digest, Namespace("x", None)) == _event_hash(digest, "x", None)
+    assert event_hash(digest, Namespace("x", None)) != event_hash(digest, Namespace(None, "x"))
+
+
+def test_event_hash_is_signed() -> None:
+    # Find a digest whose first byte has the high bit set: its event hash must be negative.
+    tok = next(t for t in range(1000) if hashlib.sha256(_u32le([t])).digest()[0] >= 0x80)
+    digest = hashlib.sha256(_u32le([tok])).digest()
+    h = event_hash(digest, DEFAULT_NAMESPACE)
+    assert h < 0
+    assert h == int.from_bytes(digest[:8], "big") - 2**64
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_page_hash_chain_exact(ps: int, eager: bool, alloc) -> None:
+    tree = RadixTree(page_size=ps, enable_page_hashes=eager)
+    tokens = [(7 * i + 3) % 50_000 for i in range(3 * ps + ps // 2)]
+    res = tree.insert(tokens, alloc.take(len(tokens)))
+    want = [d.hex() for d in _chain(tokens, ps)]
+    assert len(want) == 3
+    assert tree.page_hashes(res.last_node) == want
+    # Split after the first page: the prefix keeps the first hash, the suffix continues.
+    branch = [*tokens[:ps], *([9] * ps)]
+    res2 = tree.insert(branch, alloc.take(2 * ps))
+    prefix_id = tree.match_prefix(tokens[:ps]).best_node
+    assert tree.page_hashes(prefix_id) == want[:1]
+    assert tree.page_hashes(res.last_node) == want
+    assert tree.page_hashes(res2.last_node) == [d.hex() for d in _chain(branch, ps)]
+    assert tree.page_hashes(tree.root_id) == []
+    tree.sanity_check()
+
+
+@pytest.mark.parametrize("ps", (1, 4))
+def test_page_hashes_are_position_aware(ps: int, alloc) -> None:
+    tree = RadixTree(page_size=ps, enable_page_hashes=True)
+    tokens = [5] * (3 * ps)  # three identical pages
+    res = tree.insert(tokens, alloc.take(3 * ps))
+    hashes = tree.page_hashes(res.last_node)
+    assert len(set(hashes)) == 3
+    assert hashes == [d.hex() for d in _chain(tokens, ps)]
+
+
+@pytest.mark.parametrize(("ek", "salt"), NAMESPACES[1:])
+def test_page_hash_chain_namespaced_seed(ek, salt, alloc) -> None:
+    ps = 4
+    tree = RadixTree(page_size=ps, enable_page_hashes=True)
+    tokens = list(range(2 * ps))
+    plain = tree.insert(tokens, alloc.take(2 * ps))
+    ns = tree.insert(RadixKey(tokens, ek, salt), alloc.take(2 * ps))
+    assert tree.page_hashes(plain.last_node) == [d.hex() for d in _chain(tokens, ps)]
+    assert tree.page_hashes(ns.last_node) == [
+        d.hex() for d in _chain(tokens, ps, _seed(ek, salt))
+    ]
+    assert set(tree.page_hashes(plain.last_node)).isdisjoint(tree.page_hashes(ns.last_node))
+    tree.sanity_check()
