@@ -556,7 +556,7 @@ class RadixTree:
                 requeue = requeue or self._hit_requeues
                 if self._write_through and child.hit_count >= self._threshold:
                     self._backup_chain(child, result.backups)
-            if requeue:
+            if requeue and (child.qe[0] or child.qe[1] or child.qe[2]):
                 self._requeue(child)
             node = child
             off += nb
