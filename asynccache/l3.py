@@ -13,7 +13,6 @@ counted and logged) and the engine goes on. Nothing here blocks the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -200,7 +199,7 @@ class StorageTier:
         if n <= 0 or n < max(self.policy.prefetch_threshold, ps):
             outcomes.labels(outcome="declined_too_short").inc()
             return None
-        if self._occupied + n > self._capacity_limit:
+        if self._occupied >= self._capacity_limit:  # the reference's rule: full, not "would be"
             outcomes.labels(outcome="declined_rate_limited").inc()
             return None
         keys = cache.tree.chain_keys(match.best_node, key, start)
@@ -294,17 +293,24 @@ class StorageTier:
             await self._release(op, insert=False)
 
     async def _release(self, op: PrefetchOp, *, insert: bool) -> int:
+        if op.finished:  # already released (e.g. by close() while its requester waited)
+            return 0
+        op.finished = True
         cache = self.cache
         task = op.task
         assert task is not None
         if not task.done():
             task.cancel()
-        # The backend never touches our buffers once its call returned or was cancelled.
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(asyncio.wait({task}))
-        if task.done() and not task.cancelled() and task.exception() is not None:
+        # The backend never touches our buffers once its call returned or was cancelled. If our
+        # caller is cancelled meanwhile, finish the release first, then let the cancel through.
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                cancelled = True
+        if not task.cancelled() and task.exception() is not None:
             _log.warning("prefetch_failed", error=repr(task.exception()))
-        op.finished = True
         self._prefetches.discard(op)
         self._occupied -= op.requested_tokens
         taken = 0
@@ -330,6 +336,8 @@ class StorageTier:
         else:
             outcomes.labels(outcome=op.outcome).inc()
         cache.metrics.prefetched_tokens.inc(taken)
+        if cancelled:
+            raise asyncio.CancelledError
         return taken
 
     async def close(self) -> None:
