@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "CHECKS",
     "DEFAULT_CONFIG",
+    "CacheFactory",
     "CancelOutcome",
     "FaultInjectingBackend",
     "FaultKind",
@@ -44,6 +45,7 @@ __all__ = [
 _WHERE = {
     "CHECKS": "asynccache.testing.leaks",
     "DEFAULT_CONFIG": "asynccache.testing.configs",
+    "CacheFactory": "asynccache.testing.plugin",
     "CancelOutcome": "asynccache.testing.cancel",
     "FaultInjectingBackend": "storage.faults",
     "FaultKind": "storage.faults",

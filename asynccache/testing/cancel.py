@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["CancelOutcome", "cancel_at", "sweep_cancellations"]
+__all__ = ["CancelOutcome", "await_chain", "cancel_at", "sweep_cancellations"]
 
 T = TypeVar("T")
 
@@ -38,6 +38,8 @@ class CancelOutcome(Generic[T]):
     suspension); ``cancelled``: the task ended with ``CancelledError``; ``completed``: it
     returned ``result`` (it finished before its k-th suspension, or swallowed the cancel);
     ``error``: anything else it raised. ``suspensions``: how often it suspended in all.
+    ``where``: the await the cancel landed at, as the chain of suspended coroutine frames
+    (outermost first: ``"serve (kv.py:180)"``); empty for ``k = 0`` or an undelivered cancel.
     """
 
     k: int
@@ -47,6 +49,7 @@ class CancelOutcome(Generic[T]):
     result: T | None
     error: BaseException | None
     suspensions: int
+    where: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.cancelled:
@@ -55,7 +58,23 @@ class CancelOutcome(Generic[T]):
             how = "completed" + (" despite the cancel" if self.delivered else "")
         else:
             how = f"raised {self.error!r}"
-        return f"cancel at await {self.k}: {how} after {self.suspensions} suspensions"
+        at = f" (landed in {self.where[-1]})" if self.where else ""
+        return f"cancel at await {self.k}{at}: {how} after {self.suspensions} suspensions"
+
+
+def await_chain(awaitable: object, limit: int = 64) -> tuple[str, ...]:
+    """The suspended frames of a coroutine and of what it awaits: ``"func (file.py:12)"``."""
+    out: list[str] = []
+    obj: Any = awaitable
+    while obj is not None and len(out) < limit:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is None:
+            break
+        code = frame.f_code
+        out.append(f"{getattr(code, 'co_qualname', code.co_name)} "
+                   f"({code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        obj = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+    return tuple(out)
 
 
 class _Stepper:
@@ -69,6 +88,7 @@ class _Stepper:
         self.suspensions = 0
         self.delivered = False
         self.started = False
+        self.where: tuple[str, ...] = ()
 
     def __await__(self) -> Generator[Any, Any, Any]:
         coro = self.coro
@@ -88,6 +108,7 @@ class _Stepper:
                 if self.before_cancel is not None:
                     self.before_cancel()
                 self.delivered = True
+                self.where = await_chain(coro)
                 task = asyncio.current_task()
                 assert task is not None
                 task.cancel()
@@ -144,13 +165,14 @@ async def cancel_at(
             f"cancel_at(k={k}): the task is still running {timeout} s after it started "
             f"({stepper.suspensions} suspensions, cancel {'sent' if stepper.delivered else 'not reached'})"
         )
+    s = stepper
     if task.cancelled():
-        return CancelOutcome(k, stepper.delivered, True, False, None, None, stepper.suspensions)
+        return CancelOutcome(k, s.delivered, True, False, None, None, s.suspensions, s.where)
     exc = task.exception()
     if exc is not None:
-        return CancelOutcome(k, stepper.delivered, False, False, None, exc, stepper.suspensions)
-    return CancelOutcome(k, stepper.delivered, False, True, task.result(), None,
-                         stepper.suspensions)
+        return CancelOutcome(k, s.delivered, False, False, None, exc, s.suspensions, s.where)
+    return CancelOutcome(k, s.delivered, False, True, task.result(), None, s.suspensions,
+                         s.where)
 
 
 async def sweep_cancellations(

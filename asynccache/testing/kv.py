@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class KVFactory:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         fresh = self._rng.integers(1, self.vocab_size, size=n)
-        return [int(t) for t in prefix] + fresh.tolist()
+        return [int(t) for t in prefix] + [int(t) for t in fresh]
 
     def family(self, prefix_len: int, suffix_lens: Sequence[int]) -> list[list[int]]:
         """One prompt per entry of ``suffix_lens``, all starting with the same ``prefix_len``
@@ -106,7 +106,7 @@ class KVFactory:
         from asynccache.replay.kvgen import expected_kv
 
         key = _split_key(tokens, extra_key, cache_salt)
-        kv_shape = getattr(shape, "shape", shape)
+        kv_shape = cast("KVShape", getattr(shape, "shape", shape))
         ids = np.asarray(key.tokens, dtype=np.int64)
         end = len(ids) if end is None else end
         if not 0 <= start <= end <= len(ids):
