@@ -677,7 +677,7 @@ class HierarchicalCache:
             )
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
-            self._rematch(req)
+        self._rematch(req)  # other requests may have cached more of the prompt since admit
         op = self._storage.start_prefetch(req.key, self._match_of(req))
         if op is None:
             return 0

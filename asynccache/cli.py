@@ -38,7 +38,10 @@ def parse_size(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad size {text!r}") from None
     unit = (m.group(2) or "").lower()
-    out = int(value * _UNITS[unit])
+    try:
+        out = int(value * _UNITS[unit])
+    except (OverflowError, ValueError):
+        raise argparse.ArgumentTypeError(f"size {text!r} is out of range") from None
     if out < 0:
         raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
     return out
@@ -161,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--storage", metavar="URL",
                     help="L3 storage: file:///dir[?capacity=10GiB] or "
                          "s3://bucket/prefix?endpoint=http://127.0.0.1:8333")
-    rp.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
+    rp.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout",
+                    help="best_effort takes what arrived (nothing, when awaited at once); "
+                         "timeout waits up to 1 s + 0.25 s per 1Ki tokens")
     rp.add_argument("--prefetch-threshold", type=int, default=256)
     rp.add_argument("--model-name", default="model", help="names L3 objects")
     rp.add_argument("--time-scale", type=float, default=0.0,
@@ -185,8 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "replay" and args.max_in_flight < 1:
-        parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    if args.command == "replay":
+        if args.max_in_flight < 1:
+            parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+        for flag in ("seed", "limit", "time_scale", "conversation_gap", "prefetch_threshold"):
+            value = getattr(args, flag)
+            if value is not None and (value < 0 or value != value):
+                parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+        if args.torch_threads < 1:
+            parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
     try:
         return int(args.func(args))
     except AsyncCacheError as exc:

@@ -162,6 +162,9 @@ class StorageTier:
                     batch = keys[i : i + BATCH_PAGES]
                     slots = host_slots[i * ps : (i + len(batch)) * ps]
                     todo = [j for j, k in enumerate(batch) if k not in self._known]
+                    if len(todo) < len(batch):
+                        metrics.storage_backup_skipped_tokens.labels(reason="exists").inc(
+                            (len(batch) - len(todo)) * ps)
                     if not todo:
                         continue
                     pages = self._page_buffers(slots, fill=True)

@@ -59,13 +59,16 @@ def _ids(obj: dict[str, Any], name: str, where: str) -> list[int]:
     return ids
 
 
-def expand_blocks(ids: list[int], block: int, length: int, offset: int = 0) -> np.ndarray:
+def expand_blocks(ids: list[int], block: int, length: int, where: str = "trace") -> np.ndarray:
     """Token ids for ``length`` tokens covered by block ``ids`` of ``block`` tokens each."""
     if not ids:
         return np.empty(0, dtype=np.uint32)
-    arr = np.asarray(ids, dtype=np.uint64) + np.uint64(offset)
+    arr = np.asarray(ids, dtype=np.uint64)
     if int(arr.max()) * block + block > _TAIL_BASE:
-        raise TraceFormatError(f"block id {int(arr.max())} is too large to expand")
+        raise TraceFormatError(
+            f"{where}: field 'hash_ids' holds block id {int(arr.max())}, above the largest "
+            f"expandable id {_TAIL_BASE // block - 1}"
+        )
     toks = (arr[:, None] * np.uint64(block) + np.arange(block, dtype=np.uint64)).reshape(-1)
     return toks[:length].astype(np.uint32)
 
@@ -81,13 +84,17 @@ def _open_lines(path: Path) -> Iterator[tuple[int, Any]]:
     except OSError as exc:
         raise TraceFormatError(f"cannot read trace {path}: {exc}") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+        lineno = 0
+        try:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceFormatError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{path}:{lineno + 1}: not UTF-8 text") from None
 
 
 def read_mooncake(path: str | Path) -> Iterator[TraceRequest]:
@@ -108,7 +115,10 @@ def read_mooncake(path: str | Path) -> Iterator[TraceRequest]:
                 f"{where}: field 'hash_ids' has {len(ids)} ids for input_length {n} "
                 f"(expected {-(-n // MOONCAKE_BLOCK)})"
             )
-        yield TraceRequest(f"mc-{lineno}", ts / 1000.0, expand_blocks(ids, MOONCAKE_BLOCK, n), out)
+        if ts != ts or ts == float("inf"):
+            raise TraceFormatError(f"{where}: field 'timestamp' has bad value {ts!r}")
+        yield TraceRequest(f"mc-{lineno}", ts / 1000.0,
+                           expand_blocks(ids, MOONCAKE_BLOCK, n, where), out)
 
 
 def read_kvtester(paths: list[str | Path], *, gap_s: float = 0.0) -> Iterator[TraceRequest]:
@@ -125,6 +135,8 @@ def read_kvtester(paths: list[str | Path], *, gap_s: float = 0.0) -> Iterator[Tr
             conv = json.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise TraceFormatError(f"cannot read trace {path}: {exc}") from None
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise TraceFormatError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(conv, dict):
@@ -146,6 +158,8 @@ def _flatten(items: list[Any], path: Path, where: str, base: float, ns: str,
         if not isinstance(r, dict):
             raise TraceFormatError(f"{w}: expected an object")
         t = _field(r, "t", (int, float), w)
+        if t < 0 or t != t:
+            raise TraceFormatError(f"{w}: field 't' has bad value {t!r}")
         if r.get("type") == "subagent" and isinstance(r.get("requests"), list):
             _flatten(r["requests"], path, f"{where}[{i}].requests", base + t, ns, out)
             continue
@@ -155,7 +169,7 @@ def _flatten(items: list[Any], path: Path, where: str, base: float, ns: str,
             raise TraceFormatError(
                 f"{w}: field 'hash_ids' has {len(ids)} ids for in={n} (expected {n // KVTESTER_BLOCK})"
             )
-        toks = expand_blocks(ids, KVTESTER_BLOCK, len(ids) * KVTESTER_BLOCK)
+        toks = expand_blocks(ids, KVTESTER_BLOCK, len(ids) * KVTESTER_BLOCK, w)
         tail = n - len(toks)
         if tail:
             seed = zlib.crc32(f"{ns}/{where}[{i}]".encode())
