@@ -12,6 +12,7 @@ Targets: insert and match >= 2x SGLang; eviction >= 3,000 calls/s.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def run_ours(seqs: np.ndarray, page_size: int, hashing: bool, evict_calls: int) 
     width = seqs.shape[1]
     slots = np.arange(n * width, dtype=np.int64)
     values = [slots[i * width : (i + 1) * width] for i in range(n)]
+    gc.collect()  # start every configuration from the same heap state
 
     t0 = time.perf_counter()
     for k, v in zip(keys, values, strict=True):
