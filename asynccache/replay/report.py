@@ -100,7 +100,7 @@ def plot_sweep(points: list[dict[str, Any]], path: str) -> None:
 
     caps = [p["config"]["device_tokens"] for p in points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("device_tokens", "L1 device"), ("total_tokens", "L1 + L2"),
+    for key, label in (("device_tokens", "L1 device"), ("total_tokens", "all tiers"),
                        ("infinite_cache_bound_tokens", "infinite cache")):
         ax.plot(caps, [p["hit_rate"][key] for p in points], marker="o", label=label)
     ax.set_xlabel("device capacity (tokens)")
