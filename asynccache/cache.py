@@ -437,10 +437,10 @@ class HierarchicalCache:
         """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates)."""
         self._check_open()
         res = self.tree.evict_host(num_tokens)
-        assert self.host_pool is not None or not res.host_frees
-        for slots in res.host_frees:
+        if res.host_frees:
             assert self.host_pool is not None
-            self.host_pool.allocator.free(slots)
+            for slots in res.host_frees:
+                self.host_pool.allocator.free(slots)
         return res.num_evicted
 
     # ------------------------------------------------------------------ backups (D -> H)

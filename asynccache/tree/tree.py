@@ -432,7 +432,7 @@ class RadixTree:
         children = root.children
         while off < end:
             page = data[off : off + pb]
-            child = children.get((ns, page) if node is root and ns is not DEFAULT_NAMESPACE else page)
+            child = children.get(self._child_key(node, page, ns))
             if child is None:
                 break
             nb = self._match_bytes(child.key, data, off, end)
@@ -521,9 +521,7 @@ class RadixTree:
         frees = result.device_frees
         while off < end:
             page = data[off : off + pb]
-            child = node.children.get(
-                (ns, page) if node is root and ns is not DEFAULT_NAMESPACE else page
-            )
+            child = node.children.get(self._child_key(node, page, ns))
             if child is None:
                 break
             if child.pending and self._pending[child.pending].kind == "load":
@@ -568,10 +566,7 @@ class RadixTree:
             leaf.creation = leaf.last_access = self._tick()
             leaf.hit_count = 1
             leaf.priority = int(priority)
-            node.children[
-                (ns, data[off : off + pb]) if node is root and ns is not DEFAULT_NAMESPACE
-                else data[off : off + pb]
-            ] = leaf
+            node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
             node.dchildren += 1
             if self._eager_hashes:
                 self._digests(leaf)
@@ -618,9 +613,7 @@ class RadixTree:
         result = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
         while off < end:
             page = data[off : off + pb]
-            child = node.children.get(
-                (ns, page) if node is root and ns is not DEFAULT_NAMESPACE else page
-            )
+            child = node.children.get(self._child_key(node, page, ns))
             if child is None:
                 break
             nb = self._match_bytes(child.key, data, off, end)
@@ -647,10 +640,7 @@ class RadixTree:
             leaf.host_value = frozen(slots[(off >> 2) - start :])
             leaf.creation = leaf.last_access = self._tick()
             leaf.hit_count = 1
-            node.children[
-                (ns, data[off : off + pb]) if node is root and ns is not DEFAULT_NAMESPACE
-                else data[off : off + pb]
-            ] = leaf
+            node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
             self._host_size += leaf.ntok
             if self._eager_hashes:
                 self._digests(leaf)
@@ -674,9 +664,7 @@ class RadixTree:
         off = 0
         while off < end:
             page = data[off : off + pb]
-            child = node.children.get(
-                (ns, page) if node is self._root and ns is not DEFAULT_NAMESPACE else page
-            )
+            child = node.children.get(self._child_key(node, page, ns))
             if child is None:
                 break
             nb = self._match_bytes(child.key, data, off, end)
