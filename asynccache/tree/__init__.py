@@ -12,6 +12,7 @@ from asynccache.tree.results import (
     LoadBackTicket,
     LockReceipt,
     MatchResult,
+    SessionRef,
 )
 from asynccache.tree.tree import WRITE_POLICIES, RadixTree, TreeConfig, as_slots
 
@@ -34,6 +35,7 @@ __all__ = [
     "Namespace",
     "RadixKey",
     "RadixTree",
+    "SessionRef",
     "TreeConfig",
     "as_key",
     "as_slots",

@@ -70,6 +70,11 @@ def check_tree(tree: RadixTree) -> None:
                 exp[walk.id] = exp.get(walk.id, 0) + cnt
                 walk = walk.parent
 
+    # Session references: each held ref anchors at a live node (or the root), listed there.
+    for token, node in tree._srefs.items():
+        if node is not root and (nodes.get(node.id) is not node or token not in (node.anchors or ())):
+            _fail(f"session ref {token} is anchored at node {node.id}, which does not list it")
+
     evictable = protected = host_size = 0
     dev_slots: list[np.ndarray] = []
     host_slots: list[np.ndarray] = []
@@ -109,6 +114,11 @@ def check_tree(tree: RadixTree) -> None:
             2 if n.lock_ref or (n.host_value is None and n.host_lock_ref) else 1
         ):
             _fail(f"node {n.id} is counted in size class {n.acct}, not its state's")
+        sref = len(n.anchors or ()) + sum(c.sref for c in n.children.values())
+        if n.sref != sref:
+            _fail(f"node {n.id} counts {n.sref} session refs, {sref} expected")
+        if any(tree._srefs.get(t) is not n for t in n.anchors or ()):
+            _fail(f"node {n.id} lists a session ref anchored elsewhere")
         dch = sum(1 for c in n.children.values() if c.value is not None)
         if n.dchildren != dch:
             _fail(f"node {n.id} dchildren {n.dchildren} != {dch}")

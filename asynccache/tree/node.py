@@ -25,6 +25,7 @@ class Node:
 
     __slots__ = (
         "acct",
+        "anchors",
         "children",
         "creation",
         "dchildren",
@@ -41,6 +42,7 @@ class Node:
         "pending",
         "priority",
         "qe",
+        "sref",
         "value",
     )
 
@@ -63,6 +65,11 @@ class Node:
         self.dchildren = 0  # number of children holding a device value
         self.acct = 0  # how its device tokens are counted: 0 none, 1 evictable, 2 protected
         self.qe: list[tuple[Any, ...] | None] = [None, None, None]
+        # Session references: ``anchors`` are the tokens of the refs registered at this node,
+        # ``sref`` counts the refs at this node and below (it orders eviction: referenced
+        # nodes go last).
+        self.anchors: list[int] | None = None
+        self.sref = 0
 
     @property
     def ntok(self) -> int:

@@ -42,6 +42,11 @@ def policy_key(name: str) -> PolicyKey:
         ) from None
 
 
+def sessions_last(key: PolicyKey) -> PolicyKey:
+    """``key`` with session-referenced nodes ordered after all others (fewest refs first)."""
+    return lambda n: (n.sref, *key(n))
+
+
 class NodeQueue:
     """A min-queue of nodes ordered by a policy key, with O(log n) push/discard/pop."""
 

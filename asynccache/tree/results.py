@@ -57,6 +57,18 @@ class LockReceipt:
     host: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A session's reference on a node's path; pass it to ``release_session_ref`` once.
+
+    Unlike a lock it protects nothing: it only makes eviction take the path's nodes last. If
+    the node is deleted, the reference moves to its nearest surviving ancestor.
+    """
+
+    token: int
+    node_id: int
+
+
 @dataclass(slots=True)
 class MatchResult:
     """Where the longest cached prefix of a key lives.

@@ -33,6 +33,7 @@ from asynccache.tree.queues import (
     USES_PRIORITY,
     NodeQueue,
     policy_key,
+    sessions_last,
 )
 from asynccache.tree.results import (
     EMPTY_SLOTS,
@@ -43,6 +44,7 @@ from asynccache.tree.results import (
     LoadBackTicket,
     LockReceipt,
     MatchResult,
+    SessionRef,
 )
 
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
@@ -59,13 +61,14 @@ class TreeConfig:
     write_policy: str = "write_through_selective"
     enable_kv_events: bool = False
     enable_page_hashes: bool = False
+    enable_sessions: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
             raise ConfigError(f"page_size must be an int, got {self.page_size!r}")
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
-        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes"):
+        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes", "enable_sessions"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         policy_key(self.eviction_policy)
@@ -133,6 +136,8 @@ class RadixTree:
         self._hit_requeues = policy in USES_HITS
         self._prio_requeues = policy in USES_PRIORITY
         key = policy_key(policy)
+        if config.enable_sessions:
+            key = sessions_last(key)
         self._queues = (NodeQueue(DLEAF, key), NodeQueue(HLEAF, key), NodeQueue(HDUP, key))
         self._events = EventRecorder() if config.enable_kv_events else None
         self._eager_hashes = config.enable_page_hashes
@@ -152,6 +157,8 @@ class RadixTree:
         self._host_size = 0
         self._pending: dict[int, _PendingOp] = {}
         self._receipts: dict[int, tuple[Node, bool]] = {}
+        old = getattr(self, "_srefs", {})
+        self._srefs: dict[int, Node] = dict.fromkeys(old, self._root)  # refs survive a reset
         for q in self._queues:
             q.clear()
 
@@ -399,6 +406,7 @@ class RadixTree:
         p.hit_count = x.hit_count
         p.priority = x.priority
         p.pending = x.pending
+        p.sref = x.sref
         if x.pending:
             frags = self._pending[x.pending].fragments
             frags.insert(frags.index(x), p)
@@ -818,6 +826,57 @@ class RadixTree:
         n = self._node(node_id)
         return n.lock_ref, n.host_lock_ref
 
+    # ------------------------------------------------------------------ session references
+    def add_session_ref(self, node_id: int) -> SessionRef:
+        """Reference ``node_id``'s path for a session: its nodes are evicted after all others."""
+        self._check_owner()
+        if not self.config.enable_sessions:
+            raise ConfigError("session references need TreeConfig(enable_sessions=True)")
+        node = self._node(node_id)
+        token = next(self._receipt_ids)
+        self._srefs[token] = node
+        if node is not self._root:
+            if node.anchors is None:
+                node.anchors = []
+            node.anchors.append(token)
+            self._add_sref(node, 1)
+        return SessionRef(token=token, node_id=node.id)
+
+    def release_session_ref(self, ref: SessionRef) -> None:
+        self._check_owner()
+        if not isinstance(ref, SessionRef):
+            raise InvalidInputError(f"expected a SessionRef, got {ref!r}")
+        node = self._srefs.pop(ref.token, None)
+        if node is None:
+            raise InvalidInputError(f"session ref {ref.token} is not held (released twice?)")
+        if node.anchors:
+            node.anchors.remove(ref.token)
+            self._add_sref(node, -1)
+
+    @property
+    def session_refs(self) -> int:
+        """Session references held."""
+        return len(self._srefs)
+
+    def _add_sref(self, node: Node, delta: int) -> None:
+        n = node
+        while n is not self._root:
+            n.sref += delta
+            self._requeue(n)
+            assert n.parent is not None
+            n = n.parent
+
+    def _move_anchors(self, n: Node, to: Node) -> None:
+        """``n`` is being deleted: its refs now anchor at ``to`` (which already counts them)."""
+        assert n.anchors
+        for token in n.anchors:
+            self._srefs[token] = to
+        if to is not self._root:
+            if to.anchors is None:
+                to.anchors = []
+            to.anchors.extend(n.anchors)
+        n.anchors = None
+
     # ------------------------------------------------------------------ backups (D -> H)
     def _backup_chain(self, node: Node, out: list[BackupRequest]) -> None:
         chain = []
@@ -1065,6 +1124,8 @@ class RadixTree:
                 self._host_size -= n.ntok
                 if n is not top:
                     res.dropped_host_tokens += n.ntok
+            if n.anchors:
+                self._move_anchors(n, parent)
             del self._nodes[n.id]
         self._detach(top)
         if top_on_device:
@@ -1111,6 +1172,8 @@ class RadixTree:
                     for other in self._queues:
                         other.discard(n)
                     self._detach(n)
+                    if n.anchors:
+                        self._move_anchors(n, parent)
                     del self._nodes[n.id]
                     self._refresh(parent)
                 else:
