@@ -29,6 +29,8 @@ from asynccache.errors import (
 from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.logs import get_logger
 from asynccache.metrics import CacheMetrics
+from asynccache.retraction import RetractedKV, RetractionMixin
+from asynccache.sessions import SessionTracker, StreamingSession
 from asynccache.tree import (
     BackupRequest,
     EvictResult,
@@ -110,13 +112,17 @@ class CacheRequest:
     spare: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     inserted_len: int = 0
     finished: bool = False
+    priority: int = 0  # passed to every insert of this request (the "priority" policy uses it)
+    session_id: str | None = None
+    session_generation: int | None = None
+    retracted: RetractedKV | None = None  # KV parked in host memory by HierarchicalCache.retract
 
     @property
     def computed(self) -> int:
         return len(self.slots)
 
 
-class HierarchicalCache:
+class HierarchicalCache(RetractionMixin):
     """A prefix KV cache over a device pool (L1) and an optional host pool (L2).
 
     Use it as ``async with HierarchicalCache(config) as cache:``. The synchronous calls
@@ -150,6 +156,12 @@ class HierarchicalCache:
                 self.host_pool = HostPool.from_bytes(
                     self.shape, config.host_bytes, config.page_size,
                     layout=config.host_layout, pin_memory=pin)
+        if (config.retraction_backup and self.host_pool is not None
+                and self.host_pool.num_slots < self.device_pool.num_slots):
+            raise ConfigError(
+                f"retraction_backup needs host capacity >= device capacity: "
+                f"{self.host_pool.num_slots} host slots < {self.device_pool.num_slots} device slots"
+            )
         self.tree = RadixTree(TreeConfig(
             page_size=config.page_size,
             eviction_policy=config.eviction_policy,
@@ -157,7 +169,10 @@ class HierarchicalCache:
             write_policy=config.write_policy,
             enable_kv_events=config.enable_kv_events,
             enable_page_hashes=config.enable_page_hashes,
+            enable_sessions=config.enable_sessions,
         ))
+        self.sessions = SessionTracker(self.tree) if config.enable_sessions else None
+        self._streams: dict[str, StreamingSession] = {}
         self.metrics = metrics if metrics is not None else CacheMetrics()
         if self.host_pool is not None:
             self.metrics.host_total_tokens.set(self.host_pool.num_slots)
@@ -166,6 +181,7 @@ class HierarchicalCache:
         self._inflight: dict[int, CopyHandle] = {}
         self._outstanding = 0  # device slots handed to callers, not yet freed or adopted
         self._host_inflight = 0  # host slots allocated for backups not yet committed
+        self._host_held = 0  # host slots holding retracted requests' KV
         self._evicted_total = 0
         self._matched = 0
         self._hits = 0
@@ -273,11 +289,12 @@ class HierarchicalCache:
             )
         if self.host_pool is not None:
             host_used = self.host_pool.allocator.used_size
-            want = self.tree.host_size + self._host_inflight
+            want = self.tree.host_size + self._host_inflight + self._host_held
             if host_used != want:
                 raise AssertionError(
                     f"host accounting: allocator uses {host_used} slots, tree holds "
-                    f"{self.tree.host_size} and in-flight backups {self._host_inflight}"
+                    f"{self.tree.host_size}, in-flight backups {self._host_inflight} and "
+                    f"retracted requests {self._host_held}"
                 )
 
     # ------------------------------------------------------------------ tree calls
@@ -686,10 +703,52 @@ class HierarchicalCache:
             self._rematch(req)
         return got
 
-    # ------------------------------------------------------------------ request helpers
-    def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest:
-        """Match a new request and pin its cached prefix."""
+    # ------------------------------------------------------------------ sessions
+    def _session_tracker(self) -> SessionTracker:
         self._check_open()
+        if self.sessions is None:
+            raise ConfigError("radix sessions need CacheConfig(enable_sessions=True)")
+        return self.sessions
+
+    def open_session(self, session_id: str) -> int:
+        """Start a new generation of a radix session; returns its generation number."""
+        return self._session_tracker().open(session_id)
+
+    def release_session(self, session_id: str) -> int:
+        """Close a radix session: its paths become ordinary eviction candidates again."""
+        return self._session_tracker().release(session_id)
+
+    def stream(self, session_id: str) -> StreamingSession:
+        """Open a streaming session: one request whose KV stays pinned across turns."""
+        self._check_open()
+        if session_id in self._streams:
+            raise InvalidInputError(f"streaming session {session_id!r} is already open")
+        s = StreamingSession(self, session_id, lambda s: self._streams.pop(s.session_id, None))
+        self._streams[session_id] = s
+        return s
+
+    @property
+    def streaming_held_tokens(self) -> int:
+        """Device tokens held by open streaming sessions (not evictable while they are open)."""
+        return sum(s.held_tokens for s in self._streams.values())
+
+    # ------------------------------------------------------------------ request helpers
+    def admit(self, tokens: RadixKey | Any, rid: str | None = None, *,
+              session_id: str | None = None, priority: int = 0) -> CacheRequest:
+        """Match a new request and pin its cached prefix.
+
+        ``session_id``: the radix session the request belongs to (needs ``enable_sessions``);
+        when it finishes and is cached, its path is referenced for the session. ``priority``
+        goes with every insert of the request (see the ``priority`` eviction policy).
+        """
+        self._check_open()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidInputError(f"priority must be an int, got {priority!r}")
+        gen = None
+        if session_id is not None:
+            if self.sessions is None:
+                raise ConfigError("session_id needs CacheConfig(enable_sessions=True)")
+            gen = self.sessions.ensure(session_id)
         key = as_key(tokens)
         m = self.match_prefix(key)
         if rid is None:
@@ -701,7 +760,8 @@ class HierarchicalCache:
             rid=rid, key=key, slots=m.device_indices, prefix_len=m.device_prefix_len,
             last_node=m.last_device_node, best_node=m.best_node,
             host_hit_length=m.host_hit_length, receipt=receipt, host_receipt=host,
-            pending_loads=m.pending_loads,
+            pending_loads=m.pending_loads, priority=priority, session_id=session_id,
+            session_generation=gen,
         )
 
     def _rematch(self, req: CacheRequest) -> None:
@@ -797,7 +857,7 @@ class HierarchicalCache:
             return
         key = req.key[: req.computed]
         res = self.insert(key, req.slots, prev_prefix_len=req.prefix_len,
-                          inserted_len=req.inserted_len)
+                          inserted_len=req.inserted_len, priority=req.priority)
         cached = res.cached_len
         m = self.tree.match_prefix(key)
         assert m.device_prefix_len == cached, (m.device_prefix_len, cached)
@@ -816,11 +876,14 @@ class HierarchicalCache:
         self._check_open()
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
+        self.discard_retracted(req)
         own_from = req.prefix_len
         if insert and not self.config.disable and req.computed > 0:
             res = self.insert(req.key[: req.computed], req.slots, prev_prefix_len=req.prefix_len,
-                              inserted_len=req.inserted_len)
+                              inserted_len=req.inserted_len, priority=req.priority)
             own_from = max(own_from, res.cached_len)
+            if req.session_id is not None and self.sessions is not None:
+                self.sessions.register(req.session_id, req.session_generation, res.last_node)
         self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
         self._release_pins(req)
         req.spare = EMPTY_SLOTS

@@ -48,6 +48,8 @@ class CacheConfig:
     enable_kv_events: bool = False
     enable_page_hashes: bool = False
     disable: bool = False
+    enable_sessions: bool = False  # radix session references (session paths evicted last)
+    retraction_backup: bool = False  # retract/restore requests via host memory
     model_name: str = "model"  # names L3 objects: different models never share one
 
     def __post_init__(self) -> None:
@@ -67,7 +69,8 @@ class CacheConfig:
             raise ConfigError("set device_tokens or device_bytes (the L1 capacity)")
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        for flag in ("enable_kv_events", "enable_page_hashes", "disable"):
+        for flag in ("enable_kv_events", "enable_page_hashes", "disable", "enable_sessions",
+                     "retraction_backup"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_layout not in ("layer_first", "page_first"):
@@ -80,6 +83,8 @@ class CacheConfig:
             raise ConfigError(
                 f"unknown eviction_policy {self.eviction_policy!r}; choose one of {sorted(POLICIES)}"
             )
+        if self.retraction_backup and not self.host_enabled:
+            raise ConfigError("retraction_backup needs a host tier (host_tokens or host_bytes)")
         try:
             dev = torch.device(self.device)
         except RuntimeError as exc:

@@ -1,0 +1,166 @@
+"""Retraction backup: park a preempted request's KV in host memory and bring it back.
+
+When a scheduler preempts (retracts) a running request to free device memory, ``retract``
+copies the request's KV (every computed token, in whole pages) to host slots and releases its
+device slots and locks. ``restore`` later copies it into fresh device slots, bit-exact, and the
+request carries on; ``discard`` drops it. Part of :class:`~asynccache.HierarchicalCache`
+(a mixin, so the facade stays one object with one set of pools and one copy engine).
+
+Cancellation: a cancelled ``retract`` leaves the request as it was (the host copy is freed
+when the copy lands); a cancelled ``restore`` leaves the backup held (the device slots are
+freed when the copy lands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError, TransferError
+from asynccache.logs import get_logger
+from asynccache.tree.results import EMPTY_SLOTS
+
+if TYPE_CHECKING:
+    from asynccache.cache import CacheRequest
+
+_log = get_logger("retraction")
+_copy_ids = itertools.count(-1, -1)  # keys of retraction copies in the cache's in-flight table
+
+
+@dataclass(eq=False)
+class RetractedKV:
+    """A request's KV parked in host memory: ``num_tokens`` tokens in ``host_slots``."""
+
+    rid: str
+    num_tokens: int
+    host_slots: np.ndarray
+    state: str = "held"  # held | restoring | restored | discarded
+
+
+class RetractionMixin:
+    """``retract`` / ``restore`` / ``discard_retracted`` of the cache facade."""
+
+    config: Any
+    _engine: Any
+    _inflight: dict[int, Any]
+    _host_held: int
+
+    async def retract(self, req: CacheRequest) -> RetractedKV:
+        """Copy ``req``'s KV to host and free its device slots and locks.
+
+        Raises :class:`PoolExhaustedError` when host memory cannot hold it even after evicting
+        host-only leaves (the request is then unchanged).
+        """
+        self._check_retraction(req)
+        if req.retracted is not None:
+            raise InvalidInputError(f"request {req.rid} is already retracted")
+        if req.pending_loads:
+            await self.wait_loads(req.pending_loads)  # type: ignore[attr-defined]
+        slots = np.concatenate([req.slots, req.spare])
+        host = self._alloc_host(len(slots)) if len(slots) else EMPTY_SLOTS  # type: ignore[attr-defined]
+        if host is None:
+            raise PoolExhaustedError(
+                f"cannot retract request {req.rid}: {len(slots)} host slots needed, "
+                f"{self.host_pool.allocator.available_size} free after host eviction"  # type: ignore[attr-defined]
+            )
+        self._host_held += len(host)
+        if len(slots):
+            try:
+                await self._copy(self._engine.submit_d2h(slots, host),
+                                 on_cancel=lambda: self._drop_host(host))
+            except Exception:
+                self._drop_host(host)
+                raise
+        backup = RetractedKV(req.rid, req.computed, host)
+        self._release_pins(req)  # type: ignore[attr-defined]
+        own = np.concatenate([req.slots[req.prefix_len :], req.spare])
+        self.free_device(own)  # type: ignore[attr-defined]
+        req.slots = req.spare = EMPTY_SLOTS
+        req.prefix_len = req.host_hit_length = 0
+        req.pending_loads = ()
+        req.retracted = backup
+        _log.info("retracted", rid=req.rid, tokens=backup.num_tokens)
+        return backup
+
+    async def restore(self, req: CacheRequest) -> None:
+        """Copy ``req``'s retracted KV into fresh device slots; the request continues from there.
+
+        The restored slots all belong to the request (a later ``cache_finished_req`` inserts
+        them and frees duplicates of what the tree meanwhile holds).
+        """
+        self._check_retraction(req)
+        backup = req.retracted
+        if backup is None or backup.state != "held":
+            raise InvalidInputError(f"request {req.rid} has no retracted KV to restore")
+        backup.state = "restoring"
+        n = len(backup.host_slots)
+        try:
+            slots = await self.alloc_device(n) if n else EMPTY_SLOTS  # type: ignore[attr-defined]
+        except BaseException:
+            backup.state = "held"
+            raise
+        if n:
+            try:
+                await self._copy(self._engine.submit_h2d(backup.host_slots, slots),
+                                 on_cancel=lambda: self.free_device(slots))  # type: ignore[attr-defined]
+            except BaseException as exc:
+                backup.state = "held"
+                if not isinstance(exc, asyncio.CancelledError):
+                    self.free_device(slots)  # type: ignore[attr-defined]
+                raise
+        self._drop_host(backup.host_slots)
+        backup.state = "restored"
+        req.retracted = None
+        req.slots, req.spare = slots[: backup.num_tokens], slots[backup.num_tokens :]
+        req.prefix_len = 0
+        req.last_node = req.best_node = self.tree.root_id  # type: ignore[attr-defined]
+        _log.info("restored", rid=req.rid, tokens=backup.num_tokens)
+
+    def discard_retracted(self, req: CacheRequest) -> None:
+        """Drop ``req``'s retracted KV (the request will recompute or is being aborted)."""
+        backup = req.retracted
+        if backup is None:
+            return
+        if backup.state == "restoring":
+            raise InvalidInputError(f"request {req.rid} is being restored; await it first")
+        req.retracted = None
+        backup.state = "discarded"
+        self._drop_host(backup.host_slots)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_retraction(self, req: CacheRequest) -> None:
+        self._check_open()  # type: ignore[attr-defined]
+        if not self.config.retraction_backup:
+            raise ConfigError("retraction needs CacheConfig(retraction_backup=True)")
+        if req.finished:
+            raise InvalidInputError(f"request {req.rid} is already finished")
+
+    def _drop_host(self, host: np.ndarray) -> None:
+        if len(host):
+            self.host_pool.allocator.free(host)  # type: ignore[attr-defined]
+            self._host_held -= len(host)
+
+    async def _copy(self, handle: Any, *, on_cancel: Callable[[], None]) -> None:
+        """Await a copy (raising :class:`TransferError` if it failed).
+
+        If the awaiter is cancelled, ``on_cancel`` runs once the copy has landed (never while
+        the copy may still read or write the slots) and the cancellation propagates.
+        """
+        key = next(_copy_ids)
+        self._inflight[key] = handle
+        handle.add_done_callback(lambda _h: self._inflight.pop(key, None))
+        try:
+            await handle
+        except asyncio.CancelledError:
+            if handle.finished:
+                on_cancel()
+            else:
+                handle.add_done_callback(lambda _h: on_cancel())
+            raise
+        except Exception as exc:
+            raise TransferError(f"retraction copy failed: {exc}") from exc
