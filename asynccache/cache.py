@@ -656,21 +656,46 @@ class HierarchicalCache(RetractionMixin):
         The caller keeps ownership of the backend (close it after the cache).
         """
         self._check_open()
+        policy = policy or StoragePolicy()
+        if not isinstance(policy, StoragePolicy):
+            raise ConfigError(f"policy must be a StoragePolicy, got {policy!r}")
         if self._storage is not None:
-            raise ConfigError("a storage backend is already attached; detach it first")
+            if self._storage.backend is backend:
+                self._storage.set_policy(policy)  # attaching the same backend again: new policy
+                return
+            raise ConfigError("a different storage backend is already attached; detach it first")
         layout = getattr(backend, "layout", None)
         if layout is not None and layout.page_size != self.page_size:
             raise ConfigError(
                 f"backend layout page_size {layout.page_size} != cache page_size {self.page_size}"
             )
         self.tree.enable_page_hashes()
-        self._storage = StorageTier(self, backend, policy or StoragePolicy())
+        self._storage = StorageTier(self, backend, policy)
 
-    async def detach_storage(self) -> None:
-        """Stop using storage: abort prefetches, wait for writes, release their pins."""
+    async def detach_storage(self) -> bool:
+        """Stop using storage: abort prefetches, wait for writes, release their pins.
+
+        Never raises for a storage fault: it is logged and ``False`` is returned (the tier is
+        detached either way).
+        """
         tier, self._storage = self._storage, None
-        if tier is not None:
+        if tier is None:
+            return True
+        try:
             await tier.close()
+        except Exception as exc:
+            _log.error("storage_detach_failed", error=repr(exc))
+            return False
+        return True
+
+    async def clear_storage(self) -> int | None:
+        """Remove every page of the attached backend (this cache's layout) and forget which
+        pages were known to exist; returns how many were removed, or None if the backend
+        failed (logged)."""
+        self._check_open()
+        if self._storage is None:
+            raise ConfigError("no storage backend is attached")
+        return await self._storage.clear()
 
     def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
         """Start fetching the pages after ``match``'s cached prefix from storage."""

@@ -110,11 +110,29 @@ class StorageTier:
         self._writes: set[asyncio.Task[None]] = set()
         self._prefetches: set[PrefetchOp] = set()
         self._occupied = 0
-        self._write_sem = asyncio.Semaphore(policy.write_concurrency)
         host = cache.host_pool
         self._zero_copy = host.layout == "page_first"
         self._page_bytes = host.page_bytes
-        self._capacity_limit = int(host.num_slots * policy.prefetch_capacity_fraction)
+        self.set_policy(policy)
+
+    def set_policy(self, policy: StoragePolicy) -> None:
+        """Use ``policy`` from now on (operations already running keep their limits)."""
+        assert self.cache.host_pool is not None
+        self.policy = policy
+        self._write_sem = asyncio.Semaphore(policy.write_concurrency)
+        self._capacity_limit = int(self.cache.host_pool.num_slots * policy.prefetch_capacity_fraction)
+        while len(self._known) > policy.known_keys:
+            self._known.popitem(last=False)
+
+    async def clear(self) -> int | None:
+        """Clear the backend and forget the keys believed stored; None if the backend failed."""
+        self._known.clear()
+        try:
+            removed: int = await self.backend.clear()
+        except Exception as exc:
+            _log.error("storage_clear_failed", error=repr(exc))
+            return None
+        return removed
 
     # ------------------------------------------------------------------ known keys
     def _remember(self, key: str) -> None:
