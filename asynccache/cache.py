@@ -9,6 +9,7 @@ awaiter cannot leave a copy half-committed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asynccache.buffer_mode import BufferModePipeline
 from asynccache.config import CacheConfig
 from asynccache.errors import (
     ClosedError,
@@ -153,7 +155,7 @@ class HierarchicalCache:
         self.tree = RadixTree(TreeConfig(
             page_size=config.page_size,
             eviction_policy=config.eviction_policy,
-            host_enabled=config.host_enabled,
+            host_enabled=config.host_tier,
             write_policy=config.write_policy,
             enable_kv_events=config.enable_kv_events,
             enable_page_hashes=config.enable_page_hashes,
@@ -172,6 +174,8 @@ class HierarchicalCache:
         self._next_rid = 0
         self._close_task: asyncio.Task[None] | None = None
         self._storage: StorageTier | None = None
+        self._buffer: BufferModePipeline | None = None  # buffer-only host mode with storage
+        self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> HierarchicalCache:
@@ -207,6 +211,8 @@ class HierarchicalCache:
             await self._settle(list(self._inflight.values()))
             if self._storage is not None:
                 await self._storage.close()
+            if self._buffer is not None:
+                await self._buffer.close()
             if self._engine is not None:
                 await self._engine.aclose()
         finally:
@@ -279,6 +285,8 @@ class HierarchicalCache:
                     f"host accounting: allocator uses {host_used} slots, tree holds "
                     f"{self.tree.host_size} and in-flight backups {self._host_inflight}"
                 )
+        if self._buffer is not None:
+            self._buffer.check()
 
     # ------------------------------------------------------------------ tree calls
     def match_prefix(self, key: RadixKey | Any) -> MatchResult:
@@ -313,6 +321,8 @@ class HierarchicalCache:
         self._outstanding -= max(0, res.cached_len - prev_prefix_len)
         if res.backups:
             self._start_backups(res.backups)
+        if res.intents and self._buffer is not None:
+            self._buffer.enqueue(res.intents)
         return res
 
     def lock(self, node_id: int) -> LockReceipt:
@@ -388,6 +398,41 @@ class HierarchicalCache:
             slots = alloc.alloc(num_tokens)
         return slots
 
+    # ------------------------------------------------------------------ internal: operation-owned
+    # host slots and untracked copies (used by the buffer-only pipeline)
+    def take_host(self, num_tokens: int, *, evict: bool = True) -> np.ndarray | None:
+        """Host slots owned by an operation (staging, a bounce) until :meth:`free_host`;
+        ``sanity_check`` counts them. None when the pool cannot provide them."""
+        if self.host_pool is None:
+            return None
+        slots = self._alloc_host(num_tokens) if evict else self.host_pool.allocator.alloc(num_tokens)
+        if slots is not None:
+            self._host_inflight += len(slots)
+        return slots
+
+    def free_host(self, slots: np.ndarray) -> None:
+        """Return slots from :meth:`take_host`."""
+        assert self.host_pool is not None
+        if len(slots):
+            self.host_pool.allocator.free(slots)
+            self._host_inflight -= len(slots)
+
+    def _track_copy(self, handle: CopyHandle) -> CopyHandle:
+        key = next(self._copy_keys)
+        self._inflight[key] = handle
+        handle.add_done_callback(lambda _h: self._inflight.pop(key, None))
+        return handle
+
+    def engine_submit_d2h(self, device_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
+        """A D->H copy that :meth:`flush`, ``alloc_device`` and ``aclose`` wait for."""
+        return self._track_copy(self._engine.submit_d2h(device_slots, host_slots))
+
+    def engine_submit_h2d(self, host_slots: np.ndarray, device_slots: np.ndarray) -> LayerwiseHandle:
+        """A layer-wise H->D copy that :meth:`flush`, ``alloc_device`` and ``aclose`` wait for."""
+        handle = self._engine.submit_h2d_layerwise(host_slots, device_slots)
+        self._track_copy(handle)
+        return handle
+
     # ------------------------------------------------------------------ eviction
     def _apply_evict(self, res: EvictResult, started: float) -> None:
         for slots in res.device_frees:
@@ -434,8 +479,12 @@ class HierarchicalCache:
         return self._evicted_total - before
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates)."""
+        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates).
+
+        A no-op in buffer-only host mode: the tree holds nothing on host."""
         self._check_open()
+        if not self.config.host_tier:
+            return 0
         res = self.tree.evict_host(num_tokens)
         if res.host_frees:
             assert self.host_pool is not None
@@ -492,7 +541,11 @@ class HierarchicalCache:
         self.metrics.backup_duration.observe(result.duration_s)
 
     async def flush(self) -> None:
-        """Wait until every copy started before this call has completed and been committed."""
+        """Wait until every copy started before this call has completed and been committed.
+
+        In buffer-only host mode, first start the D->H copies of the queued storage writes."""
+        if self._buffer is not None:
+            self._buffer.launch_writes()
         await self._settle(list(self._inflight.values()))
 
     @staticmethod
@@ -629,8 +682,10 @@ class HierarchicalCache:
         )
 
     @property
-    def storage(self) -> StorageTier | None:
-        return self._storage
+    def storage(self) -> StorageTier | BufferModePipeline | None:
+        """The attached L3 tier: a :class:`StorageTier`, or in buffer-only host mode the
+        :class:`~asynccache.buffer_mode.BufferModePipeline` (both have ``drain()``)."""
+        return self._storage if self._storage is not None else self._buffer
 
     def attach_storage(self, backend: Any, policy: StoragePolicy | None = None) -> None:
         """Use ``backend`` (a started :class:`storage.StorageBackend`) as the L3 tier.
@@ -639,7 +694,7 @@ class HierarchicalCache:
         The caller keeps ownership of the backend (close it after the cache).
         """
         self._check_open()
-        if self._storage is not None:
+        if self._storage is not None or self._buffer is not None:
             raise ConfigError("a storage backend is already attached; detach it first")
         layout = getattr(backend, "layout", None)
         if layout is not None and layout.page_size != self.page_size:
@@ -647,6 +702,9 @@ class HierarchicalCache:
                 f"backend layout page_size {layout.page_size} != cache page_size {self.page_size}"
             )
         self.tree.enable_page_hashes()
+        if self.config.host_mode == "buffer_only":
+            self._buffer = BufferModePipeline(self, backend, policy or StoragePolicy())
+            return
         self._storage = StorageTier(self, backend, policy or StoragePolicy())
 
     async def detach_storage(self) -> None:
@@ -654,10 +712,28 @@ class HierarchicalCache:
         tier, self._storage = self._storage, None
         if tier is not None:
             await tier.close()
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            await buffer.close()
+
+    async def clear_storage(self) -> int:
+        """Remove this cache's pages from the attached backend (and, in buffer-only host mode,
+        every belief of what is stored); returns the backend's count."""
+        self._check_open()
+        tier = self.storage
+        if tier is None:
+            raise ConfigError("no storage backend is attached")
+        if self._buffer is not None:
+            self._buffer.clear_beliefs()
+        return int(await tier.backend.clear())
 
     def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
         """Start fetching the pages after ``match``'s cached prefix from storage."""
         self._check_open()
+        if self._buffer is not None:
+            raise InvalidInputError(
+                "start_prefetch is not available in buffer_only host mode: use prefetch_request"
+            )
         if self._storage is None:
             return None
         return self._storage.start_prefetch(as_key(key), match)
@@ -669,12 +745,15 @@ class HierarchicalCache:
         the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
         """
         self._check_open()
-        if self._storage is None or self.config.disable:
+        if (self._storage is None and self._buffer is None) or self.config.disable:
             return 0
         if req.finished or req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: prefetch_request must come before it computes tokens"
             )
+        if self._buffer is not None:  # buffer-only host: fetch into a bounce parked for req
+            self._rematch(req)
+            return await self._buffer.prefetch_request(req, policy)
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
         self._rematch(req)  # other requests may have cached more of the prompt since admit
@@ -739,6 +818,11 @@ class HierarchicalCache:
                 f"request {req.rid}: load_back_request must come before it computes tokens"
             )
         before = req.prefix_len
+        if self._buffer is not None:  # buffer-only host: load the bounce parked for req
+            self._rematch(req)
+            if await self._buffer.load_staged(req, mem_quota):
+                self._rematch(req)
+            return req.prefix_len - before
         try:
             for _ in range(16):
                 if req.pending_loads:
@@ -823,6 +907,8 @@ class HierarchicalCache:
             own_from = max(own_from, res.cached_len)
         self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
         self._release_pins(req)
+        if self._buffer is not None:
+            self._buffer.release_request(req)
         req.spare = EMPTY_SLOTS
         req.finished = True
 
