@@ -65,7 +65,7 @@ def test_clear_forgets_beliefs_but_not_writes_in_flight() -> None:
 
 
 def test_bad_input_names_the_value() -> None:
-    with pytest.raises(ConfigError, match="max_entries.*0"):
+    with pytest.raises(ConfigError, match=r"max_entries.*0"):
         StorageExistenceCache(0)
     with pytest.raises(ConfigError, match="True"):
         StorageExistenceCache(True)

@@ -16,7 +16,7 @@ def test_host_mode_validation_names_the_value(kit) -> None:
         CacheConfig(**base, host_mode="l2")
     with pytest.raises(ConfigError, match="host_tokens or host_bytes"):
         CacheConfig(**{**base, "host_tokens": None}, host_mode="buffer_only")
-    with pytest.raises(ConfigError, match="write-through write_policy.*'write_back'"):
+    with pytest.raises(ConfigError, match=r"write-through write_policy.*'write_back'"):
         CacheConfig(**{**base, "write_policy": "write_back"}, host_mode="buffer_only")
     c = CacheConfig(**base, host_mode="buffer_only")
     assert c.host_enabled and not c.host_tier
