@@ -311,10 +311,15 @@ class BufferModePipeline:
         """Write every queued intent and wait until every storage write has returned."""
         while True:
             self.launch_writes()
-            pending = [h.done() for h in self._copies] + list(self._writes)
-            if not pending:
+            if not self._copies and not self._writes:
                 return  # nothing in flight: what is still queued cannot get staging now
-            await asyncio.gather(*pending, return_exceptions=True)
+            await self._wait_in_flight()
+
+    async def _wait_in_flight(self) -> None:
+        # Shielded: cancelling the waiter must never cancel a storage write (its page would
+        # go unwritten, its staging still be freed by the task's own cleanup).
+        await asyncio.gather(*(h.done() for h in self._copies),
+                             *(asyncio.shield(t) for t in self._writes), return_exceptions=True)
 
     # ------------------------------------------------------------------ read path: fetch
     async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
@@ -588,8 +593,7 @@ class BufferModePipeline:
             for nid in list(self._intents):
                 self._metric_intent("dropped", self._drop(nid).num_tokens)
             if self._copies or self._writes:
-                await asyncio.gather(*[h.done() for h in self._copies], *self._writes,
-                                     return_exceptions=True)
+                await self._wait_in_flight()
             self.cache.tree.set_storage_intents(False)
 
     def check(self) -> None:
