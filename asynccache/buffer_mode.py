@@ -518,9 +518,10 @@ class BufferModePipeline:
         staged = self._staged.pop(req, None)
         if staged is None:
             return 0
-        bounce: np.ndarray | None = staged.host_slots
+        bounce: np.ndarray | None = None
         cache = self.cache
         try:
+            bounce = staged.host_slots
             skip = req.prefix_len - staged.start  # grown meanwhile: those pages are cached
             n = len(bounce) - skip
             if skip < 0 or n <= 0 or n < cache.config.load_back_threshold or (

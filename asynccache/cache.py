@@ -429,7 +429,7 @@ class HierarchicalCache:
 
     def engine_submit_h2d(self, host_slots: np.ndarray, device_slots: np.ndarray) -> LayerwiseHandle:
         """A layer-wise H->D copy that :meth:`flush`, ``alloc_device`` and ``aclose`` wait for."""
-        handle = self._engine.submit_h2d_layerwise(host_slots, device_slots)
+        handle: LayerwiseHandle = self._engine.submit_h2d_layerwise(host_slots, device_slots)
         self._track_copy(handle)
         return handle
 
@@ -754,6 +754,7 @@ class HierarchicalCache:
         if self._buffer is not None:  # buffer-only host: fetch into a bounce parked for req
             self._rematch(req)
             return await self._buffer.prefetch_request(req, policy)
+        assert self._storage is not None
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
         self._rematch(req)  # other requests may have cached more of the prompt since admit
