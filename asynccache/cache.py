@@ -725,6 +725,8 @@ class HierarchicalCache:
             raise ConfigError("no storage backend is attached")
         if self._buffer is not None:
             self._buffer.clear_beliefs()
+        if self._storage is not None:
+            self._storage.forget_known()
         return int(await tier.backend.clear())
 
     def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:

@@ -124,6 +124,10 @@ class StorageTier:
             if len(self._known) > self.policy.known_keys:
                 self._known.popitem(last=False)
 
+    def forget_known(self) -> None:
+        """Forget which keys were seen stored (the backend was cleared)."""
+        self._known.clear()
+
     def _page_buffers(self, host_slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
         """One uint8 buffer per page: views into a page_first pool, or copies (``fill``) /
         empty staging for a layer_first pool."""

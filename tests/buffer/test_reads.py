@@ -104,7 +104,8 @@ async def test_short_hit_query_invalidates_beliefs_and_heals(kit, make_cache,
 
 async def test_clear_storage_clears_beliefs(kit, make_cache, make_file_backend) -> None:
     c = await make_cache()
-    c.attach_storage(await make_file_backend(c), POLICY)
+    backend = await make_file_backend(c)
+    c.attach_storage(backend, POLICY)
     s = kit.tokens(8, 32)
     await kit.write_sequences(c, [s])
     assert len(c.storage.existence) == 8
@@ -113,6 +114,22 @@ async def test_clear_storage_clears_beliefs(kit, make_cache, make_file_backend) 
     c.evict(10**6)
     await kit.write_sequences(c, [s])  # not believed stored any more: written again
     assert kit.counter(c, "asynccache_storage_backup_tokens") == 64
+    assert await backend.exists_prefix(kit.page_keys(s)) == 8
+
+
+async def test_clear_storage_in_cache_mode_forgets_known_keys(kit, make_cache,
+                                                             make_file_backend) -> None:
+    c = await make_cache(strict=False, host_mode="cache")
+    backend = await make_file_backend(c)
+    c.attach_storage(backend, POLICY)
+    s = kit.tokens(9, 32)
+    await kit.write_sequences(c, [s])
+    assert await c.clear_storage() == 8
+    c.evict(10**6)
+    c.evict_host(10**6)
+    await kit.write_sequences(c, [s])
+    assert await backend.exists_prefix(kit.page_keys(s)) == 8
+    await c.detach_storage()
 
 
 async def _stored(kit, make_cache, make_file_backend, seqs) -> None:
