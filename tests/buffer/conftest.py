@@ -56,10 +56,9 @@ def assert_at_rest(cache: HierarchicalCache, *, own_receipts: int = 0) -> None:
     assert cache.host_size == 0, "a buffer-only tree never holds host copies"
     p = cache.storage
     if p is not None:
-        assert not p._fetches and not p._parked and not p._loads and not p._copies
-        assert not p._writes
+        assert not p.reads.busy and not p._copies and not p._writes
         assert p.write_staged == 0
-        assert p.occupied == sum(len(s.host_slots) for s in p._staged.values())
+        assert p.occupied == p.reads.staged_tokens
         assert cache.host_pool.allocator.used_size == p.occupied
     else:
         assert cache.host_pool.allocator.used_size == 0

@@ -97,11 +97,11 @@ async def test_cancel_a_request_at_every_await(kit, make_cache, make_file_backen
 
 def _state(c) -> str:
     p = c.storage
-    if p._loads:
+    if p.reads._loads:
         return "loading"
-    if not p._fetches:
+    if not p.reads._fetches:
         return "between steps"
-    op = next(iter(p._fetches))
+    op = next(iter(p.reads._fetches))
     if op.host_slots is None:
         return "querying storage"
     return f"reading ({op.completed_tokens} tokens in)"
@@ -145,7 +145,7 @@ async def test_detach_mid_flight_releases_everything(kit, make_cache, make_file_
     t1 = asyncio.ensure_future(c.prefetch_request(r1, policy="wait_complete"))
 
     async def parked() -> None:
-        while not p._parked:
+        while not p.reads._parked:
             await asyncio.sleep(0.001)
 
     await asyncio.wait_for(parked(), kit.TIMEOUT)
@@ -189,14 +189,14 @@ async def test_cancelled_parked_fetch_leaves_the_line(kit, make_cache, make_file
     t2 = asyncio.ensure_future(c.prefetch_request(reqs[2], policy="wait_complete"))
 
     async def parked(n: int) -> None:
-        while len(p._parked) < n:
+        while len(p.reads._parked) < n:
             await asyncio.sleep(0.001)
 
     await asyncio.wait_for(parked(2), kit.TIMEOUT)
     t1.cancel()
     await asyncio.wait({t1}, timeout=kit.TIMEOUT)
     assert t1.cancelled()
-    assert [op.key for op in p._parked] == [reqs[2].key]
+    assert [op.key for op in p.reads._parked] == [reqs[2].key]
     assert await c.load_back_request(reqs[0]) == 160  # frees its bounce: request 2 is next
     assert await asyncio.wait_for(t2, kit.TIMEOUT) == 160
     assert await c.load_back_request(reqs[2]) == 160

@@ -164,16 +164,16 @@ async def test_fetches_park_for_staging_and_resume_in_fifo_order(kit, make_cache
         t2 = asyncio.ensure_future(fetch(2))
 
         async def both_parked() -> None:
-            while len(p._parked) < 2:
+            while len(p.reads._parked) < 2:
                 await asyncio.sleep(0.001)
 
         await asyncio.wait_for(both_parked(), kit.TIMEOUT)
-        assert [op.key for op in p._parked] == [reqs[1].key, reqs[2].key]
+        assert [op.key for op in p.reads._parked] == [reqs[1].key, reqs[2].key]
         assert kit.counter(c, "asynccache_buffer_parked_prefetches") == 2
         # Loading request 0 frees its bounce: request 1 (first in line) gets it, 2 waits.
         assert await c.load_back_request(reqs[0]) == 160
         assert await asyncio.wait_for(t1, kit.TIMEOUT) == 160
-        assert done == [1] and len(p._parked) == 1
+        assert done == [1] and len(p.reads._parked) == 1
         assert await c.load_back_request(reqs[1]) == 160
         assert await asyncio.wait_for(t2, kit.TIMEOUT) == 160
         assert await c.load_back_request(reqs[2]) == 160
