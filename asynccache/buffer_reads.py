@@ -217,8 +217,9 @@ class StagedReads:
         try:
             await fut
         finally:
-            if op in self._parked:
+            if op in self._parked:  # cancelled while waiting: the next in line may fit now
                 self._parked.remove(op)
+                self.wake_parked()
 
     def wake_parked(self) -> None:
         """Hand staging to parked fetches in FIFO order while it lasts."""

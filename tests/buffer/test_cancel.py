@@ -205,3 +205,31 @@ async def test_cancelled_parked_fetch_leaves_the_line(kit, make_cache, make_file
         c.abort_req(r)
     kit.assert_at_rest(c)
     assert kit.outcomes(c) == {"issued": 3, "completed": 2, "aborted": 1}
+
+
+async def test_cancelled_head_of_line_lets_a_smaller_fetch_through(kit, make_cache,
+                                                                  make_file_backend) -> None:
+    big, small, held = kit.tokens(85, 200), kit.tokens(86, 40), kit.tokens(87, 120)
+    await _stored(kit, make_cache, make_file_backend, [big, small, held])
+    c = await make_cache(host_tokens=256)  # reads: 230 tokens
+    c.attach_storage(await make_file_backend(c), POLICY)
+    p = c.storage
+    r_held, r_big, r_small = c.admit(held), c.admit(big), c.admit(small)
+    assert await c.prefetch_request(r_held, policy="wait_complete") == 120
+    t_big = asyncio.ensure_future(c.prefetch_request(r_big, policy="wait_complete"))
+
+    async def parked(n: int) -> None:
+        while len(p.reads._parked) < n:
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(parked(1), kit.TIMEOUT)  # 120 + 200 > 230: waits
+    t_small = asyncio.ensure_future(c.prefetch_request(r_small, policy="wait_complete"))
+    await asyncio.wait_for(parked(2), kit.TIMEOUT)  # 120 + 40 fits, but it is not first in line
+    t_big.cancel()
+    await asyncio.wait({t_big}, timeout=kit.TIMEOUT)
+    assert t_big.cancelled()
+    assert await asyncio.wait_for(t_small, kit.TIMEOUT) == 40  # no free needed to move on
+    assert p.occupied == 160
+    for r in (r_held, r_big, r_small):
+        c.abort_req(r)
+    kit.assert_at_rest(c)
