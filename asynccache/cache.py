@@ -9,6 +9,7 @@ awaiter cannot leave a copy half-committed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asynccache.buffer_mode import BufferModePipeline
 from asynccache.config import CacheConfig
 from asynccache.errors import (
     ClosedError,
@@ -165,7 +167,7 @@ class HierarchicalCache(RetractionMixin):
         self.tree = RadixTree(TreeConfig(
             page_size=config.page_size,
             eviction_policy=config.eviction_policy,
-            host_enabled=config.host_enabled,
+            host_enabled=config.host_tier,
             write_policy=config.write_policy,
             enable_kv_events=config.enable_kv_events,
             enable_page_hashes=config.enable_page_hashes,
@@ -180,14 +182,15 @@ class HierarchicalCache(RetractionMixin):
         self._state = "new"
         self._inflight: dict[int, CopyHandle] = {}
         self._outstanding = 0  # device slots handed to callers, not yet freed or adopted
-        self._host_inflight = 0  # host slots allocated for backups not yet committed
-        self._host_held = 0  # host slots holding retracted requests' KV
+        self._host_inflight = 0  # host slots owned by operations: backups in flight, staging, retracted KV
         self._evicted_total = 0
         self._matched = 0
         self._hits = 0
         self._next_rid = 0
         self._close_task: asyncio.Task[None] | None = None
         self._storage: StorageTier | None = None
+        self._buffer: BufferModePipeline | None = None  # buffer-only host mode with storage
+        self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> HierarchicalCache:
@@ -223,6 +226,8 @@ class HierarchicalCache(RetractionMixin):
             await self._settle(list(self._inflight.values()))
             if self._storage is not None:
                 await self._storage.close()
+            if self._buffer is not None:
+                await self._buffer.close()
             if self._engine is not None:
                 await self._engine.aclose()
         finally:
@@ -289,13 +294,15 @@ class HierarchicalCache(RetractionMixin):
             )
         if self.host_pool is not None:
             host_used = self.host_pool.allocator.used_size
-            want = self.tree.host_size + self._host_inflight + self._host_held
+            want = self.tree.host_size + self._host_inflight
             if host_used != want:
                 raise AssertionError(
                     f"host accounting: allocator uses {host_used} slots, tree holds "
-                    f"{self.tree.host_size}, in-flight backups {self._host_inflight} and "
-                    f"retracted requests {self._host_held}"
+                    f"{self.tree.host_size} and operations (backups in flight, staging, "
+                    f"retracted requests) {self._host_inflight}"
                 )
+        if self._buffer is not None:
+            self._buffer.check()
 
     # ------------------------------------------------------------------ tree calls
     def match_prefix(self, key: RadixKey | Any) -> MatchResult:
@@ -330,6 +337,8 @@ class HierarchicalCache(RetractionMixin):
         self._outstanding -= max(0, res.cached_len - prev_prefix_len)
         if res.backups:
             self._start_backups(res.backups)
+        if res.intents and self._buffer is not None:
+            self._buffer.enqueue(res.intents)
         return res
 
     def lock(self, node_id: int) -> LockReceipt:
@@ -405,6 +414,41 @@ class HierarchicalCache(RetractionMixin):
             slots = alloc.alloc(num_tokens)
         return slots
 
+    # ------------------------------------------------------------------ internal: operation-owned
+    # host slots and untracked copies (used by the buffer-only pipeline)
+    def take_host(self, num_tokens: int, *, evict: bool = True) -> np.ndarray | None:
+        """Host slots owned by an operation (staging, a bounce) until :meth:`free_host`;
+        ``sanity_check`` counts them. None when the pool cannot provide them."""
+        if self.host_pool is None:
+            return None
+        slots = self._alloc_host(num_tokens) if evict else self.host_pool.allocator.alloc(num_tokens)
+        if slots is not None:
+            self._host_inflight += len(slots)
+        return slots
+
+    def free_host(self, slots: np.ndarray) -> None:
+        """Return slots from :meth:`take_host`."""
+        assert self.host_pool is not None
+        if len(slots):
+            self.host_pool.allocator.free(slots)
+            self._host_inflight -= len(slots)
+
+    def _track_copy(self, handle: CopyHandle) -> CopyHandle:
+        key = next(self._copy_keys)
+        self._inflight[key] = handle
+        handle.add_done_callback(lambda _h: self._inflight.pop(key, None))
+        return handle
+
+    def engine_submit_d2h(self, device_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
+        """A D->H copy that :meth:`flush`, ``alloc_device`` and ``aclose`` wait for."""
+        return self._track_copy(self._engine.submit_d2h(device_slots, host_slots))
+
+    def engine_submit_h2d(self, host_slots: np.ndarray, device_slots: np.ndarray) -> LayerwiseHandle:
+        """A layer-wise H->D copy that :meth:`flush`, ``alloc_device`` and ``aclose`` wait for."""
+        handle: LayerwiseHandle = self._engine.submit_h2d_layerwise(host_slots, device_slots)
+        self._track_copy(handle)
+        return handle
+
     # ------------------------------------------------------------------ eviction
     def _apply_evict(self, res: EvictResult, started: float) -> None:
         for slots in res.device_frees:
@@ -451,8 +495,12 @@ class HierarchicalCache(RetractionMixin):
         return self._evicted_total - before
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates)."""
+        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates).
+
+        A no-op in buffer-only host mode: the tree holds nothing on host."""
         self._check_open()
+        if not self.config.host_tier:
+            return 0
         res = self.tree.evict_host(num_tokens)
         if res.host_frees:
             assert self.host_pool is not None
@@ -509,7 +557,11 @@ class HierarchicalCache(RetractionMixin):
         self.metrics.backup_duration.observe(result.duration_s)
 
     async def flush(self) -> None:
-        """Wait until every copy started before this call has completed and been committed."""
+        """Wait until every copy started before this call has completed and been committed.
+
+        In buffer-only host mode, first start the D->H copies of the queued storage writes."""
+        if self._buffer is not None:
+            self._buffer.launch_writes()
         await self._settle(list(self._inflight.values()))
 
     @staticmethod
@@ -646,8 +698,10 @@ class HierarchicalCache(RetractionMixin):
         )
 
     @property
-    def storage(self) -> StorageTier | None:
-        return self._storage
+    def storage(self) -> StorageTier | BufferModePipeline | None:
+        """The attached L3 tier: a :class:`StorageTier`, or in buffer-only host mode the
+        :class:`~asynccache.buffer_mode.BufferModePipeline` (both have ``drain()``)."""
+        return self._storage if self._storage is not None else self._buffer
 
     def attach_storage(self, backend: Any, policy: StoragePolicy | None = None) -> None:
         """Use ``backend`` (a started :class:`storage.StorageBackend`) as the L3 tier.
@@ -659,17 +713,24 @@ class HierarchicalCache(RetractionMixin):
         policy = policy or StoragePolicy()
         if not isinstance(policy, StoragePolicy):
             raise ConfigError(f"policy must be a StoragePolicy, got {policy!r}")
-        if self._storage is not None:
-            if self._storage.backend is backend:
-                self._storage.set_policy(policy)  # attaching the same backend again: new policy
-                return
-            raise ConfigError("a different storage backend is already attached; detach it first")
+        tier = self.storage
+        if tier is not None:
+            if tier.backend is not backend:
+                raise ConfigError("a different storage backend is already attached; detach it first")
+            if self._storage is not None:  # attaching the same backend again: a new policy
+                self._storage.set_policy(policy)
+            else:
+                tier.policy = policy
+            return
         layout = getattr(backend, "layout", None)
         if layout is not None and layout.page_size != self.page_size:
             raise ConfigError(
                 f"backend layout page_size {layout.page_size} != cache page_size {self.page_size}"
             )
         self.tree.enable_page_hashes()
+        if self.config.host_mode == "buffer_only":
+            self._buffer = BufferModePipeline(self, backend, policy)
+            return
         self._storage = StorageTier(self, backend, policy)
 
     async def detach_storage(self) -> bool:
@@ -679,27 +740,41 @@ class HierarchicalCache(RetractionMixin):
         detached either way).
         """
         tier, self._storage = self._storage, None
-        if tier is None:
-            return True
+        buffer, self._buffer = self._buffer, None
         try:
-            await tier.close()
+            if tier is not None:
+                await tier.close()
+            if buffer is not None:
+                await buffer.close()
         except Exception as exc:
             _log.error("storage_detach_failed", error=repr(exc))
             return False
         return True
 
     async def clear_storage(self) -> int | None:
-        """Remove every page of the attached backend (this cache's layout) and forget which
-        pages were known to exist; returns how many were removed, or None if the backend
-        failed (logged)."""
+        """Remove this cache's pages from the attached backend and forget which pages were
+        believed stored; returns how many were removed, or None if the backend failed (logged)."""
         self._check_open()
-        if self._storage is None:
+        tier = self.storage
+        if tier is None:
             raise ConfigError("no storage backend is attached")
-        return await self._storage.clear()
+        if self._buffer is not None:
+            self._buffer.clear_beliefs()
+        if self._storage is not None:
+            self._storage.forget_known()
+        try:
+            return int(await tier.backend.clear())
+        except Exception as exc:
+            _log.error("storage_clear_failed", error=repr(exc))
+            return None
 
     def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
         """Start fetching the pages after ``match``'s cached prefix from storage."""
         self._check_open()
+        if self._buffer is not None:
+            raise InvalidInputError(
+                "start_prefetch is not available in buffer_only host mode: use prefetch_request"
+            )
         if self._storage is None:
             return None
         return self._storage.start_prefetch(as_key(key), match)
@@ -711,12 +786,16 @@ class HierarchicalCache(RetractionMixin):
         the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
         """
         self._check_open()
-        if self._storage is None or self.config.disable:
+        if (self._storage is None and self._buffer is None) or self.config.disable:
             return 0
         if req.finished or req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: prefetch_request must come before it computes tokens"
             )
+        if self._buffer is not None:  # buffer-only host: fetch into a bounce parked for req
+            self._rematch(req)
+            return await self._buffer.prefetch_request(req, policy)
+        assert self._storage is not None
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
         self._rematch(req)  # other requests may have cached more of the prompt since admit
@@ -824,6 +903,11 @@ class HierarchicalCache(RetractionMixin):
                 f"request {req.rid}: load_back_request must come before it computes tokens"
             )
         before = req.prefix_len
+        if self._buffer is not None:  # buffer-only host: load the bounce parked for req
+            self._rematch(req)
+            if await self._buffer.load_staged(req, mem_quota):
+                self._rematch(req)
+            return req.prefix_len - before
         try:
             for _ in range(16):
                 if req.pending_loads:
@@ -911,6 +995,8 @@ class HierarchicalCache(RetractionMixin):
                 self.sessions.register(req.session_id, req.session_generation, res.last_node)
         self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
         self._release_pins(req)
+        if self._buffer is not None:
+            self._buffer.release_request(req)
         req.spare = EMPTY_SLOTS
         req.finished = True
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from asynccache.config import CacheConfig
+from asynccache.config import HOST_MODES, CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError
 from asynccache.l3 import PREFETCH_POLICIES, StoragePolicy
 from asynccache.replay.driver import Replayer, ReplayOptions
@@ -76,6 +76,7 @@ def _config(args: argparse.Namespace, device_tokens: int | None = None) -> Cache
         eviction_policy=args.eviction_policy,
         load_back_threshold=args.load_back_threshold,
         model_name=args.model_name,
+        host_mode=args.host_mode,
     )
 
 
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--host-tokens", type=parse_size, default=131072,
                     help="L2 capacity in tokens (0 disables the host tier)")
     rp.add_argument("--host-bytes", type=parse_size, default=None)
+    rp.add_argument("--host-mode", choices=HOST_MODES, default="cache",
+                    help="cache: host memory is the L2 tier; buffer_only: host memory only "
+                         "stages pages between device and --storage")
     rp.add_argument("--page-size", type=int, default=16)
     rp.add_argument("--layers", type=int, default=2)
     rp.add_argument("--heads", type=int, default=2)

@@ -11,6 +11,7 @@ from asynccache.errors import ConfigError
 from asynccache.tree.queues import POLICIES
 from asynccache.tree.tree import WRITE_POLICIES
 
+HOST_MODES = ("cache", "buffer_only")
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -29,6 +30,8 @@ class CacheConfig:
     Capacities: give ``device_tokens`` or ``device_bytes`` (and ``host_tokens`` or
     ``host_bytes``; zero or unset host capacity means no L2 tier). ``load_back_threshold``: host
     hits shorter than this many tokens are recomputed rather than loaded.
+    ``host_mode``: ``"cache"`` (host memory is the L2 tier) or ``"buffer_only"`` (host memory is
+    only staging between device and an attached storage backend; see docs/cache.md).
     """
 
     page_size: int = 16
@@ -51,6 +54,7 @@ class CacheConfig:
     enable_sessions: bool = False  # radix session references (session paths evicted last)
     retraction_backup: bool = False  # retract/restore requests via host memory
     model_name: str = "model"  # names L3 objects: different models never share one
+    host_mode: str = "cache"  # "cache": host RAM is the L2 tier; "buffer_only": staging only
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -73,6 +77,22 @@ class CacheConfig:
                      "retraction_backup"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.host_mode not in HOST_MODES:
+            raise ConfigError(
+                f"unknown host_mode {self.host_mode!r}; choose one of {list(HOST_MODES)}"
+            )
+        if self.host_mode == "buffer_only":
+            if not self.host_enabled:
+                raise ConfigError(
+                    "host_mode 'buffer_only' stages pages in host memory between device and "
+                    "storage: set host_tokens or host_bytes (got no host capacity)"
+                )
+            if self.write_policy == "write_back":
+                raise ConfigError(
+                    "host_mode 'buffer_only' needs a write-through write_policy "
+                    "('write_through' or 'write_through_selective'), got 'write_back': there "
+                    "is no host tier to write evicted pages back to"
+                )
         if self.host_layout not in ("layer_first", "page_first"):
             raise ConfigError(f"unknown host_layout {self.host_layout!r}")
         if self.write_policy not in WRITE_POLICIES:
@@ -98,7 +118,13 @@ class CacheConfig:
 
     @property
     def host_enabled(self) -> bool:
+        """A host pool exists (an L2 tier, or buffer-only staging)."""
         return bool(self.host_tokens) or bool(self.host_bytes)
+
+    @property
+    def host_tier(self) -> bool:
+        """Host memory is an L2 tier the tree keeps pages in (``host_mode == "cache"``)."""
+        return self.host_enabled and self.host_mode == "cache"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheConfig:

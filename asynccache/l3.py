@@ -124,16 +124,6 @@ class StorageTier:
         while len(self._known) > policy.known_keys:
             self._known.popitem(last=False)
 
-    async def clear(self) -> int | None:
-        """Clear the backend and forget the keys believed stored; None if the backend failed."""
-        self._known.clear()
-        try:
-            removed: int = await self.backend.clear()
-        except Exception as exc:
-            _log.error("storage_clear_failed", error=repr(exc))
-            return None
-        return removed
-
     # ------------------------------------------------------------------ known keys
     def _remember(self, key: str) -> None:
         if self.policy.known_keys:
@@ -141,6 +131,10 @@ class StorageTier:
             self._known.move_to_end(key)
             if len(self._known) > self.policy.known_keys:
                 self._known.popitem(last=False)
+
+    def forget_known(self) -> None:
+        """Forget which keys were seen stored (the backend was cleared)."""
+        self._known.clear()
 
     def _page_buffers(self, host_slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
         """One uint8 buffer per page: views into a page_first pool, or copies (``fill``) /

@@ -71,6 +71,15 @@ class CacheMetrics:
             "Storage write bandwidth per backup batch",
             buckets=(1e6, 1e7, 1e8, 5e8, 1e9, 2e9, 5e9, 1e10), registry=r)
 
+        # buffer-only host mode
+        self.buffer_intents = Counter(
+            "asynccache_buffer_write_intents",
+            "Buffer-only write intents by outcome (queued, staged, covered, stale, backlog, dropped)",
+            ["outcome"], registry=r)
+        self.buffer_parked_prefetches = Counter(
+            "asynccache_buffer_parked_prefetches",
+            "Buffer-only prefetches that waited for host staging", registry=r)
+
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)

@@ -14,7 +14,6 @@ freed when the copy lands).
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     from asynccache.cache import CacheRequest
 
 _log = get_logger("retraction")
-_copy_ids = itertools.count(-1, -1)  # keys of retraction copies in the cache's in-flight table
 
 
 @dataclass(eq=False)
@@ -46,9 +44,6 @@ class RetractionMixin:
     """``retract`` / ``restore`` / ``discard_retracted`` of the cache facade."""
 
     config: Any
-    _engine: Any
-    _inflight: dict[int, Any]
-    _host_held: int
 
     async def retract(self, req: CacheRequest) -> RetractedKV:
         """Copy ``req``'s KV to host and free its device slots and locks.
@@ -62,21 +57,22 @@ class RetractionMixin:
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)  # type: ignore[attr-defined]
         slots = np.concatenate([req.slots, req.spare])
-        host = self._alloc_host(len(slots)) if len(slots) else EMPTY_SLOTS  # type: ignore[attr-defined]
+        host = self.take_host(len(slots)) if len(slots) else EMPTY_SLOTS  # type: ignore[attr-defined]
         if host is None:
             raise PoolExhaustedError(
                 f"cannot retract request {req.rid}: {len(slots)} host slots needed, "
                 f"{self.host_pool.allocator.available_size} free after host eviction"  # type: ignore[attr-defined]
             )
-        self._host_held += len(host)
         if len(slots):
             try:
-                await self._copy(self._engine.submit_d2h(slots, host),
-                                 on_cancel=lambda: self._drop_host(host))
+                await self._copy(self.engine_submit_d2h(slots, host),  # type: ignore[attr-defined]
+                                 on_cancel=lambda: self.free_host(host))  # type: ignore[attr-defined]
             except Exception:
-                self._drop_host(host)
+                self.free_host(host)  # type: ignore[attr-defined]
                 raise
         backup = RetractedKV(req.rid, req.computed, host)
+        if self._buffer is not None:  # type: ignore[attr-defined]
+            self._buffer.release_request(req)  # type: ignore[attr-defined]
         self._release_pins(req)  # type: ignore[attr-defined]
         own = np.concatenate([req.slots[req.prefix_len :], req.spare])
         self.free_device(own)  # type: ignore[attr-defined]
@@ -106,14 +102,14 @@ class RetractionMixin:
             raise
         if n:
             try:
-                await self._copy(self._engine.submit_h2d(backup.host_slots, slots),
+                await self._copy(self.engine_submit_h2d(backup.host_slots, slots),  # type: ignore[attr-defined]
                                  on_cancel=lambda: self.free_device(slots))  # type: ignore[attr-defined]
             except BaseException as exc:
                 backup.state = "held"
                 if not isinstance(exc, asyncio.CancelledError):
                     self.free_device(slots)  # type: ignore[attr-defined]
                 raise
-        self._drop_host(backup.host_slots)
+        self.free_host(backup.host_slots)  # type: ignore[attr-defined]
         backup.state = "restored"
         req.retracted = None
         req.slots, req.spare = slots[: backup.num_tokens], slots[backup.num_tokens :]
@@ -130,7 +126,7 @@ class RetractionMixin:
             raise InvalidInputError(f"request {req.rid} is being restored; await it first")
         req.retracted = None
         backup.state = "discarded"
-        self._drop_host(backup.host_slots)
+        self.free_host(backup.host_slots)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ helpers
     def _check_retraction(self, req: CacheRequest) -> None:
@@ -140,20 +136,12 @@ class RetractionMixin:
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
 
-    def _drop_host(self, host: np.ndarray) -> None:
-        if len(host):
-            self.host_pool.allocator.free(host)  # type: ignore[attr-defined]
-            self._host_held -= len(host)
-
     async def _copy(self, handle: Any, *, on_cancel: Callable[[], None]) -> None:
         """Await a copy (raising :class:`TransferError` if it failed).
 
         If the awaiter is cancelled, ``on_cancel`` runs once the copy has landed (never while
         the copy may still read or write the slots) and the cancellation propagates.
         """
-        key = next(_copy_ids)
-        self._inflight[key] = handle
-        handle.add_done_callback(lambda _h: self._inflight.pop(key, None))
         try:
             await handle
         except asyncio.CancelledError:

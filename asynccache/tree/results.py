@@ -100,7 +100,9 @@ class InsertResult:
     ``cached_len``: tokens the tree now holds for the key (the key length rounded down to a page;
     the caller keeps the slots of the unaligned tail). ``last_node``: node ending at
     ``cached_len``. ``device_frees``: the caller's slots that duplicate cached KV — free them.
-    ``backups``: write-through copies to run, root first.
+    ``backups``: write-through copies to run, root first. ``intents``: with storage intents on
+    (buffer-only host mode), the nodes that reached the write threshold, root first: write them
+    to storage (nothing is pinned or marked for them).
     """
 
     prefix_len: int
@@ -108,6 +110,7 @@ class InsertResult:
     last_node: int
     device_frees: list[np.ndarray] = field(default_factory=list)
     backups: list[BackupRequest] = field(default_factory=list)
+    intents: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -131,6 +131,7 @@ class RadixTree:
         self._write_back = config.host_enabled and config.write_policy == "write_back"
         self._write_through = config.host_enabled and not self._write_back
         self._threshold = config.write_through_threshold
+        self._intents = False  # buffer-only host mode with storage: report, do not back up
         policy = config.eviction_policy
         self._touch_requeues = policy in USES_ACCESS
         self._hit_requeues = policy in USES_HITS
@@ -168,6 +169,15 @@ class RadixTree:
         self._eager_hashes = True
 
     # ------------------------------------------------------------------ ownership
+    def set_storage_intents(self, on: bool) -> None:
+        """Report nodes reaching the write threshold in ``InsertResult.intents`` (for a
+        buffer-only host, which writes them from device to storage) instead of backing them up.
+        Only for a tree without a host tier."""
+        self._check_owner()
+        if on and self._host:
+            raise ConfigError("storage intents are for a tree without a host tier")
+        self._intents = bool(on)
+
     def bind_owner(self, thread_ident: int | None = None) -> None:
         """Make ``thread_ident`` (default: the calling thread) the only one allowed to mutate."""
         self._owner = threading.get_ident() if thread_ident is None else thread_ident
@@ -562,6 +572,8 @@ class RadixTree:
                 requeue = requeue or self._hit_requeues
                 if self._write_through and child.hit_count >= self._threshold:
                     self._backup_chain(child, result.backups)
+                elif self._intents and child.hit_count >= self._threshold:
+                    result.intents.append(child.id)
             if requeue and (child.qe[0] or child.qe[1] or child.qe[2]):
                 self._requeue(child)
             node = child
@@ -583,6 +595,8 @@ class RadixTree:
             self._refresh(leaf)
             if self._write_through and self._threshold <= 1:
                 self._backup_chain(leaf, result.backups)
+            elif self._intents and self._threshold <= 1:
+                result.intents.append(leaf.id)
             node = leaf
         result.last_node = node.id
         return result
@@ -697,6 +711,29 @@ class RadixTree:
         data = key.data[start * 4 :]
         data = data[: len(data) - len(data) % self._pb]
         return [storage_key(d) for d in chain_digests(prev, data, self._pb)]
+
+    def tail_slots(self, node_id: int, num_tokens: int) -> np.ndarray | None:
+        """Device slots of the last ``num_tokens`` tokens of the path ending at ``node_id``.
+
+        A node keeps its id and its end when a prefix is split off it, so a span recorded as
+        (node, length) stays valid across splits: it is gathered from the fragments here. None
+        when the node is gone (evicted), is not on device, or the path holds fewer tokens.
+        """
+        n = self._nodes.get(node_id)
+        if n is None or n is self._root:
+            return None
+        parts: list[np.ndarray] = []
+        need = num_tokens
+        while need > 0:
+            if n is self._root or n.value is None:
+                return None
+            v = n.value
+            parts.append(v if len(v) <= need else v[len(v) - need :])
+            need -= len(parts[-1])
+            assert n.parent is not None
+            n = n.parent
+        parts.reverse()
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _unevict(self, n: Node, slots: np.ndarray) -> None:
         """Give a host-only node device slots again (the caller recomputed its KV)."""

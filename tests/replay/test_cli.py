@@ -82,6 +82,7 @@ def test_json_report_has_the_documented_keys(capsys) -> None:
     _check_report(rep, requests=requests, prompt_tokens=prompt)
     assert rep["trace"] == "synthetic"
     assert rep["config"] == {"page_size": 16, "device_tokens": 64000, "host_tokens": 0,
+                             "host_mode": "cache",
                              "storage": None, "write_policy": "write_through_selective",
                              "eviction_policy": "lru", "kv_shape": [2, 2, 16, "float16"]}
     # L1 only: nothing from host or storage, nothing moved between tiers.
@@ -135,6 +136,24 @@ def test_file_storage_url(tmp_path, capsys) -> None:
     assert second["verified_tokens"] > 0  # what came from storage was checked
 
 
+def test_buffer_only_host_mode(tmp_path, capsys) -> None:
+    url = f"file://{tmp_path / 'l3'}"
+    argv = ["replay", "--limit", "60", "--json", "--storage", url, "--host-mode", "buffer_only",
+            "--write-policy", "write_through", "--prefetch-policy", "wait_complete",
+            "--prefetch-threshold", "16"]
+    requests, prompt = _synthetic_totals(limit=60)
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    _check_report(first, requests=requests, prompt_tokens=prompt)
+    assert first["config"]["host_mode"] == "buffer_only"
+    assert first["moved"]["host_to_storage_bytes"] > 0
+    assert main(argv) == 0  # a new cache on the same store: reads through host staging
+    second = json.loads(capsys.readouterr().out)
+    _check_report(second, requests=requests, prompt_tokens=prompt, cold=False)
+    assert second["hit_rate"]["storage_tokens"] > 0
+    assert second["verified_tokens"] > 0
+
+
 def _bad_trace(tmp: Path) -> Path:
     p = tmp / "bad.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
@@ -152,6 +171,9 @@ def _bad_trace(tmp: Path) -> Path:
         (["replay", "--max-in-flight", "0"], "--max-in-flight must be >= 1, got 0"),
         (["replay", "--prefetch-policy", "soon"], "argument --prefetch-policy: invalid choice"),
         (["replay", "--format", "csv"], "argument --format: invalid choice"),
+        (["replay", "--host-mode", "l2"], "argument --host-mode: invalid choice"),
+        (["replay", "--host-mode", "buffer_only", "--host-tokens", "0"],
+         "set host_tokens or host_bytes"),
         (["replay", "--verify", "some"], "argument --verify: invalid choice"),
         (["replay", "--page-size", "x"], "argument --page-size: invalid int value"),
         (["replay", "--page-size", "0"], "page_size must be > 0, got 0"),

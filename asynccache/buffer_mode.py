@@ -1,0 +1,338 @@
+"""Buffer-only host mode: host memory as transient staging between device and storage.
+
+With ``CacheConfig(host_mode="buffer_only")`` and a storage backend attached, the tree never
+holds host copies. Host slots belong to operations only:
+
+* **Writes.** A node reaching the write threshold becomes an *intent* (its id, length and page
+  keys; nothing pinned while it waits) in a FIFO. Once per loop turn (and at every
+  :meth:`~asynccache.HierarchicalCache.flush`) the queued intents that still exist and are not
+  already believed stored get host staging inside the write window, their device pages are
+  pinned and copied to host as **one** D->H copy; when it lands the pins are released and the
+  pages are written to storage; the staging is freed when the storage write returns. An
+  intent whose node was evicted meanwhile is dropped (eviction always wins); one whose node
+  was split is gathered from the fragments.
+* **Reads** (:mod:`asynccache.buffer_reads`). A request's prefetch fetches its stored pages
+  into an operation-owned host bounce that is *parked* for the request. Its load-back allocates
+  device slots, copies the bounce to device layer by layer, inserts the loaded prefix into the
+  tree like computed KV and frees the bounce when the copy lands. A fetch that cannot get
+  staging waits in FIFO order.
+
+Budgets (shares of the host pool): reads may hold up to 90 % minus the write staging; writes
+may hold the pool minus the read bounces minus 10 %, but never less than 20 %.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from asynccache.buffer_reads import StagedReads, page_buffers
+from asynccache.errors import ConfigError
+from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
+from asynccache.l3 import BATCH_PAGES, StoragePolicy
+from asynccache.logs import get_logger
+from asynccache.tree import LockReceipt
+from transfers.handles import CopyHandle
+
+if TYPE_CHECKING:
+    from asynccache.cache import CacheRequest, HierarchicalCache
+
+_log = get_logger("buffer_mode")
+
+WRITE_MARGIN: Final = 0.1  # writes leave this share free besides the read bounces...
+WRITE_FLOOR: Final = 0.2  # ...but may always hold this share
+
+
+@dataclass(slots=True)
+class _Intent:
+    node_id: int
+    num_tokens: int
+    keys: list[str]
+
+
+class BufferModePipeline:
+    """Storage writes and prefetches of a buffer-only host (one per attached backend)."""
+
+    def __init__(self, cache: HierarchicalCache, backend: Any, policy: StoragePolicy, *,
+                 existence_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        host = cache.host_pool
+        if host is None:
+            raise ConfigError("buffer_only host mode needs host staging: set host_tokens")
+        self.cache = cache
+        self.backend = backend
+        self.policy = policy
+        self.existence = StorageExistenceCache(existence_entries)
+        self.host = host
+        self._ps = cache.page_size
+        pool = host.num_slots
+        self._write_margin = int(pool * WRITE_MARGIN)
+        self._write_floor = int(pool * WRITE_FLOOR)
+        self.backlog_cap = 2 * cache.device_pool.num_slots  # tokens of queued intents
+        self._intents: OrderedDict[int, _Intent] = OrderedDict()
+        self._queued_tokens = 0
+        self.write_staged = 0  # host tokens staged for writes (D->H or storage write running)
+        self._copies: set[CopyHandle] = set()  # D->H copies of write batches
+        self._writes: set[asyncio.Task[None]] = set()
+        self._launch_pending = False
+        self._closed = False
+        self.reads = StagedReads(self)
+        cache.tree.set_storage_intents(True)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def queued_intents(self) -> int:
+        return len(self._intents)
+
+    @property
+    def staged_requests(self) -> int:
+        """Requests with a fetched bounce parked, not loaded yet."""
+        return self.reads.staged_requests
+
+    @property
+    def occupied(self) -> int:
+        """Host tokens held by read bounces (fetching, parked, loading)."""
+        return self.reads.occupied
+
+    @property
+    def load_limit(self) -> int:
+        return self.reads.load_limit
+
+    def write_window(self) -> int:
+        """Host tokens writes may hold now: the pool minus read bounces minus the margin,
+        floored."""
+        return max(self.host.num_slots - self.reads.occupied - self._write_margin,
+                   self._write_floor)
+
+    def _metric_intent(self, outcome: str, tokens: int = 0) -> None:
+        self.cache.metrics.buffer_intents.labels(outcome=outcome).inc()
+        if tokens and outcome in ("covered", "stale", "backlog"):
+            reason = "exists" if outcome == "covered" else outcome
+            self.cache.metrics.storage_backup_skipped_tokens.labels(reason=reason).inc(tokens)
+
+    # ------------------------------------------------------------------ write path
+    def enqueue(self, node_ids: Sequence[int]) -> None:
+        """Record write intents for nodes that reached the write threshold (root first)."""
+        if self._closed:
+            return
+        tree = self.cache.tree
+        for nid in node_ids:
+            if nid in self._intents:
+                continue
+            keys = tree.node_page_keys(nid)
+            if self.existence.covered(keys):
+                self._metric_intent("covered", len(keys) * self._ps)
+                continue
+            n = len(keys) * self._ps
+            if self._queued_tokens + n > self.backlog_cap:
+                self._sweep_stale()
+                if self._queued_tokens + n > self.backlog_cap:
+                    _log.warning("write_intent_dropped", node=nid, tokens=n,
+                                 queued_tokens=self._queued_tokens, cap=self.backlog_cap)
+                    self._metric_intent("backlog", n)
+                    continue
+            self._intents[nid] = _Intent(nid, n, keys)
+            self._queued_tokens += n
+            self._metric_intent("queued")
+        if self._intents and not self._launch_pending:
+            self._launch_pending = True
+            asyncio.get_running_loop().call_soon(self._launch_soon)
+
+    def _drop(self, nid: int) -> _Intent:
+        intent = self._intents.pop(nid)
+        self._queued_tokens -= intent.num_tokens
+        return intent
+
+    def _sweep_stale(self) -> None:
+        tree = self.cache.tree
+        for nid in [i.node_id for i in self._intents.values()
+                    if tree.tail_slots(i.node_id, i.num_tokens) is None]:
+            self._metric_intent("stale", self._drop(nid).num_tokens)
+
+    def _launch_soon(self) -> None:
+        self._launch_pending = False
+        if not self._closed and self.cache._state == "running":
+            self.launch_writes()
+
+    def launch_writes(self) -> int:
+        """Stage queued intents (FIFO, within the write window) and start their D->H copy as
+        one batch; returns the tokens staged."""
+        if self._closed or not self._intents:
+            return 0
+        cache = self.cache
+        tree = cache.tree
+        ps = self._ps
+        room = self.write_window() - self.write_staged
+        dev_parts: list[np.ndarray] = []
+        keys: list[str] = []
+        nodes: list[int] = []
+        while self._intents and room >= ps:
+            intent = next(iter(self._intents.values()))
+            slots = tree.tail_slots(intent.node_id, intent.num_tokens)
+            if slots is None:  # evicted while queued
+                self._metric_intent("stale", self._drop(intent.node_id).num_tokens)
+                continue
+            todo = self.existence.missing(intent.keys)
+            if not todo:
+                self._metric_intent("covered", self._drop(intent.node_id).num_tokens)
+                continue
+            fit = todo[: room // ps]
+            for j in fit:
+                dev_parts.append(slots[j * ps : (j + 1) * ps])
+                keys.append(intent.keys[j])
+            self.existence.begin_write(intent.keys[j] for j in fit)
+            nodes.append(intent.node_id)
+            room -= len(fit) * ps
+            if len(fit) == len(todo):
+                self._drop(intent.node_id)
+                self._metric_intent("staged")
+            # else: the rest of the node waits at the head of the queue for the next window
+        if not keys:
+            return 0
+        n = len(keys) * ps
+        host = cache.take_host(n, evict=False)
+        if host is None:  # the window allows it but the pool is held by reads: later
+            self.existence.end_write(keys, [False] * len(keys))
+            self._requeue_front(nodes)
+            return 0
+        receipts = [tree.lock(nid) for nid in nodes]
+        self.write_staged += n
+        handle = cache.engine_submit_d2h(np.concatenate(dev_parts), host)
+        self._copies.add(handle)
+        handle.add_done_callback(lambda h: self._copied(h, keys, host, receipts))
+        return n
+
+    def _requeue_front(self, nodes: list[int]) -> None:
+        """Intents taken off the queue for a batch that could not get staging go back first."""
+        tree = self.cache.tree
+        for nid in reversed(nodes):
+            if nid not in self._intents:
+                keys = tree.node_page_keys(nid)
+                self._intents[nid] = _Intent(nid, len(keys) * self._ps, keys)
+                self._queued_tokens += len(keys) * self._ps
+                self._intents.move_to_end(nid, last=False)
+
+    def _copied(self, handle: CopyHandle, keys: list[str], host: np.ndarray,
+                receipts: list[LockReceipt]) -> None:
+        self._copies.discard(handle)
+        cache = self.cache
+        for r in receipts:
+            cache.tree.unlock(r)
+        try:
+            result = handle.result()
+        except Exception as exc:
+            _log.warning("buffer_write_copy_failed", pages=len(keys), error=repr(exc))
+            self._write_done(keys, host, [False] * len(keys))
+            return
+        m = cache.metrics
+        m.backup_tokens.inc(result.num_tokens)
+        m.backup_bytes.inc(result.num_bytes)
+        m.backup_duration.observe(result.duration_s)
+        task = asyncio.get_running_loop().create_task(self._store(keys, host))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _store(self, keys: list[str], host: np.ndarray) -> None:
+        ps = self._ps
+        ok: list[bool] = []
+        metrics = self.cache.metrics
+        try:
+            for i in range(0, len(keys), BATCH_PAGES):
+                batch = keys[i : i + BATCH_PAGES]
+                bufs = page_buffers(self.host, host[i * ps : (i + len(batch)) * ps], fill=True)
+                t0 = time.perf_counter()
+                got = await self.backend.set_batch(batch, bufs)
+                dt = time.perf_counter() - t0
+                ok.extend(bool(g) for g in got)
+                written = sum(got)
+                if written and dt > 0:
+                    metrics.storage_backup_bandwidth.observe(written * self.host.page_bytes / dt)
+        except Exception as exc:  # a closed backend or a bug: the pages stay unwritten
+            _log.warning("buffer_storage_write_failed", pages=len(keys), error=repr(exc))
+        finally:
+            ok.extend([False] * (len(keys) - len(ok)))
+            self._write_done(keys, host, ok)
+
+    def _write_done(self, keys: list[str], host: np.ndarray, ok: list[bool]) -> None:
+        ps = self._ps
+        written = sum(ok)
+        self.existence.end_write(keys, ok)
+        self.cache.free_host(host)
+        self.write_staged -= len(host)
+        m = self.cache.metrics
+        m.storage_backup_tokens.inc(written * ps)
+        if written < len(keys):
+            m.storage_backup_skipped_tokens.labels(reason="failed").inc((len(keys) - written) * ps)
+        self.reads.wake_parked()
+        if self._intents and not self._closed and not self._launch_pending:
+            self._launch_pending = True
+            asyncio.get_running_loop().call_soon(self._launch_soon)
+
+    async def drain(self) -> None:
+        """Write every queued intent and wait until every storage write has returned."""
+        while True:
+            self.launch_writes()
+            if not self._copies and not self._writes:
+                return  # nothing in flight: what is still queued cannot get staging now
+            await self._wait_in_flight()
+
+    async def _wait_in_flight(self) -> None:
+        # Shielded: cancelling the waiter must never cancel a storage write (its page would
+        # go unwritten, its staging still be freed by the task's own cleanup).
+        await asyncio.gather(*(h.done() for h in self._copies),
+                             *(asyncio.shield(t) for t in self._writes), return_exceptions=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ reads (delegated)
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        """Fetch ``req``'s stored pages into a bounce parked for it; returns the tokens."""
+        if self._closed:
+            return 0
+        return await self.reads.prefetch_request(req, policy)
+
+    async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int:
+        """Copy ``req``'s parked bounce to the device and insert it; returns the tokens."""
+        return await self.reads.load_staged(req, mem_quota)
+
+    def release_request(self, req: CacheRequest) -> None:
+        """Free the bounce parked for ``req`` (finished or aborted before loading it)."""
+        self.reads.release_request(req)
+
+    # ------------------------------------------------------------------ lifecycle
+    def clear_beliefs(self) -> None:
+        """Forget what was believed stored (the backend was cleared)."""
+        self.existence.clear()
+
+    async def close(self) -> None:
+        """Write what is queued, wait for every write, drop fetches and parked bounces."""
+        try:
+            await self.drain()
+        finally:
+            self._closed = True
+            await self.reads.close()
+            for nid in list(self._intents):
+                self._metric_intent("dropped", self._drop(nid).num_tokens)
+            if self._copies or self._writes:
+                await self._wait_in_flight()
+            self.cache.tree.set_storage_intents(False)
+
+    def check(self) -> None:
+        """Accounting of the staging (for ``sanity_check``)."""
+        reads = self.reads
+        if self.write_staged < 0 or reads.occupied < 0:
+            raise AssertionError(
+                f"buffer staging went negative: writes {self.write_staged}, reads {reads.occupied}")
+        staged = reads.staged_tokens
+        if staged > reads.occupied:
+            raise AssertionError(f"parked bounces hold {staged} tokens but reads hold {reads.occupied}")
+        if self._queued_tokens != sum(i.num_tokens for i in self._intents.values()):
+            raise AssertionError("queued intent tokens out of step with the queue")
+        if not reads.busy and reads.occupied != staged:
+            raise AssertionError(f"reads hold {reads.occupied} host tokens, parked bounces {staged}")
+        if not self._copies and not self._writes and self.write_staged:
+            raise AssertionError(f"{self.write_staged} write staging tokens with nothing in flight")

@@ -1,0 +1,369 @@
+"""The read path of the buffer-only host mode: storage -> parked host bounce -> device.
+
+A request's prefetch asks storage how many of its next pages exist and reads them into host
+slots owned by the operation (a *bounce*), waiting in FIFO order when the read budget or the
+pool has no room. The bounce is parked for the request; its load-back copies it to the device
+layer by layer, inserts the loaded prefix into the tree like computed KV, and frees the bounce
+when the copy lands. Read bounces may hold up to 90 % of the host pool minus the staging of
+writes in flight (:mod:`asynccache.buffer_mode`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+import torch
+
+from asynccache.errors import ConfigError, PoolExhaustedError
+from asynccache.l3 import BATCH_PAGES, PREFETCH_POLICIES
+from asynccache.logs import get_logger
+from asynccache.tree import LockReceipt, RadixKey
+from transfers.handles import CopyHandle
+from transfers.pools import HostPool
+
+if TYPE_CHECKING:
+    from asynccache.buffer_mode import BufferModePipeline
+    from asynccache.cache import CacheRequest
+
+_log = get_logger("buffer_reads")
+
+LOAD_SHARE: Final = 0.9  # reads may hold this share of the host pool (minus write staging)
+
+
+def page_buffers(host: HostPool, slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
+    """One uint8 buffer per page of ``slots``: views into a page_first pool, else copies of
+    the pages (``fill``) or empty buffers to read into and write back with ``write_page``."""
+    firsts = slots[:: host.page_size].tolist()
+    if host.layout == "page_first":
+        return [host.page_buffer(f) for f in firsts]
+    if fill:
+        return [host.read_page(f) for f in firsts]
+    return [torch.empty(host.page_bytes, dtype=torch.uint8) for _ in firsts]
+
+
+@dataclass(eq=False, slots=True)
+class BufferFetch:
+    """One buffer-mode prefetch: the hit query, then a read into an operation-owned bounce."""
+
+    key: RadixKey
+    start: int
+    requested_tokens: int
+    keys: list[str]
+    started: float
+    want_pages: int = 0
+    host_slots: np.ndarray | None = None
+    hit_tokens: int = 0
+    completed_tokens: int = 0
+    outcome: str = "issued"
+    task: asyncio.Task[None] | None = None
+    parked: asyncio.Future[None] | None = None
+    finished: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Staged:
+    """A fetched span ``[start, start + len(host_slots))`` of ``key`` parked for its request."""
+
+    key: RadixKey
+    start: int
+    host_slots: np.ndarray
+
+
+class StagedReads:
+    """Prefetches into parked host bounces and their load-backs, for one pipeline."""
+
+    def __init__(self, pipeline: BufferModePipeline) -> None:
+        self.pipeline = pipeline
+        self.cache = pipeline.cache
+        self._host = pipeline.host
+        self._ps = self.cache.page_size
+        self.load_limit = int(self._host.num_slots * LOAD_SHARE)
+        self.occupied = 0  # host tokens held by read bounces (fetching, parked, loading)
+        self.closed = False
+        self._fetches: set[BufferFetch] = set()
+        self._parked: deque[BufferFetch] = deque()
+        self._staged: dict[CacheRequest, _Staged] = {}
+        self._loads: set[CopyHandle] = set()  # H->D copies of parked bounces
+
+    @property
+    def staged_requests(self) -> int:
+        return len(self._staged)
+
+    @property
+    def staged_tokens(self) -> int:
+        return sum(len(s.host_slots) for s in self._staged.values())
+
+    @property
+    def busy(self) -> bool:
+        """A fetch, a parked fetch or a load is in flight."""
+        return bool(self._fetches or self._parked or self._loads)
+
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        """Fetch ``req``'s stored pages past its device prefix into a bounce parked for it.
+
+        Returns the tokens fetched (parked until :meth:`load_staged`)."""
+        policy = policy or self.pipeline.policy.prefetch_policy
+        if policy not in PREFETCH_POLICIES:
+            raise ConfigError(f"unknown prefetch policy {policy!r}; choose one of "
+                              f"{list(PREFETCH_POLICIES)}")
+        if req in self._staged or self.closed:
+            return 0
+        op = self._start_fetch(req)
+        if op is None:
+            return 0
+        task = op.task
+        assert task is not None
+        try:
+            if policy == "wait_complete":
+                await asyncio.wait({task})
+            elif policy == "timeout":
+                left = self.pipeline.policy.timeout_s(op.requested_tokens) - (
+                    time.perf_counter() - op.started)
+                if left > 0:
+                    await asyncio.wait({task}, timeout=left)
+        except BaseException:
+            await self._end_fetch(op, None)
+            raise
+        return await self._end_fetch(op, req)
+
+    def _start_fetch(self, req: CacheRequest) -> BufferFetch | None:
+        cache = self.cache
+        ps = self._ps
+        outcomes = cache.metrics.prefetch_outcomes
+        start = req.prefix_len
+        n = len(req.key) - len(req.key) % ps - start
+        if n <= 0 or n < max(self.pipeline.policy.prefetch_threshold, ps):
+            outcomes.labels(outcome="declined_too_short").inc()
+            return None
+        if self.occupied >= self.load_limit - self.pipeline.write_staged:
+            outcomes.labels(outcome="declined_rate_limited").inc()
+            return None
+        keys = cache.tree.chain_keys(req.last_node, req.key, start)
+        op = BufferFetch(key=req.key, start=start, requested_tokens=n, keys=keys,
+                         started=time.perf_counter())
+        self._fetches.add(op)
+        outcomes.labels(outcome="issued").inc()
+        op.task = asyncio.get_running_loop().create_task(self._fetch(op))
+        return op
+
+    async def _fetch(self, op: BufferFetch) -> None:
+        ps = self._ps
+        metrics = self.cache.metrics
+        hit = 0
+        for i in range(0, len(op.keys), BATCH_PAGES):
+            batch = op.keys[i : i + BATCH_PAGES]
+            found = await self.pipeline.backend.exists_prefix(batch)
+            hit += found
+            if found < len(batch):
+                break
+        # The backend's answer is evidence: believe the found pages, forget the rest.
+        if hit < len(op.keys):
+            self.pipeline.existence.invalidate_beyond(op.keys, hit)
+        self.pipeline.existence.add(op.keys[:hit])
+        op.hit_tokens = hit * ps
+        metrics.storage_hit_tokens.inc(hit * ps)
+        metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
+        want = min(hit, self.load_limit // ps)
+        if want * ps < max(self.pipeline.policy.prefetch_threshold, ps):
+            op.outcome = "revoked_insufficient"
+            return
+        op.want_pages = want
+        await self._staging_for(op)
+        host = op.host_slots
+        assert host is not None
+        t0 = time.perf_counter()
+        for i in range(0, want, BATCH_PAGES):
+            keys = op.keys[i : min(want, i + BATCH_PAGES)]
+            slots = host[i * ps : (i + len(keys)) * ps]
+            bufs = page_buffers(self._host, slots, fill=False)
+            ok = await self.pipeline.backend.get_batch(keys, bufs)
+            good = next((j for j, g in enumerate(ok) if not g), len(ok))
+            if self._host.layout != "page_first":
+                for j, first in enumerate(slots[::ps][:good].tolist()):
+                    self._host.write_page(first, bufs[j])
+            op.completed_tokens += good * ps
+            if good < len(keys):
+                self.pipeline.existence.invalidate_beyond(op.keys, i + good)
+                break
+        dt = time.perf_counter() - t0
+        if op.completed_tokens and dt > 0:
+            metrics.prefetch_bandwidth.observe(
+                op.completed_tokens // ps * self._host.page_bytes / dt)
+
+    def _try_bounce(self, num_tokens: int) -> np.ndarray | None:
+        if self.occupied + self.pipeline.write_staged + num_tokens > self.load_limit:
+            return None
+        slots = self.cache.take_host(num_tokens, evict=False)
+        if slots is not None:
+            self.occupied += num_tokens
+        return slots
+
+    async def _staging_for(self, op: BufferFetch) -> None:
+        """Give ``op`` its bounce now, or park it (FIFO) until staging frees up."""
+        if not self._parked:
+            op.host_slots = self._try_bounce(op.want_pages * self._ps)
+            if op.host_slots is not None:
+                return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        op.parked = fut
+        self._parked.append(op)
+        self.cache.metrics.buffer_parked_prefetches.inc()
+        _log.debug("prefetch_parked", tokens=op.want_pages * self._ps, queue=len(self._parked))
+        try:
+            await fut
+        finally:
+            if op in self._parked:  # cancelled while waiting: the next in line may fit now
+                self._parked.remove(op)
+                self.wake_parked()
+
+    def wake_parked(self) -> None:
+        """Hand staging to parked fetches in FIFO order while it lasts."""
+        while self._parked:
+            op = self._parked[0]
+            fut = op.parked
+            assert fut is not None
+            if fut.done():  # cancelled while parked
+                self._parked.popleft()
+                continue
+            slots = self._try_bounce(op.want_pages * self._ps)
+            if slots is None:
+                return
+            self._parked.popleft()
+            op.host_slots = slots
+            fut.set_result(None)
+
+    def _free_bounce(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.cache.free_host(slots)
+            self.occupied -= len(slots)
+            self.wake_parked()
+
+    async def _end_fetch(self, op: BufferFetch, req: CacheRequest | None) -> int:
+        """Stop ``op``; park what arrived for ``req`` (None: drop it). Cancel-safe: the release
+        completes before a cancel of the caller goes through."""
+        if op.finished:
+            return 0
+        op.finished = True
+        task = op.task
+        assert task is not None
+        if not task.done():
+            task.cancel()
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                cancelled = True
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("buffer_prefetch_failed", error=repr(task.exception()))
+        self._fetches.discard(op)
+        done = op.completed_tokens if req is not None and not cancelled and not req.finished \
+            and not self.closed else 0
+        host = op.host_slots
+        op.host_slots = None
+        if host is not None:
+            self._free_bounce(host[done:])
+            if done:
+                self._staged[req] = _Staged(op.key, op.start, host[:done])  # type: ignore[index]
+                req.host_hit_length += done  # type: ignore[union-attr]
+        outcomes = self.cache.metrics.prefetch_outcomes
+        if req is None or cancelled:
+            outcomes.labels(outcome="aborted").inc()
+        elif op.outcome == "issued":
+            op.outcome = "completed" if host is not None and done == len(host) else "partial"
+            outcomes.labels(outcome=op.outcome).inc()
+        else:
+            outcomes.labels(outcome=op.outcome).inc()
+        self.cache.metrics.prefetched_tokens.inc(done)
+        if cancelled:
+            raise asyncio.CancelledError
+        return done
+
+    # ------------------------------------------------------------------ load
+    def release_request(self, req: CacheRequest) -> None:
+        """Free the bounce parked for ``req`` (it finished or was aborted before loading)."""
+        staged = self._staged.pop(req, None)
+        if staged is not None:
+            self._free_bounce(staged.host_slots)
+
+    async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int:
+        """Copy ``req``'s parked bounce onto the device and insert it after its prefix.
+
+        ``req`` must be freshly matched (its prefix pinned). Returns the tokens inserted; 0
+        when nothing was parked or the load was skipped (threshold, quota, no device room).
+        Cancelling the caller never leaves the copy half-committed: it commits on completion.
+        """
+        staged = self._staged.pop(req, None)
+        if staged is None:
+            return 0
+        bounce: np.ndarray | None = None
+        cache = self.cache
+        try:
+            bounce = staged.host_slots
+            skip = req.prefix_len - staged.start  # grown meanwhile: those pages are cached
+            n = len(bounce) - skip
+            if skip < 0 or n <= 0 or n < cache.config.load_back_threshold or (
+                    mem_quota is not None and n > mem_quota):
+                return 0
+            self._free_bounce(bounce[:skip])
+            bounce = bounce[skip:]
+            prefix = req.slots[: req.prefix_len]
+            pin = cache.tree.lock(req.last_node)
+            try:
+                slots = await cache.alloc_device(n)
+            except PoolExhaustedError:
+                cache.tree.unlock(pin)
+                return 0
+            except BaseException:
+                cache.tree.unlock(pin)
+                raise
+            handle = cache.engine_submit_h2d(bounce, slots)
+            owned, bounce = bounce, None  # the completion callback frees it from here on
+            self._loads.add(handle)
+            outcome: list[int] = []
+            key = req.key[: req.prefix_len + n]
+            handle.add_done_callback(
+                lambda h: self._loaded(h, key, prefix, slots, owned, pin, outcome))
+            await handle.done()
+            return outcome[0] if outcome else 0
+        finally:
+            if bounce is not None:
+                self._free_bounce(bounce)
+
+    def _loaded(self, handle: CopyHandle, key: RadixKey, prefix: np.ndarray, slots: np.ndarray,
+                bounce: np.ndarray, pin: LockReceipt, outcome: list[int]) -> None:
+        cache = self.cache
+        self._loads.discard(handle)
+        try:
+            result = handle.result()
+        except Exception as exc:
+            _log.warning("buffer_load_failed", tokens=len(slots), error=repr(exc))
+            cache.free_device(slots)
+            outcome.append(0)
+        else:
+            if cache._state == "running":
+                cache.insert(key, np.concatenate([prefix, slots]), prev_prefix_len=len(prefix))
+                outcome.append(len(slots))
+            else:  # closing: nothing may join the tree any more
+                cache.free_device(slots)
+                outcome.append(0)
+            m = cache.metrics
+            m.load_back_tokens.inc(result.num_tokens)
+            m.load_back_bytes.inc(result.num_bytes)
+            m.load_back_duration.observe(result.duration_s)
+        finally:
+            cache.tree.unlock(pin)
+            self._free_bounce(bounce)
+
+    async def close(self) -> None:
+        """Drop every fetch and every parked bounce."""
+        self.closed = True
+        for op in list(self._fetches):
+            await self._end_fetch(op, None)
+        for req in list(self._staged):
+            self.release_request(req)

