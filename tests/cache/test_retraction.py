@@ -34,8 +34,10 @@ async def _clobber_device(cache):
     cache.free_device(slots)
 
 
-async def test_retract_restore_is_bit_exact(make_cache, kit):
-    cache = await make_cache(retraction_backup=True, device_tokens=64, host_tokens=64)
+@pytest.mark.parametrize("host_mode", ["cache", "buffer_only"])
+async def test_retract_restore_is_bit_exact(make_cache, kit, host_mode):
+    cache = await make_cache(retraction_backup=True, device_tokens=64, host_tokens=64,
+                             host_mode=host_mode)
     model = kit.KVModel.of(cache)
     req = await _running(cache, model)
     assert (req.prefix_len, req.computed) == (12, 26)
