@@ -251,15 +251,23 @@ async def bench_file(
         # batch: the durability points the backend gives (set_batch returns = durable).
         add("raw_write_batch_sync", raw_write(raw_path, n * size, page_chunk, batch * size))
         add("raw_write", raw_write(raw_path, raw_total, chunk))
-        for mode, seg in (("", None), ("_seg", segment)):
+        for mode, seg, direct in (
+            ("", None, False),
+            ("_seg", segment, False),
+            ("_segd", segment, True),
+        ):
             d = root / f"be{mode}{rep}"
-            b = FileBackend(d, layout, fsync=True, timeout_s=120, segment_bytes=seg)
+            b = FileBackend(
+                d, layout, fsync=True, timeout_s=120, segment_bytes=seg, direct_io=direct
+            )
             keys = keys_for(n, f"{size}:{rep}:{mode}")
             add("write" + mode, await backend_write(b, keys, pages, batch))
             add("raw_read" + mode, raw_read(raw_path, 4 * MiB))
             add("read" + mode, await backend_read(b, keys, pages, batch, d))
             await b.clear()
-            nf = FileBackend(root / f"nf{mode}{rep}", layout, segment_bytes=seg, timeout_s=120)
+            nf = FileBackend(
+                root / f"nf{mode}{rep}", layout, segment_bytes=seg, direct_io=direct, timeout_s=120
+            )
             add("write_nofsync" + mode, await backend_write(nf, keys, pages, batch))
             await nf.clear()
         raw_path.unlink()
@@ -283,6 +291,10 @@ async def bench_file(
         "seg_write_ratio_batch_sync": paired(rows, "write_seg", "raw_write_batch_sync"),
         "seg_write_ratio_vs_direct": paired(rows, "write_seg", "raw_write_direct"),
         "seg_read_ratio": paired(rows, "read_seg", "raw_read_seg"),
+        "segd_write_ratio": paired(rows, "write_segd", "raw_write"),
+        "segd_write_ratio_batch_sync": paired(rows, "write_segd", "raw_write_batch_sync"),
+        "segd_write_ratio_vs_direct": paired(rows, "write_segd", "raw_write_direct"),
+        "segd_read_ratio": paired(rows, "read_segd", "raw_read_segd"),
     }
     if aio:
         out["aiofiles_vs_backend_read"] = round(med["aiofiles_read"] / med["read"], 3)
@@ -290,6 +302,7 @@ async def bench_file(
     target = TARGETS["file"]
     out["meets_target"] = min(out["write_ratio"], out["read_ratio"]) >= target
     out["seg_meets_target"] = min(out["seg_write_ratio"], out["seg_read_ratio"]) >= target
+    out["segd_meets_target"] = min(out["segd_write_ratio"], out["segd_read_ratio"]) >= target
     return out
 
 

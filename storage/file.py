@@ -50,7 +50,7 @@ from storage.base import StorageLayout, check_batch, validate_keys
 from storage.fileindex import LruIndex
 from storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
 from storage.pageformat import HEADER_SIZE
-from storage.segment import MAX_PAGES, table_bytes
+from storage.segment import BLOCK, MAX_PAGES, table_bytes
 from storage.threadio import PageGuard, Scratch, ThreadRunner
 
 __all__ = ["FileBackend"]
@@ -72,7 +72,8 @@ class FileBackend(BackendBase):
 
     ``segment_bytes``: pack the pages of one ``set_batch`` into segment files of up to this
     many bytes (pages of this size or larger stay one file each); ``None`` (default): one
-    file per page.
+    file per page. ``direct_io``: write and read segments with ``O_DIRECT`` (bypassing the
+    page cache; falls back to buffered I/O where the filesystem refuses it).
     """
 
     kind = "file"
@@ -86,6 +87,7 @@ class FileBackend(BackendBase):
         io_threads: int = 8,
         fsync: bool = False,
         segment_bytes: int | None = None,
+        direct_io: bool = False,
         timeout_s: float = 10.0,
         timeout_per_gib_s: float = 10.0,
         max_stuck_threads: int | None = None,
@@ -119,7 +121,7 @@ class FileBackend(BackendBase):
         self.fsync = bool(fsync)
         self.adopt_external = bool(adopt_external)
         self._runner = ThreadRunner(io_threads, stuck)
-        self._files = PageFiles(self._path, self._fault, fsync=self.fsync)
+        self._files = PageFiles(self._path, self._fault, fsync=self.fsync, direct=bool(direct_io))
         self._index = LruIndex()  # key -> file (unit); files in LRU order
         self._reserved = 0
         self._victims: list[str] = []
@@ -374,7 +376,7 @@ class FileBackend(BackendBase):
                 todo.append(i)
         files: list[tuple[list[int], int]] = []  # (page indices, bytes on disk)
         for group in self._plan_files(todo, views):
-            size = _file_bytes([views[i].nbytes for i in group])
+            size = _file_bytes([views[i].nbytes for i in group], self._files.direct)
             if self._reserve(size, protect):
                 files.append((group, size))
                 continue
@@ -404,7 +406,7 @@ class FileBackend(BackendBase):
                 if len(reqs) == 1:
                     self._files.write_single(reqs[0], guard)
                 else:
-                    self._files.write_segment(reqs, guard)
+                    self._files.write_segment(reqs, guard, scratch)
             except Exception as exc:  # a bug: keep the engine alive, count it, log it
                 self._log.exception("storage_worker_error", op="set", error=repr(exc))
                 for r in reqs:
@@ -533,6 +535,7 @@ class FileBackend(BackendBase):
             "root": str(self.root),
             "capacity_bytes": self.capacity_bytes,
             "segment_bytes": self.segment_bytes,
+            "direct_io": self._files.direct,
             "used_bytes": self._index.used,
             "reserved_bytes": self._reserved,
             "objects": len(self._index),
@@ -547,7 +550,11 @@ class FileBackend(BackendBase):
         return f"FileBackend(root={str(self.root)!r}, tag={self._layout.tag!r})"
 
 
-def _file_bytes(payload_sizes: list[int]) -> int:
-    """Bytes on disk of a file holding pages of these payload sizes."""
+def _file_bytes(payload_sizes: list[int], direct: bool) -> int:
+    """Bytes on disk of a file holding pages of these payload sizes (an O_DIRECT segment
+    is padded to a whole block)."""
     pages = sum(HEADER_SIZE + s for s in payload_sizes)
-    return pages if len(payload_sizes) == 1 else table_bytes(len(payload_sizes)) + pages
+    if len(payload_sizes) == 1:
+        return pages
+    size = table_bytes(len(payload_sizes)) + pages
+    return -(-size // BLOCK) * BLOCK if direct else size

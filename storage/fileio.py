@@ -27,13 +27,14 @@ from storage.pageformat import (
     parse_header,
     verify_payload,
 )
-from storage.segment import HEAD_READ, Entry, encode_table, is_segment, parse_table
+from storage.segment import BLOCK, HEAD_READ, Entry, encode_table, is_segment, parse_table
 from storage.threadio import PageGuard, Scratch
 
 __all__ = ["PageFiles", "ReadReq", "WriteReq", "pread_full", "pwrite_all"]
 
 TOUCH_AFTER_S = 60.0  # a hit refreshes the file's mtime only when it is older than this
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_LINKS = {errno.EPERM, errno.EMLINK, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
@@ -45,6 +46,17 @@ def pread_full(fd: int, view: memoryview, offset: int = 0) -> int:
         if n == 0:
             break
         total += n
+    return total
+
+
+def pread_direct(fd: int, view: memoryview, offset: int) -> int:
+    """``O_DIRECT`` read of a block-aligned range; stops at the end of the file."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        total += n
+        if n == 0 or n % BLOCK:
+            break
     return total
 
 
@@ -106,10 +118,12 @@ class PageFiles:
         fault: Callable[[str, str], Fault | None],
         *,
         fsync: bool,
+        direct: bool = False,
     ) -> None:
         self.path = path
         self.fault = fault
         self.fsync = fsync
+        self.direct = direct and O_DIRECT != 0  # segments with O_DIRECT (cleared on EINVAL)
         self.links_ok = True  # cleared when the filesystem refuses hard links
 
     # -- writes ---------------------------------------------------------------------------------
@@ -131,6 +145,47 @@ class PageFiles:
         pwrite_all(fd, parts)
         if self.fsync:
             os.fdatasync(fd)
+
+    def _write_direct(
+        self, directory: str, parts: list[memoryview], enospc: bool, scratch: Scratch
+    ) -> str | None:
+        """Write a segment with ``O_DIRECT`` from an aligned copy, zero-padded to a whole
+        block; returns the temp file, or None when the filesystem refuses O_DIRECT."""
+        size = sum(p.nbytes for p in parts)
+        padded = -(-size // BLOCK) * BLOCK
+        buf = scratch.aligned(padded)
+        at = 0
+        for p in parts:
+            copy_into(buf[at : at + p.nbytes], p)
+            at += p.nbytes
+        buf[size:] = bytes(padded - size)
+        tmp = os.path.join(directory, f".seg.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_DIRECT
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct = False  # e.g. tmpfs: buffered writes from now on
+            return None
+        try:
+            if enospc:
+                pwrite_all(fd, [buf[: padded // 2 // BLOCK * BLOCK]])
+                raise fault_error(FaultKind.ENOSPC, "write")
+            pwrite_all(fd, [buf])
+            if self.fsync:
+                os.fdatasync(fd)  # the file's size and extents
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
 
     def write_single(self, req: WriteReq, guard: PageGuard) -> None:
         """One page, one file: temp file, then ``os.replace`` onto its name."""
@@ -158,7 +213,7 @@ class PageFiles:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def write_segment(self, reqs: list[WriteReq], guard: PageGuard) -> None:
+    def write_segment(self, reqs: list[WriteReq], guard: PageGuard, scratch: Scratch) -> None:
         """Several pages in one file (one write, one fdatasync), then a hard link per page.
 
         A fault striking any page's raw write fails the whole file, as a real one would.
@@ -181,11 +236,15 @@ class PageFiles:
                     break
                 parts += _faulted_parts(r, f)
             enospc = any(f is not None and f.kind is FaultKind.ENOSPC for f in faults)
-            tmp, fd = self._create_tmp(os.path.dirname(self.path(reqs[0].key)), "seg")
-            try:
-                self._write_file(fd, parts, enospc)
-            finally:
-                os.close(fd)
+            directory = os.path.dirname(self.path(reqs[0].key))
+            if self.direct:
+                tmp = self._write_direct(directory, parts, enospc, scratch)
+            if tmp is None:
+                tmp, fd = self._create_tmp(directory, "seg")
+                try:
+                    self._write_file(fd, parts, enospc)
+                finally:
+                    os.close(fd)
             if not guard.may_publish():
                 return
             for i, r in enumerate(reqs):
@@ -254,9 +313,10 @@ class PageFiles:
         first = reqs[0]
         path = self.path(first.key)
         fault = self.fault("read", first.key)
+        direct = in_segment and self.direct
         try:
             pre_fault(fault, "read")
-            fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             guard.finish(first.slot, MISS)
             return 1
@@ -269,8 +329,12 @@ class PageFiles:
             ino = st.st_ino
             want = HEADER_SIZE + first.target.nbytes
             # A page known to live in a segment: read the table first, not page 0's bytes.
-            head = scratch.view(HEAD_READ if in_segment else want)
-            got = pread_full(fd, head)
+            if direct:
+                head = scratch.aligned(HEAD_READ)
+                got = pread_direct(fd, head, 0)
+            else:
+                head = scratch.view(HEAD_READ if in_segment else want)
+                got = pread_full(fd, head)
             if got >= 4 and is_segment(head):
                 if got < HEAD_READ < st.st_size:  # read as a single page: fetch the table
                     head = scratch.view(HEAD_READ)
@@ -279,8 +343,13 @@ class PageFiles:
                 run = _run_of(reqs, table)
                 if not run:
                     raise CorruptPageError("corrupt", f"segment {first.name}: page not in table")
-                return self._read_segment_run(fd, st, reqs[: len(run)], run, fault, guard, scratch)
+                return self._read_segment_run(
+                    fd, st, reqs[: len(run)], run, fault, direct, guard, scratch
+                )
             if in_segment and got < min(want, st.st_size):  # read only a head: read the page
+                if direct:  # not a segment after all: read it the plain way
+                    os.close(fd)
+                    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
                 head = scratch.view(want)
                 got = pread_full(fd, head)
             self._check_and_copy(first, head, got, st.st_size, fault, guard)
@@ -303,13 +372,20 @@ class PageFiles:
         reqs: list[ReadReq],
         run: list[Entry],
         first_fault: Fault | None,
+        direct: bool,
         guard: PageGuard,
         scratch: Scratch,
     ) -> int:
         start = run[0].offset
-        span = run[-1].offset + run[-1].length - start
-        buf = scratch.view(span)
-        got = pread_full(fd, buf, start)
+        end = run[-1].offset + run[-1].length
+        if direct:  # a block-aligned range around the run
+            lo = start // BLOCK * BLOCK
+            buf = scratch.aligned(-(-end // BLOCK) * BLOCK - lo)
+            got = pread_direct(fd, buf, lo) - (start - lo)
+            buf = buf[start - lo :]
+        else:
+            buf = scratch.view(end - start)
+            got = pread_full(fd, buf, start)
         for j, (req, entry) in enumerate(zip(reqs, run, strict=True)):
             # the first page's fault was decided (and its pre-fault applied) on opening
             fault = self.fault("read", req.key) if j else first_fault

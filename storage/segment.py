@@ -30,6 +30,7 @@ from typing import NamedTuple
 from storage.pageformat import HEADER_SIZE, checksum, corrupt
 
 __all__ = [
+    "BLOCK",
     "HEAD_READ",
     "MAX_PAGES",
     "SEGMENT_MAGIC",

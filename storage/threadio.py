@@ -21,6 +21,7 @@ fast with the ``unavailable`` reason instead of piling up more threads.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -36,17 +37,24 @@ _log = get_logger("storage.threadio")
 
 
 class Scratch:
-    """A worker's reusable bounce buffer."""
+    """A worker's reusable bounce buffers: plain, and page-aligned (for ``O_DIRECT``)."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "mem")
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self.mem: mmap.mmap | None = None
 
     def view(self, n: int) -> memoryview:
         if len(self.buf) < n:
             self.buf = bytearray(n)
         return memoryview(self.buf)[:n]
+
+    def aligned(self, n: int) -> memoryview:
+        """``n`` bytes starting on a page boundary (anonymous memory map)."""
+        if self.mem is None or len(self.mem) < n:
+            self.mem = mmap.mmap(-1, max(n, mmap.PAGESIZE))  # views of the old one keep it
+        return memoryview(self.mem)[:n]
 
 
 class PageGuard:

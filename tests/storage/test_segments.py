@@ -306,3 +306,47 @@ async def test_fsync_mode_and_segment_limits(tmp_path, layout, make_keys, make_p
     assert ok == [True] * n and got == pages
     with pytest.raises(ValueError, match="segment_bytes"):
         FileBackend(tmp_path, layout, segment_bytes=0)
+
+
+def _padded(n: int, payload: int) -> int:
+    size = table_bytes(n) + n * (HEADER_SIZE + payload)
+    return -(-size // 4096) * 4096
+
+
+async def test_direct_io_segments(tmp_path, layout, make_keys, make_pages) -> None:
+    size = 1000  # records at unaligned offsets: reads take the aligned range around them
+    seg = 4 * (HEADER_SIZE + size)
+    b = FileBackend(tmp_path, layout, segment_bytes=seg, direct_io=True, fsync=True)
+    keys, pages = make_keys(6), make_pages(6, size)
+    assert await b.set_batch(keys, pages) == [True] * 6
+    if not b.stats()["direct_io"]:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    assert [path(b, keys[i]).stat().st_size for i in (0, 4)] == [_padded(4, size), _padded(2, size)]
+    assert b.stats()["used_bytes"] == _padded(4, size) + _padded(2, size)
+    ok, got = await read(b, keys, size)
+    assert ok == [True] * 6 and got == pages
+    ok, got = await read(b, keys[3:], size)
+    assert ok == [True] * 3 and got == pages[3:]
+    at = offset_of(b, keys[2]) + HEADER_SIZE + 7
+    with open(path(b, keys[0]), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+    ok, got = await read(b, keys, size)
+    assert ok == [True, True, False, True, True, True]
+    assert fault_count(b, "get", "corrupt") == 1 and not path(b, keys[2]).exists()
+    plain = FileBackend(tmp_path, layout, segment_bytes=seg)  # same format, buffered reads
+    await plain.start()
+    assert plain.stats()["objects"] == 5 and plain.stats()["files"] == 2
+    ok, got = await read(plain, keys, size)
+    assert ok == [True, True, False, True, True, True]
+    assert [got[i] for i in (0, 1, 3, 4, 5)] == [pages[i] for i in (0, 1, 3, 4, 5)]
+    # A torn O_DIRECT write: the cut page and the ones after it are misses.
+    fb = FaultInjectingBackend(b, [FaultRule(FaultKind.PARTIAL_WRITE, keys=frozenset({keys[1]}))])
+    keys2 = make_keys(3, "torn")
+    fb_keys = [keys2[0], keys[1], keys2[1]]
+    await fb.delete([keys[1]])
+    assert await fb.set_batch(fb_keys, pages[:3]) == [True] * 3
+    fb.clear_rules()
+    assert (await read(fb, fb_keys, size))[0] == [True, False, False]
