@@ -5,8 +5,11 @@ Prints one JSON object. For each page size:
 
 * file backend (``fsync=True``, so every page is durable like the raw reference): write and
   cold read (page cache dropped with ``posix_fadvise(DONTNEED)``) against a raw sequential
-  file write with fsync and a raw cold sequential read of one big file; plus the same backend
-  without fsync, and an aiofiles-per-page implementation of the same work for comparison;
+  file write with fsync and a raw cold sequential read of one big file; in three modes (one
+  file per page, segment files, segment files with ``O_DIRECT``); plus each without fsync,
+  and an aiofiles-per-page implementation for comparison. A second raw write reference
+  writes the same bytes page by page with an fsync per batch (the backend's durability
+  points); the JSON's ``file.raw`` says what each reference is;
 * S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
   plain obstore puts / gets of same-sized objects on the same server, same concurrency and
   batching.
@@ -299,10 +302,13 @@ async def bench_file(
     if aio:
         out["aiofiles_vs_backend_read"] = round(med["aiofiles_read"] / med["read"], 3)
         out["aiofiles_vs_backend_write"] = round(med["aiofiles_write"] / med["write"], 3)
+    # Judged against the stricter (faster) of the two write+fsync references.
     target = TARGETS["file"]
-    out["meets_target"] = min(out["write_ratio"], out["read_ratio"]) >= target
-    out["seg_meets_target"] = min(out["seg_write_ratio"], out["seg_read_ratio"]) >= target
-    out["segd_meets_target"] = min(out["segd_write_ratio"], out["segd_read_ratio"]) >= target
+    for pre in ("", "seg_", "segd_"):
+        worst = min(
+            out[pre + "write_ratio"], out[pre + "write_ratio_batch_sync"], out[pre + "read_ratio"]
+        )
+        out[pre + "meets_target"] = worst >= target
     return out
 
 
@@ -408,7 +414,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(prefix="bench-storage-", dir=base) as tmp:
         root = Path(tmp)
-        result["file"] = {"dir": str(root), "sizes": {}}
+        result["file"] = {
+            "dir": str(root),
+            "segment_bytes": args.segment,
+            "raw": {
+                "raw_write": "one file, 4 MiB writes, one fsync at the end: the issue's "
+                "'sequential file write with fsync' taken literally (write_ratio)",
+                "raw_write_batch_sync": "the same bytes in page-sized writes, fsync after "
+                "every batch of pages: the durability points set_batch gives "
+                "(write_ratio_batch_sync); meets_target uses the stricter of the two",
+                "raw_write_direct": "O_DIRECT 4 MiB writes + fsync: the device without the "
+                "page cache (write_ratio_vs_direct)",
+                "raw_read": "cold sequential read of one file in 4 MiB reads (read_ratio)",
+            },
+            "modes": {
+                "": "one file per page (segment_bytes=None)",
+                "seg": "segment files (segment_bytes), buffered I/O",
+                "segd": "segment files with direct_io=True",
+            },
+            "sizes": {},
+        }
         for size in args.sizes:
             result["file"]["sizes"][f"{size // KiB}KiB"] = await bench_file(
                 root / f"f{size}",
@@ -456,7 +481,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="S3 requests in flight")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-aiofiles", action="store_true", help="skip the aiofiles comparison")
-    ap.add_argument("--segment", help="segment_bytes of the segment runs (default 8M)")
+    ap.add_argument("--segment", help="segment_bytes of the segment runs (default 2M)")
     args = ap.parse_args()
     q = args.quick
     args.sizes = parse_sizes(args.sizes or ("256K,4M" if q else "64K,256K,1M,4M"))
@@ -464,7 +489,7 @@ def main() -> None:
     args.total = (args.total or (64 if q else 256)) * MiB
     args.s3_total = (args.s3_total or (32 if q else 128)) * MiB
     args.reps = args.reps or (1 if q else 3)
-    args.segment = parse_sizes(args.segment or "8M")[0]
+    args.segment = parse_sizes(args.segment or "2M")[0]
     print(json.dumps(asyncio.run(main_async(args)), indent=2))
 
 

@@ -59,6 +59,7 @@ _FILE_PARAMS: dict[str, tuple[str, Any]] = {
     "io_threads": ("io_threads", lambda n, v: _number(n, v, int)),
     "fsync": ("fsync", _bool),
     "segment": ("segment_bytes", lambda n, v: parse_size(v)),
+    "direct": ("direct_io", _bool),
     "timeout": ("timeout_s", lambda n, v: _number(n, v, float)),
     "timeout_per_gib": ("timeout_per_gib_s", lambda n, v: _number(n, v, float)),
     "adopt_external": ("adopt_external", _bool),

@@ -286,7 +286,7 @@ class PageFiles:
             return
         except FileExistsError:
             pass
-        side = f"{src}.{secrets.token_hex(4)}"
+        side = f"{src[:-4]}.{secrets.token_hex(4)}.tmp"  # swept on start if we crash here
         os.link(src, side)
         try:
             os.replace(side, dst)
