@@ -449,7 +449,7 @@ class FileBackend(BackendBase):
         """Group the pages to write into files: runs of up to ``segment_bytes`` (and
         :data:`~storage.segment.MAX_PAGES`) in batch order; one page per file otherwise."""
         limit = self.segment_bytes
-        if limit is None:
+        if limit is None or not self._files.links_ok:  # no hard links here: one file each
             return [[i] for i in todo]
         groups: list[list[int]] = []
         current: list[int] = []
