@@ -348,8 +348,11 @@ class PageFiles:
                 )
             if in_segment and got < min(want, st.st_size):  # read only a head: read the page
                 if direct:  # not a segment after all: read it the plain way
+                    plain = os.open(path, os.O_RDONLY | O_CLOEXEC)
                     os.close(fd)
-                    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+                    fd = plain
+                    st = os.fstat(fd)
+                    ino = st.st_ino
                 head = scratch.view(want)
                 got = pread_full(fd, head)
             self._check_and_copy(first, head, got, st.st_size, fault, guard)

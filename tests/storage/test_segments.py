@@ -350,3 +350,22 @@ async def test_direct_io_segments(tmp_path, layout, make_keys, make_pages) -> No
     assert await fb.set_batch(fb_keys, pages[:3]) == [True] * 3
     fb.clear_rules()
     assert (await read(fb, fb_keys, size))[0] == [True, False, False]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_a_name_republished_as_a_single_file_is_read_as_one(
+    tmp_path, layout, make_keys, make_pages, direct
+) -> None:
+    size = 3 * PAGE  # larger than the table block a segment reader fetches first
+    seg = 4 * (HEADER_SIZE + size)
+    b = FileBackend(tmp_path, layout, segment_bytes=seg, direct_io=direct)
+    keys, pages = make_keys(4), make_pages(4, size)
+    assert await b.set_batch(keys, pages) == [True] * 4
+    other = FileBackend(tmp_path, layout)  # one file per page
+    await other.start()
+    assert await other.delete([keys[0]]) == 1
+    assert await other.set_batch([keys[0]], [pages[0]]) == [True]
+    assert path(b, keys[0]).stat().st_nlink == 1
+    ok, got = await read(b, keys, size)  # b still takes keys[0] for a segment page
+    assert ok == [True] * 4 and got == pages
+    assert b.stats()["faults"] == {}
