@@ -5,8 +5,11 @@ Prints one JSON object. For each page size:
 
 * file backend (``fsync=True``, so every page is durable like the raw reference): write and
   cold read (page cache dropped with ``posix_fadvise(DONTNEED)``) against a raw sequential
-  file write with fsync and a raw cold sequential read of one big file; plus the same backend
-  without fsync, and an aiofiles-per-page implementation of the same work for comparison;
+  file write with fsync and a raw cold sequential read of one big file; in three modes (one
+  file per page, segment files, segment files with ``O_DIRECT``); plus each without fsync,
+  and an aiofiles-per-page implementation for comparison. A second raw write reference
+  writes the same bytes page by page with an fsync per batch (the backend's durability
+  points); the JSON's ``file.raw`` says what each reference is;
 * S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
   plain obstore puts / gets of same-sized objects on the same server, same concurrency and
   batching.
@@ -97,14 +100,21 @@ def checksum_speeds() -> dict[str, float]:
 # -- file -----------------------------------------------------------------------------------------
 
 
-def raw_write(path: Path, total: int, chunk: bytes) -> float:
+def raw_write(path: Path, total: int, chunk: bytes, sync_every: int | None = None) -> float:
+    """Sequential write of ``total`` bytes in ``chunk`` writes, fsync at the end (and after
+    every ``sync_every`` bytes when given: the durability points of a batched writer)."""
     settle()
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(chunk)
+        since = 0
         for _ in range(total // len(chunk)):
             os.write(fd, view)
+            since += len(chunk)
+            if sync_every is not None and since >= sync_every:
+                os.fsync(fd)
+                since = 0
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -214,71 +224,92 @@ async def aiofiles_read(root: Path, keys: list[str], size: int, conc: int) -> fl
     return gbps(len(keys) * size, time.perf_counter() - t)
 
 
-async def bench_file(root: Path, size: int, total: int, reps: int, batch: int) -> dict[str, Any]:
+def paired(rows: dict[str, list[float]], num: str, den: str) -> float | None:
+    """Median of the per-repetition ratios num / den (None when a row is missing)."""
+    pairs = [n / d for n, d in zip(rows.get(num, []), rows.get(den, []), strict=False) if d]
+    return round(statistics.median(pairs), 3) if pairs else None
+
+
+async def bench_file(
+    root: Path, size: int, total: int, reps: int, batch: int, segment: int, aio: bool
+) -> dict[str, Any]:
     n = max(8, total // size)
     pages = pages_for(n, size)
     layout = StorageLayout(model="bench", page_size=size)
     root.mkdir(parents=True, exist_ok=True)
     raw_path = root / "raw.bin"
     chunk = bytes(os.urandom(4 * MiB))
-    names = (
-        "raw_write",
-        "raw_write_direct",
-        "write",
-        "raw_read",
-        "read",
-        "write_nofsync",
-        "aiofiles_write",
-        "aiofiles_read",
-    )
-    rows: dict[str, list[float]] = {k: [] for k in names}
+    page_chunk = bytes(pages[0])
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, value: float | None) -> None:
+        if value is not None:
+            rows.setdefault(name, []).append(value)
+
     raw_total = max(len(chunk), n * size // len(chunk) * len(chunk))
     for rep in range(reps):
-        direct = raw_write_direct(root / "direct.bin", raw_total, chunk)
-        if direct is not None:
-            rows["raw_write_direct"].append(direct)
-        rows["raw_write"].append(raw_write(raw_path, raw_total, chunk))
-        d = root / f"be{rep}"
-        b = FileBackend(d, layout, fsync=True, timeout_s=120)
-        keys = keys_for(n, f"{size}:{rep}")
-        rows["write"].append(await backend_write(b, keys, pages, batch))
-        rows["raw_read"].append(raw_read(raw_path, 4 * MiB))
-        rows["read"].append(await backend_read(b, keys, pages, batch, d))
-        await b.clear()
-        raw_path.unlink()
+        add("raw_write_direct", raw_write_direct(root / "direct.bin", raw_total, chunk))
         (root / "direct.bin").unlink(missing_ok=True)
-        nf = FileBackend(root / f"nf{rep}", layout, fsync=False, timeout_s=120)
-        rows["write_nofsync"].append(await backend_write(nf, keys, pages, batch))
-        await nf.clear()
-        a = root / f"aio{rep}"
-        rows["aiofiles_write"].append(await aiofiles_write(a, keys, pages, 4))
-        rows["aiofiles_read"].append(await aiofiles_read(a, keys, size, 4))
-        for p in files_under(a):
-            os.unlink(p)
-    med = {k: round(statistics.median(v), 3) for k, v in rows.items() if v}
-    ratio_w = statistics.median(
-        w / r for w, r in zip(rows["write"], rows["raw_write"], strict=True)
-    )
-    ratio_r = statistics.median(w / r for w, r in zip(rows["read"], rows["raw_read"], strict=True))
-    direct_ratio = None
-    if rows["raw_write_direct"]:
-        direct_ratio = round(
-            statistics.median(
-                w / r for w, r in zip(rows["write"], rows["raw_write_direct"], strict=True)
-            ),
-            3,
-        )
-    return {
+        # The same bytes as the backend writes, in page-sized writes, fsync'd after every
+        # batch: the durability points the backend gives (set_batch returns = durable).
+        add("raw_write_batch_sync", raw_write(raw_path, n * size, page_chunk, batch * size))
+        add("raw_write", raw_write(raw_path, raw_total, chunk))
+        for mode, seg, direct in (
+            ("", None, False),
+            ("_seg", segment, False),
+            ("_segd", segment, True),
+        ):
+            d = root / f"be{mode}{rep}"
+            b = FileBackend(
+                d, layout, fsync=True, timeout_s=120, segment_bytes=seg, direct_io=direct
+            )
+            keys = keys_for(n, f"{size}:{rep}:{mode}")
+            add("write" + mode, await backend_write(b, keys, pages, batch))
+            add("raw_read" + mode, raw_read(raw_path, 4 * MiB))
+            add("read" + mode, await backend_read(b, keys, pages, batch, d))
+            await b.clear()
+            nf = FileBackend(
+                root / f"nf{mode}{rep}", layout, segment_bytes=seg, direct_io=direct, timeout_s=120
+            )
+            add("write_nofsync" + mode, await backend_write(nf, keys, pages, batch))
+            await nf.clear()
+        raw_path.unlink()
+        if aio:
+            a = root / f"aio{rep}"
+            add("aiofiles_write", await aiofiles_write(a, keys, pages, 4))
+            add("aiofiles_read", await aiofiles_read(a, keys, size, 4))
+            for p in files_under(a):
+                os.unlink(p)
+    med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    out: dict[str, Any] = {
         "pages": n,
         "page_bytes": size,
+        "segment_bytes": segment,
         "GBps": med,
-        "write_ratio": round(ratio_w, 3),
-        "write_ratio_vs_direct": direct_ratio,
-        "read_ratio": round(ratio_r, 3),
-        "aiofiles_vs_backend_read": round(med["aiofiles_read"] / med["read"], 3),
-        "aiofiles_vs_backend_write": round(med["aiofiles_write"] / med["write"], 3),
-        "meets_target": ratio_w >= TARGETS["file"] and ratio_r >= TARGETS["file"],
+        "write_ratio": paired(rows, "write", "raw_write"),
+        "write_ratio_batch_sync": paired(rows, "write", "raw_write_batch_sync"),
+        "write_ratio_vs_direct": paired(rows, "write", "raw_write_direct"),
+        "read_ratio": paired(rows, "read", "raw_read"),
+        "seg_write_ratio": paired(rows, "write_seg", "raw_write"),
+        "seg_write_ratio_batch_sync": paired(rows, "write_seg", "raw_write_batch_sync"),
+        "seg_write_ratio_vs_direct": paired(rows, "write_seg", "raw_write_direct"),
+        "seg_read_ratio": paired(rows, "read_seg", "raw_read_seg"),
+        "segd_write_ratio": paired(rows, "write_segd", "raw_write"),
+        "segd_write_ratio_batch_sync": paired(rows, "write_segd", "raw_write_batch_sync"),
+        "segd_write_ratio_vs_direct": paired(rows, "write_segd", "raw_write_direct"),
+        "segd_read_ratio": paired(rows, "read_segd", "raw_read_segd"),
     }
+    if aio:
+        out["aiofiles_vs_backend_read"] = round(med["aiofiles_read"] / med["read"], 3)
+        out["aiofiles_vs_backend_write"] = round(med["aiofiles_write"] / med["write"], 3)
+    # Judged against the stricter (faster) of the two write+fsync references.
+    target = TARGETS["file"]
+    for pre in ("", "seg_", "segd_"):
+        worst = min(
+            out[pre + "write_ratio"], out[pre + "write_ratio_batch_sync"], out[pre + "read_ratio"]
+        )
+        out[pre + "meets_target"] = worst >= target
+    return out
 
 
 # -- s3 -------------------------------------------------------------------------------------------
@@ -383,10 +414,35 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(prefix="bench-storage-", dir=base) as tmp:
         root = Path(tmp)
-        result["file"] = {"dir": str(root), "sizes": {}}
+        result["file"] = {
+            "dir": str(root),
+            "segment_bytes": args.segment,
+            "raw": {
+                "raw_write": "one file, 4 MiB writes, one fsync at the end: the issue's "
+                "'sequential file write with fsync' taken literally (write_ratio)",
+                "raw_write_batch_sync": "the same bytes in page-sized writes, fsync after "
+                "every batch of pages: the durability points set_batch gives "
+                "(write_ratio_batch_sync); meets_target uses the stricter of the two",
+                "raw_write_direct": "O_DIRECT 4 MiB writes + fsync: the device without the "
+                "page cache (write_ratio_vs_direct)",
+                "raw_read": "cold sequential read of one file in 4 MiB reads (read_ratio)",
+            },
+            "modes": {
+                "": "one file per page (segment_bytes=None)",
+                "seg": "segment files (segment_bytes), buffered I/O",
+                "segd": "segment files with direct_io=True",
+            },
+            "sizes": {},
+        }
         for size in args.sizes:
             result["file"]["sizes"][f"{size // KiB}KiB"] = await bench_file(
-                root / f"f{size}", size, args.total, args.reps, args.batch
+                root / f"f{size}",
+                size,
+                args.total,
+                args.reps,
+                args.batch,
+                args.segment,
+                not args.no_aiofiles,
             )
         if not args.no_s3:
             from storage.seaweed import LocalSeaweed, find_weed
@@ -424,6 +480,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128, help="pages per backend call")
     ap.add_argument("--concurrency", type=int, default=16, help="S3 requests in flight")
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--no-aiofiles", action="store_true", help="skip the aiofiles comparison")
+    ap.add_argument("--segment", help="segment_bytes of the segment runs (default 2M)")
     args = ap.parse_args()
     q = args.quick
     args.sizes = parse_sizes(args.sizes or ("256K,4M" if q else "64K,256K,1M,4M"))
@@ -431,6 +489,7 @@ def main() -> None:
     args.total = (args.total or (64 if q else 256)) * MiB
     args.s3_total = (args.s3_total or (32 if q else 128)) * MiB
     args.reps = args.reps or (1 if q else 3)
+    args.segment = parse_sizes(args.segment or "2M")[0]
     print(json.dumps(asyncio.run(main_async(args)), indent=2))
 
 

@@ -1,6 +1,6 @@
 """Open a backend from a URL.
 
-* ``file:///abs/dir?capacity=64GiB&io_threads=4&fsync=1&timeout=10``
+* ``file:///abs/dir?capacity=64GiB&io_threads=4&fsync=1&segment=8MiB&timeout=10``
 * ``s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1&concurrency=16``
 
 Query values override nothing silently: an unknown parameter or a bad value raises
@@ -58,6 +58,8 @@ _FILE_PARAMS: dict[str, tuple[str, Any]] = {
     "capacity": ("capacity_bytes", lambda n, v: parse_size(v)),
     "io_threads": ("io_threads", lambda n, v: _number(n, v, int)),
     "fsync": ("fsync", _bool),
+    "segment": ("segment_bytes", lambda n, v: parse_size(v)),
+    "direct": ("direct_io", _bool),
     "timeout": ("timeout_s", lambda n, v: _number(n, v, float)),
     "timeout_per_gib": ("timeout_per_gib_s", lambda n, v: _number(n, v, float)),
     "adopt_external": ("adopt_external", _bool),

@@ -1,38 +1,41 @@
-"""File backend: one checksummed object per page in a directory (local disk or NFS).
+"""File backend: checksummed pages in a directory (local disk or NFS).
 
 Layout on disk: ``<root>/<key[:2]>/<key>.<layout tag>.kv`` (256 fan-out directories keep
 directories small). Several backends (layouts, ranks, engine instances) may share a root.
+Every page is found under its own name; the file behind the name is either the page alone
+or a *segment* (``segment_bytes``): the pages of one ``set_batch`` written as one file and
+published under each page's name with a hard link (:mod:`storage.segment`).
 
-* Writes go to a hidden temp file in the same directory, then ``os.replace``: readers never
-  see a partial page, and concurrent writers of one key are safe (the last rename wins; both
-  wrote a complete, verified page). With ``fsync=True`` each page's data is made durable
-  (``fdatasync``) before its rename, and the touched directories once per batch after the
-  renames, before ``set_batch`` reports the pages stored; without it, a power loss can lose or
-  tear recent pages, which the checksum turns into misses.
-* Reads ``preadv`` header and payload into a per-worker bounce buffer, verify everything, and
-  only then copy into the caller's buffer under the call's :class:`~storage.threadio.PageGuard`
-  (a timed-out call's threads can never write a buffer the caller has reused). A bad object
-  is removed.
+* Writes go to a hidden temp file in the same directory, then ``os.replace`` (one page) or
+  ``os.link`` per page (a segment): readers never see a partial page, and concurrent writers
+  of one key are safe (the last publish wins; both wrote a complete, verified page). With
+  ``fsync=True`` the file's data is made durable (``fdatasync``) before it is published, and
+  the touched directories once per batch after that, before ``set_batch`` reports the pages
+  stored; without it, a power loss can lose or tear recent pages, which the checksum turns
+  into misses.
+* Reads ``preadv`` into a per-worker bounce buffer (a run of neighbouring pages of one
+  segment in one ``preadv``), verify every page against its own header, and only then copy
+  into the caller's buffer under the call's :class:`~storage.threadio.PageGuard` (a
+  timed-out call's threads can never write a buffer the caller has reused). A bad page's
+  name is removed.
 * Bulk I/O runs on ``io_threads`` worker threads via ``anyio.to_thread`` with
   ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
   (open, read, close: three per page) and ``read()`` allocates a new bytes object per page;
   ``scripts/bench_storage.py`` measures both. The backend works under any anyio backend.
-* Capacity: an LRU index (key -> bytes) bounds the bytes of this backend's objects; new pages
-  evict the least recently used files. Hits and re-sets refresh recency; a hit also
-  refreshes the file's mtime when it is over a minute old, so the order survives a restart
-  (to the minute) without an inode write per read. The index is rebuilt from the directory on start.
+* Capacity: an LRU index of files (:mod:`storage.fileindex`) bounds the bytes of this
+  backend's objects; new pages evict the least recently used files (a segment goes whole).
+  Hits and re-sets refresh recency; a hit also refreshes the file's mtime when it is over a
+  minute old, so the order survives a restart (to the minute) without an inode write per
+  read. The index is rebuilt from the directory on start.
 * Objects written by other instances sharing the root are adopted when ``exists_prefix``
   finds them on disk; each instance bounds only the objects it knows of.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,15 +46,11 @@ from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ConfigError, StorageError
 from storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
-from storage.base import StorageLayout, check_batch, copy_into, validate_keys
-from storage.faults import Fault, FaultKind, fault_error, flip_byte
-from storage.pageformat import (
-    HEADER_SIZE,
-    CorruptPageError,
-    encode_header,
-    parse_header,
-    verify_payload,
-)
+from storage.base import StorageLayout, check_batch, validate_keys
+from storage.fileindex import LruIndex
+from storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
+from storage.pageformat import HEADER_SIZE
+from storage.segment import BLOCK, MAX_PAGES, table_bytes
 from storage.threadio import PageGuard, Scratch, ThreadRunner
 
 __all__ = ["FileBackend"]
@@ -59,47 +58,23 @@ __all__ = ["FileBackend"]
 _SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
 _KEY_RE = re.compile(r"[0-9a-f]{64}(?:\.[a-z0-9_-]{1,32})?")
 _STALE_TMP_S = 3600.0
-_TOUCH_AFTER_S = 60.0  # a hit refreshes the file's mtime only when it is older than this
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_MiB = 1 << 20
+#: A read job takes at most this many bytes of neighbouring segment pages (one preadv) ...
+_READ_CHUNK_MAX = 4 * _MiB
+#: ... and at least this many, splitting a batch over the threads otherwise.
+_READ_CHUNK_MIN = 1 * _MiB
 
-
-def _pread_full(fd: int, view: memoryview) -> int:
-    total = 0
-    size = len(view)
-    while total < size:
-        n = os.preadv(fd, [view[total:]], total)
-        if n == 0:
-            break
-        total += n
-    return total
-
-
-def _pwrite_all(fd: int, parts: list[memoryview]) -> None:
-    offset = 0
-    while parts:
-        n = os.pwritev(fd, parts, offset)
-        if n <= 0:
-            raise OSError(5, "pwritev wrote nothing")
-        offset += n
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
-
-
-def _pre_fault(fault: Fault | None, what: str) -> None:
-    """Apply the faults that strike before any byte moves."""
-    if fault is None:
-        return
-    if fault.kind is FaultKind.DELAY:
-        time.sleep(fault.delay_s)
-    elif fault.kind in (FaultKind.EIO, FaultKind.DROP):
-        raise fault_error(fault.kind, what)
+Job = Callable[[int, PageGuard, Scratch], None]
 
 
 class FileBackend(BackendBase):
-    """Pages as files under ``root``; see the module docstring."""
+    """Pages as files under ``root``; see the module docstring.
+
+    ``segment_bytes``: pack the pages of one ``set_batch`` into segment files of up to this
+    many bytes (pages of this size or larger stay one file each); ``None`` (default): one
+    file per page. ``direct_io``: write and read segments with ``O_DIRECT`` (bypassing the
+    page cache; falls back to buffered I/O where the filesystem refuses it).
+    """
 
     kind = "file"
 
@@ -111,6 +86,8 @@ class FileBackend(BackendBase):
         capacity_bytes: int | None = None,
         io_threads: int = 8,
         fsync: bool = False,
+        segment_bytes: int | None = None,
+        direct_io: bool = False,
         timeout_s: float = 10.0,
         timeout_per_gib_s: float = 10.0,
         max_stuck_threads: int | None = None,
@@ -127,12 +104,11 @@ class FileBackend(BackendBase):
         )
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise ConfigError(f"root must be a directory path, got {root!r}")
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise ConfigError(f"capacity_bytes must be an int > 0 or None, got {capacity_bytes!r}")
+        for name, value in (("capacity_bytes", capacity_bytes), ("segment_bytes", segment_bytes)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ConfigError(f"{name} must be an int > 0 or None, got {value!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
         stuck = io_threads if max_stuck_threads is None else max_stuck_threads
@@ -141,20 +117,18 @@ class FileBackend(BackendBase):
         self.root = Path(os.path.abspath(os.fspath(root)))
         self._root = str(self.root)
         self.capacity_bytes = capacity_bytes
+        self.segment_bytes = segment_bytes
         self.fsync = bool(fsync)
         self.adopt_external = bool(adopt_external)
         self._runner = ThreadRunner(io_threads, stuck)
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes on disk, LRU first
-        self._used = 0
+        self._files = PageFiles(self._path, self._fault, fsync=self.fsync, direct=bool(direct_io))
+        self._index = LruIndex()  # key -> file (unit); files in LRU order
         self._reserved = 0
         self._victims: list[str] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
 
     # -- paths ----------------------------------------------------------------------------------
-
-    def _dir(self, key: str) -> str:
-        return f"{self._root}/{key[:2]}"
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key[:2]}/{key}{self._suffix}"
@@ -187,26 +161,31 @@ class FileBackend(BackendBase):
                         f"cannot use storage directory {str(self.root)!r}: {exc}"
                     ) from exc
                 entries = []
-            for _mtime, key, size in sorted(entries):
-                self._index[key] = size
-                self._used += size
+            files: dict[int, tuple[int, int, list[str]]] = {}  # inode -> (mtime, size, keys)
+            for mtime, key, size, ino in entries:
+                files.setdefault(ino, (mtime, size, []))[2].append(key)
+            for _mtime, size, keys in sorted(files.values(), key=lambda f: (f[0], f[2][0])):
+                self._index.add(keys, size)
             self._started = True
             victims: list[str] = []
             if self.capacity_bytes is not None:
-                victims = self._evict_to(self.capacity_bytes, protect=())
+                victims = self._index.evict(self.capacity_bytes, 0, protect=())
             if victims:
                 await self._runner.run(len(victims), self._unlink_job(victims), self._deadline())
-            self.metrics.set_usage(self._used, len(self._index))
+            self._set_usage()
             self._log.info(
-                "storage_started", root=str(self.root), objects=len(self._index), bytes=self._used
+                "storage_started",
+                root=str(self.root),
+                objects=len(self._index),
+                bytes=self._index.used,
             )
 
-    def _scan(self) -> list[tuple[int, str, int]]:
-        """(mtime_ns, key, size) of this layout's objects; removes stale temp files."""
+    def _scan(self) -> list[tuple[int, str, int, int]]:
+        """(mtime_ns, key, size, inode) of this layout's objects; removes stale temp files."""
         os.makedirs(self.root, exist_ok=True)
         suffix = self._suffix
         now = time.time()
-        out: list[tuple[int, str, int]] = []
+        out: list[tuple[int, str, int, int]] = []
         with os.scandir(self.root) as top:
             subdirs = [e.path for e in top if e.is_dir() and _SUBDIR_RE.fullmatch(e.name)]
         for sub in subdirs:
@@ -223,42 +202,32 @@ class FileBackend(BackendBase):
                         key = name[: -len(suffix)]
                         if _KEY_RE.fullmatch(key) and key[:2] == os.path.basename(sub):
                             st = e.stat()
-                            out.append((st.st_mtime_ns, key, st.st_size))
+                            out.append((st.st_mtime_ns, key, st.st_size, st.st_ino))
                     except FileNotFoundError:
                         continue
         return out
 
     # -- capacity -------------------------------------------------------------------------------
 
-    def _evict_to(self, limit: int, protect: Sequence[str] | set[str]) -> list[str]:
-        """Drop LRU index entries until used <= limit; returns the victims (not yet unlinked)."""
-        victims: list[str] = []
-        while self._used + self._reserved > limit:
-            # Protected keys (the batch being written) are few and rarely least recent, so
-            # this finds the victim at or near the front of the LRU order.
-            victim = next((k for k in self._index if k not in protect), None)
-            if victim is None:
-                break
-            self._used -= self._index.pop(victim)
-            victims.append(victim)
-        return victims
+    def _set_usage(self) -> None:
+        self.metrics.set_usage(self._index.used, len(self._index))
 
     def _reserve(self, size: int, protect: set[str]) -> bool:
         cap = self.capacity_bytes
         if cap is not None:
             if size > cap:
                 return False
-            self._victims += self._evict_to(cap - size, protect)
-            if self._used + self._reserved + size > cap:
+            self._victims += self._index.evict(cap - size, self._reserved, protect)
+            if self._index.used + self._reserved + size > cap:
                 return False
         self._reserved += size
         return True
 
-    def _unlink_job(self, keys: list[str]) -> Callable[[int, PageGuard, Scratch], None]:
+    def _unlink_job(self, keys: list[str], first_slot: int = 0) -> Job:
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            key = keys[i]
+            key = keys[i - first_slot]
             try:
-                _pre_fault(self._fault("delete", key), "unlink")
+                pre_fault(self._fault("delete", key), "unlink")
                 os.unlink(self._path(key))
                 guard.finish(i, OK)
             except FileNotFoundError:
@@ -289,14 +258,14 @@ class FileBackend(BackendBase):
 
     async def _adopt(self, keys: list[str]) -> int:
         """Stat ``keys`` in order until one is missing; index the ones found on disk."""
-        found: list[tuple[str, int]] = []
+        found: list[tuple[str, os.stat_result]] = []
         errors: list[str] = []
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             for key in keys:
                 try:
-                    _pre_fault(self._fault("exists", key), "stat")
-                    found.append((key, os.stat(self._path(key)).st_size))
+                    pre_fault(self._fault("exists", key), "stat")
+                    found.append((key, os.stat(self._path(key))))
                 except FileNotFoundError:
                     break
                 except OSError as exc:
@@ -311,12 +280,21 @@ class FileBackend(BackendBase):
             self.metrics.fault("exists", errors[0])
             self._log.warning("storage_faults", op="exists", faults={errors[0]: 1})
         adopted = list(found)  # a timed-out thread may still append
-        for key, size in adopted:
-            if key not in self._index:
-                self._index[key] = size
-                self._used += size
+        # Names of one segment found together become one file; its bytes are shared out
+        # over all its names (some may be another instance's to bound).
+        j = 0
+        while j < len(adopted):
+            st = adopted[j][1]
+            k = j + 1
+            while k < len(adopted) and adopted[k][1].st_ino == st.st_ino:
+                k += 1
+            new = [key for key, _ in adopted[j:k] if key not in self._index]
+            if new:
+                share = st.st_size * len(new) // max(st.st_nlink, len(new))
+                self._index.add(new, share)
+            j = k
         if adopted:
-            self.metrics.set_usage(self._used, len(self._index))
+            self._set_usage()
         return len(adopted)
 
     # -- get ------------------------------------------------------------------------------------
@@ -326,92 +304,56 @@ class FileBackend(BackendBase):
         key_list, views = check_batch(keys, buffers, writable=True)
         await self._ensure_started()
         started = time.perf_counter()
-        names = [k + self._suffix for k in key_list]
-
-        def job(i: int, guard: PageGuard, scratch: Scratch) -> None:
-            self._read_page(i, key_list[i], names[i], views[i], guard, scratch)
-
+        reqs = [
+            ReadReq(i, k, k + self._suffix, v)
+            for i, (k, v) in enumerate(zip(key_list, views, strict=True))
+        ]
         total = sum(v.nbytes for v in views)
-        outcomes, details = await self._runner.run(len(key_list), job, self._deadline(total))
+        runs = self._read_runs(reqs, total)
+
+        def job(g: int, guard: PageGuard, scratch: Scratch) -> None:
+            run, in_segment = runs[g]
+            try:
+                self._files.read_run(run, in_segment, guard, scratch)
+            except Exception as exc:  # a bug: keep the engine alive, count it, log it
+                self._log.exception("storage_worker_error", op="get", error=repr(exc))
+                for r in run:
+                    guard.finish(r.slot, "internal", repr(exc))
+
+        outcomes, details = await self._runner.run(
+            len(runs), job, self._deadline(total), slots=len(reqs)
+        )
         for key, outcome in zip(key_list, outcomes, strict=True):
             if outcome == OK:
-                if key in self._index:
-                    self._index.move_to_end(key)
-            elif outcome in (MISS, "corrupt", "partial") and key in self._index:
-                self._used -= self._index.pop(key)
-        self.metrics.set_usage(self._used, len(self._index))
+                self._index.touch(key)
+            elif outcome in (MISS, "corrupt", "partial"):
+                self._index.drop(key)
+        self._set_usage()
         sizes = [v.nbytes for v in views]
         return self._account("get", key_list, outcomes, details, sizes, started)
 
-    def _read_page(
-        self,
-        i: int,
-        key: str,
-        name: str,
-        target: memoryview,
-        guard: PageGuard,
-        scratch: Scratch,
-    ) -> None:
-        path = self._path(key)
-        fault = self._fault("read", key)
-        try:
-            _pre_fault(fault, "read")
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        except FileNotFoundError:
-            guard.finish(i, MISS)
-            return
-        except OSError as exc:
-            guard.finish(i, os_error_reason(exc), str(exc))
-            return
-        ino = -1
-        try:
-            st = os.fstat(fd)
-            ino = st.st_ino
-            want = HEADER_SIZE + target.nbytes
-            buf = scratch.view(want)
-            got = _pread_full(fd, buf)
-            if fault is not None and fault.kind is FaultKind.SHORT_READ:
-                got = int(got * fault.position)
-            elif fault is not None and fault.kind is FaultKind.FLIP_BYTES:
-                flip_byte(buf[:got], fault.position)
-            info = parse_header(buf[:got], name)
-            if info.payload_len != target.nbytes and st.st_size == HEADER_SIZE + info.payload_len:
-                guard.finish(
-                    i,
-                    "size_mismatch",
-                    f"object has {info.payload_len} payload bytes, buffer {target.nbytes}",
-                )
-                return
-            if st.st_size != want or got != want:
-                raise CorruptPageError(
-                    "partial", f"object {name}: {st.st_size} bytes on disk, expected {want}"
-                )
-            verify_payload(info, buf[HEADER_SIZE:want], name)
-            if guard.enter():
-                copied = False
-                try:
-                    copy_into(target, buf[HEADER_SIZE:want])
-                    copied = True
-                finally:
-                    guard.leave(i, OK if copied else "internal")
-                if time.time() - st.st_mtime > _TOUCH_AFTER_S:
-                    with contextlib.suppress(OSError):
-                        os.utime(fd)  # recency survives a restart (coarsely: no inode churn)
-        except CorruptPageError as exc:
-            self._remove_bad(path, ino)
-            guard.finish(i, "partial" if exc.reason == "partial" else "corrupt", str(exc))
-        except OSError as exc:
-            guard.finish(i, os_error_reason(exc), str(exc))
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _remove_bad(path: str, ino: int) -> None:
-        try:
-            if os.stat(path).st_ino == ino:  # not a good page that a writer just put there
-                os.unlink(path)
-        except OSError:
-            pass
+    def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
+        """Split a batch into read jobs: neighbouring pages of one segment go together
+        (one open, one preadv), in chunks that spread a batch over the threads."""
+        chunk = min(_READ_CHUNK_MAX, max(_READ_CHUNK_MIN, total // self._runner.threads))
+        index = self._index
+        runs: list[tuple[list[ReadReq], bool]] = []
+        i = 0
+        while i < len(reqs):
+            unit = index.unit_of(reqs[i].key)
+            in_segment = unit is not None and index.unit_size(reqs[i].key) > 1
+            j, nbytes = i + 1, reqs[i].target.nbytes
+            if in_segment:
+                while (
+                    j < len(reqs)
+                    and index.unit_of(reqs[j].key) == unit
+                    and nbytes + reqs[j].target.nbytes <= chunk
+                ):
+                    nbytes += reqs[j].target.nbytes
+                    j += 1
+            runs.append((reqs[i:j], in_segment))
+            i = j
+        return runs
 
     # -- set ------------------------------------------------------------------------------------
 
@@ -425,67 +367,116 @@ class FileBackend(BackendBase):
         details: list[str | None] = [None] * n
         protect = set(key_list)
         todo: list[int] = []
+        first: dict[str, int] = {}  # a key repeated within the batch is written once
         for i, key in enumerate(key_list):
             if key in self._index:  # content-addressed: only refresh recency
-                self._index.move_to_end(key)
+                self._index.touch(key)
                 outcomes[i] = PRESENT
-                continue
-            if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
+            elif first.setdefault(key, i) == i:
                 todo.append(i)
-            else:
+        files: list[tuple[list[int], int]] = []  # (page indices, bytes on disk)
+        for group in self._plan_files(todo, views):
+            size = _file_bytes([views[i].nbytes for i in group], self._files.direct)
+            if self._reserve(size, protect):
+                files.append((group, size))
+                continue
+            skipped = group if len(group) == 1 else []
+            for i in group if len(group) > 1 else ():  # a segment that does not fit: pages
+                if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
+                    files.append(([i], HEADER_SIZE + views[i].nbytes))
+                else:
+                    skipped.append(i)
+            for i in skipped:
                 outcomes[i] = "capacity"
                 details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
         victims, self._victims = self._victims, []
-        names = [k + self._suffix for k in key_list]
+        nv = len(victims)
         unlink = self._unlink_job(victims)
+        writes = [
+            [WriteReq(nv + i, key_list[i], key_list[i] + self._suffix, views[i]) for i in g]
+            for g, _ in files
+        ]
 
         def job(j: int, guard: PageGuard, scratch: Scratch) -> None:
-            if j < len(victims):
+            if j < nv:
                 unlink(j, guard, scratch)
-            else:
-                i = todo[j - len(victims)]
-                self._write_page(j, key_list[i], names[i], views[i], guard)
+                return
+            reqs = writes[j - nv]
+            try:
+                if len(reqs) == 1:
+                    self._files.write_single(reqs[0], guard)
+                else:
+                    self._files.write_segment(reqs, guard, scratch)
+            except Exception as exc:  # a bug: keep the engine alive, count it, log it
+                self._log.exception("storage_worker_error", op="set", error=repr(exc))
+                for r in reqs:
+                    guard.finish(r.slot, "internal", repr(exc))
 
-        total = sum(views[i].nbytes for i in todo)
+        total = sum(views[i].nbytes for g, _ in files for i in g)
         try:
             done, done_details = await self._runner.run(
-                len(victims) + len(todo), job, self._deadline(total)
+                nv + len(files), job, self._deadline(total), slots=nv + n
             )
         finally:
-            for i in todo:
-                self._reserved -= HEADER_SIZE + views[i].nbytes
-        self.metrics.evicted(len(victims))
+            self._reserved -= sum(size for _, size in files)
+        self.metrics.evicted(nv)
         for v, outcome in zip(victims, done, strict=False):
             if outcome not in (OK, MISS):
                 self._log.warning("storage_evict_failed", key=v, reason=outcome)
         if self.fsync:
-            written = [key_list[i] for j, i in enumerate(todo, len(victims)) if done[j] == OK]
+            written = [key_list[i] for g, _ in files for i in g if done[nv + i] == OK]
             failed = await self._sync_dirs(written)
-            for j, i in enumerate(todo, len(victims)):
-                if done[j] == OK and key_list[i][:2] in failed:
-                    done[j], done_details[j] = failed[key_list[i][:2]]
-        for j, i in enumerate(todo, start=len(victims)):
-            outcomes[i], details[i] = done[j], done_details[j]
-            key = key_list[i]
-            if done[j] == OK:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                else:
-                    self._index[key] = HEADER_SIZE + views[i].nbytes
-                    self._used += HEADER_SIZE + views[i].nbytes
-        self.metrics.set_usage(self._used, len(self._index))
+            for g, _ in files:
+                for i in g:
+                    if done[nv + i] == OK and key_list[i][:2] in failed:
+                        done[nv + i], done_details[nv + i] = failed[key_list[i][:2]]
+        for g, size in files:
+            for i in g:
+                outcomes[i], details[i] = done[nv + i], done_details[nv + i]
+            stored = [key_list[i] for i in g if done[nv + i] == OK]
+            if stored:
+                self._index.add(stored, size)
+        for i, key in enumerate(key_list):
+            j = first.get(key, i)
+            if j != i:
+                outcomes[i] = PRESENT if outcomes[j] == OK else outcomes[j]
+                details[i] = details[j]
+        self._set_usage()
         sizes = [v.nbytes for v in views]
         return self._account("set", key_list, outcomes, details, sizes, started)
 
+    def _plan_files(self, todo: list[int], views: list[memoryview]) -> list[list[int]]:
+        """Group the pages to write into files: runs of up to ``segment_bytes`` (and
+        :data:`~storage.segment.MAX_PAGES`) in batch order; one page per file otherwise."""
+        limit = self.segment_bytes
+        if limit is None or not self._files.links_ok:  # no hard links here: one file each
+            return [[i] for i in todo]
+        groups: list[list[int]] = []
+        current: list[int] = []
+        nbytes = 0
+        for i in todo:
+            size = HEADER_SIZE + views[i].nbytes
+            if size >= limit:
+                groups.append([i])
+                continue
+            if current and (nbytes + size > limit or len(current) == MAX_PAGES):
+                groups.append(current)
+                current, nbytes = [], 0
+            current.append(i)
+            nbytes += size
+        if current:
+            groups.append(current)
+        return groups
+
     async def _sync_dirs(self, keys: list[str]) -> dict[str, tuple[str, str | None]]:
-        """fsync the directories of freshly renamed pages, once each per batch (the renames
-        are durable only then; one journal commit usually covers them all). Returns the
-        failed directories' outcomes by fan-out prefix."""
+        """fsync the directories of freshly published pages, once each per batch (the new
+        names are durable only then; one journal commit usually covers them all). Returns
+        the failed directories' outcomes by fan-out prefix."""
         prefixes = sorted({k[:2] for k in keys})
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             try:
-                dfd = os.open(os.path.join(self.root, prefixes[i]), os.O_RDONLY | _O_CLOEXEC)
+                dfd = os.open(os.path.join(self.root, prefixes[i]), os.O_RDONLY | O_CLOEXEC)
                 try:
                     os.fsync(dfd)
                 finally:
@@ -497,50 +488,6 @@ class FileBackend(BackendBase):
         outcomes, details = await self._runner.run(len(prefixes), job, self._deadline())
         return {p: (o, d) for p, o, d in zip(prefixes, outcomes, details, strict=True) if o != OK}
 
-    def _write_page(
-        self, j: int, key: str, name: str, payload: memoryview, guard: PageGuard
-    ) -> None:
-        fault = self._fault("write", key)
-        tmp = None
-        try:
-            _pre_fault(fault, "write")
-            header = memoryview(encode_header(name, payload))
-            parts = [header, payload]
-            if fault is not None and fault.kind is FaultKind.FLIP_BYTES:
-                flipped = bytearray(payload)
-                flip_byte(flipped, fault.position)
-                parts = [header, memoryview(flipped)]
-            elif fault is not None and fault.kind is FaultKind.PARTIAL_WRITE:
-                parts = [header, payload[: int(payload.nbytes * fault.position)]]
-            directory = self._dir(key)
-            tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
-            try:
-                fd = os.open(tmp, flags, 0o644)
-            except FileNotFoundError:
-                os.makedirs(directory, exist_ok=True)
-                fd = os.open(tmp, flags, 0o644)
-            try:
-                if fault is not None and fault.kind is FaultKind.ENOSPC:
-                    _pwrite_all(fd, [header, payload[: payload.nbytes // 2]])
-                    raise fault_error(fault.kind, "write")
-                _pwrite_all(fd, parts)
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            if not guard.may_publish():
-                return  # the call is over; the finally below removes the temp file
-            os.replace(tmp, self._path(key))
-            tmp = None
-            guard.finish(j, OK)
-        except OSError as exc:
-            guard.finish(j, os_error_reason(exc), str(exc))
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-
     # -- delete / clear -------------------------------------------------------------------------
 
     async def delete(self, keys: Sequence[str]) -> int:
@@ -549,12 +496,11 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         started = time.perf_counter()
         for key in key_list:
-            if key in self._index:
-                self._used -= self._index.pop(key)
+            self._index.drop(key)
         outcomes, details = await self._runner.run(
             len(key_list), self._unlink_job(key_list), self._deadline()
         )
-        self.metrics.set_usage(self._used, len(self._index))
+        self._set_usage()
         sizes = [0] * len(key_list)
         return sum(self._account("delete", key_list, outcomes, details, sizes, started))
 
@@ -563,11 +509,10 @@ class FileBackend(BackendBase):
         self._check_open()
         await self._ensure_started()
         self._index.clear()
-        self._used = 0
         removed: list[int] = [0]
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            for _mtime, key, _size in self._scan():
+            for _mtime, key, _size, _ino in self._scan():
                 try:
                     os.unlink(self._path(key))
                     removed[0] += 1
@@ -579,7 +524,7 @@ class FileBackend(BackendBase):
         if outcomes[0] != OK:
             self.metrics.fault("clear", outcomes[0])
             self._log.warning("storage_clear_failed", reason=outcomes[0], detail=details[0])
-        self.metrics.set_usage(self._used, len(self._index))
+        self._set_usage()
         return removed[0]
 
     # -- misc -----------------------------------------------------------------------------------
@@ -589,9 +534,12 @@ class FileBackend(BackendBase):
             **self._base_stats(),
             "root": str(self.root),
             "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self._used,
+            "segment_bytes": self.segment_bytes,
+            "direct_io": self._files.direct,
+            "used_bytes": self._index.used,
             "reserved_bytes": self._reserved,
             "objects": len(self._index),
+            "files": self._index.files,
             "stuck_threads": self._runner.stuck,
         }
 
@@ -600,3 +548,13 @@ class FileBackend(BackendBase):
 
     def __repr__(self) -> str:
         return f"FileBackend(root={str(self.root)!r}, tag={self._layout.tag!r})"
+
+
+def _file_bytes(payload_sizes: list[int], direct: bool) -> int:
+    """Bytes on disk of a file holding pages of these payload sizes (an O_DIRECT segment
+    is padded to a whole block)."""
+    pages = sum(HEADER_SIZE + s for s in payload_sizes)
+    if len(payload_sizes) == 1:
+        return pages
+    size = table_bytes(len(payload_sizes)) + pages
+    return -(-size // BLOCK) * BLOCK if direct else size

@@ -21,6 +21,7 @@ fast with the ``unavailable`` reason instead of piling up more threads.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -36,26 +37,34 @@ _log = get_logger("storage.threadio")
 
 
 class Scratch:
-    """A worker's reusable bounce buffer."""
+    """A worker's reusable bounce buffers: plain, and page-aligned (for ``O_DIRECT``)."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "mem")
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self.mem: mmap.mmap | None = None
 
     def view(self, n: int) -> memoryview:
         if len(self.buf) < n:
             self.buf = bytearray(n)
         return memoryview(self.buf)[:n]
 
+    def aligned(self, n: int) -> memoryview:
+        """``n`` bytes starting on a page boundary (anonymous memory map)."""
+        if self.mem is None or len(self.mem) < n:
+            self.mem = mmap.mmap(-1, max(n, mmap.PAGESIZE))  # views of the old one keep it
+        return memoryview(self.mem)[:n]
+
 
 class PageGuard:
     """Per-call state shared by the loop and the worker threads."""
 
-    def __init__(self, n: int, runner: ThreadRunner) -> None:
-        self.n = n
-        self.outcomes: list[str | None] = [None] * n
-        self.details: list[str | None] = [None] * n
+    def __init__(self, n: int, runner: ThreadRunner, slots: int | None = None) -> None:
+        self.n = n  # jobs, claimed in order
+        size = n if slots is None else slots  # outcomes: one per job, or per page of a job
+        self.outcomes: list[str | None] = [None] * size
+        self.details: list[str | None] = [None] * size
         self._runner = runner
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -179,19 +188,22 @@ class ThreadRunner:
         n: int,
         fn: Callable[[int, PageGuard, Scratch], None],
         timeout_s: float,
+        slots: int | None = None,
     ) -> tuple[list[str], list[str | None]]:
         """Run ``fn(i, guard, scratch)`` for i in range(n); return (outcomes, details).
 
-        Pages that did not finish in time get the ``timeout`` outcome; pages not started
-        because too many threads are stuck get ``unavailable``.
+        There is one outcome per job, or ``slots`` outcomes when a job reports for several
+        pages (``guard.finish(slot, ...)``). Slots that did not finish in time get the
+        ``timeout`` outcome; when too many threads are stuck, nothing starts: ``unavailable``.
         """
+        size = n if slots is None else slots
         if n == 0:
-            return [], []
+            return ["timeout"] * size, [None] * size
         if self.stuck >= self.max_stuck:
-            return ["unavailable"] * n, ["too many stuck storage threads"] * n
+            return ["unavailable"] * size, ["too many stuck storage threads"] * size
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.threads)
-        guard = PageGuard(n, self)
+        guard = PageGuard(n, self, slots)
         limiter = self._limiter
         work = partial(self._worker, guard, fn)
         try:

@@ -33,6 +33,9 @@ async def test_file_url(tmp_path, layout, make_keys) -> None:
     assert await b.set_batch(make_keys(1), [b"x"]) == [True]
     b2 = await open_backend(f"file://{tmp_path}/kv", layout, check=False, capacity_bytes=4096)
     assert b2.capacity_bytes == 4096 and b2.stats()["objects"] == 1
+    b3 = await open_backend(f"file://{tmp_path}/kv?segment=8MiB&direct=0", layout)
+    assert b3.segment_bytes == 8 << 20 and b2.segment_bytes is None
+    assert b3.stats()["direct_io"] is False
 
 
 async def test_s3_url_without_check(layout) -> None:

@@ -1,0 +1,112 @@
+"""The file backend's in-memory index: pages grouped into *units* (files), LRU by unit.
+
+A unit is one file on disk: a single page, or a segment holding several pages under hard
+links (:mod:`storage.segment`). Its bytes stay on disk until the last of its pages is
+gone, so capacity is counted per unit, and eviction takes whole units, least recently used
+first (a hit on any page refreshes its unit: pages of one segment were written together and
+are read together, as a prefix). Single-page units make this a plain per-page LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+__all__ = ["LruIndex"]
+
+
+class _Unit:
+    __slots__ = ("keys", "nbytes")
+
+    def __init__(self, keys: list[str], nbytes: int) -> None:
+        self.keys = keys
+        self.nbytes = nbytes
+
+
+class LruIndex:
+    """key -> unit; units in LRU order (least recent first); bytes of live units."""
+
+    def __init__(self) -> None:
+        self._units: OrderedDict[int, _Unit] = OrderedDict()
+        self._where: dict[str, int] = {}
+        self._next = 0
+        self.used = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def files(self) -> int:
+        """Files (units) indexed."""
+        return len(self._units)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def unit_of(self, key: str) -> int | None:
+        return self._where.get(key)
+
+    def unit_size(self, key: str) -> int:
+        """How many pages share ``key``'s unit (0 if unknown)."""
+        uid = self._where.get(key)
+        return len(self._units[uid].keys) if uid is not None else 0
+
+    def add(self, keys: Iterable[str], nbytes: int) -> None:
+        """A new unit holding ``keys`` (most recent); keys already indexed move to it."""
+        fresh = list(dict.fromkeys(keys))
+        for k in fresh:
+            self.drop(k)
+        if not fresh:
+            return
+        uid = self._next
+        self._next += 1
+        self._units[uid] = _Unit(fresh, nbytes)
+        for k in fresh:
+            self._where[k] = uid
+        self.used += nbytes
+
+    def touch(self, key: str) -> None:
+        uid = self._where.get(key)
+        if uid is not None:
+            self._units.move_to_end(uid)
+
+    def drop(self, key: str) -> bool:
+        """Forget one page; its unit's bytes are released with its last page."""
+        uid = self._where.pop(key, None)
+        if uid is None:
+            return False
+        unit = self._units[uid]
+        unit.keys.remove(key)
+        if not unit.keys:
+            del self._units[uid]
+            self.used -= unit.nbytes
+        return True
+
+    def clear(self) -> None:
+        self._units.clear()
+        self._where.clear()
+        self.used = 0
+
+    def evict(self, limit: int, reserved: int, protect: Collection[str]) -> list[str]:
+        """Drop least recently used units until ``used + reserved <= limit``; return their keys.
+
+        Units holding a protected key (pages of the batch being written) are skipped.
+        """
+        victims: list[str] = []
+        while self.used + reserved > limit:
+            # Protected units are few and rarely least recent: found at or near the front.
+            uid = next(
+                (u for u, unit in self._units.items() if not any(k in protect for k in unit.keys)),
+                None,
+            )
+            if uid is None:
+                break
+            unit = self._units.pop(uid)
+            for k in unit.keys:
+                del self._where[k]
+            self.used -= unit.nbytes
+            victims += unit.keys
+        return victims

@@ -1,0 +1,495 @@
+"""Blocking page I/O of the file backend, run on its worker threads.
+
+:class:`PageFiles` writes pages (one file per page, or a segment of several pages published
+under each page's name with hard links) and reads runs of pages, verifying each against its
+own header before the caller's buffer is touched. Every function reports per page through
+the call's :class:`~storage.threadio.PageGuard`; faults from the injection hook strike here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from storage.backend import MISS, OK, os_error_reason
+from storage.base import copy_into
+from storage.faults import Fault, FaultKind, fault_error, flip_byte
+from storage.pageformat import (
+    HEADER_SIZE,
+    CorruptPageError,
+    encode_header,
+    name_hash,
+    parse_header,
+    verify_payload,
+)
+from storage.segment import BLOCK, HEAD_READ, Entry, encode_table, is_segment, parse_table
+from storage.threadio import PageGuard, Scratch
+
+__all__ = ["PageFiles", "ReadReq", "WriteReq", "pread_full", "pwrite_all"]
+
+TOUCH_AFTER_S = 60.0  # a hit refreshes the file's mtime only when it is older than this
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+_NO_LINKS = {errno.EPERM, errno.EMLINK, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def pread_full(fd: int, view: memoryview, offset: int = 0) -> int:
+    total = 0
+    size = len(view)
+    while total < size:
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def pread_direct(fd: int, view: memoryview, offset: int) -> int:
+    """``O_DIRECT`` read of a block-aligned range; stops at the end of the file."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        total += n
+        if n == 0 or n % BLOCK:
+            break
+    return total
+
+
+def pwrite_all(fd: int, parts: list[memoryview]) -> None:
+    offset = 0
+    while parts:
+        n = os.pwritev(fd, parts[:1024], offset)  # IOV_MAX
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+
+
+def pre_fault(fault: Fault | None, what: str) -> None:
+    """Apply the faults that strike before any byte moves."""
+    if fault is None:
+        return
+    if fault.kind is FaultKind.DELAY:
+        time.sleep(fault.delay_s)
+    elif fault.kind in (FaultKind.EIO, FaultKind.DROP):
+        raise fault_error(fault.kind, what)
+
+
+def remove_bad(path: str, ino: int) -> None:
+    """Unlink ``path`` if it still names inode ``ino`` (not a good page a writer just put there)."""
+    try:
+        if os.stat(path).st_ino == ino:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+@dataclass(slots=True)
+class ReadReq:
+    slot: int
+    key: str
+    name: str
+    target: memoryview
+
+
+@dataclass(slots=True)
+class WriteReq:
+    slot: int
+    key: str
+    name: str
+    payload: memoryview
+
+
+class PageFiles:
+    """Page files under one root; ``path(key)`` names a page, ``fault(op, key)`` injects."""
+
+    def __init__(
+        self,
+        path: Callable[[str], str],
+        fault: Callable[[str, str], Fault | None],
+        *,
+        fsync: bool,
+        direct: bool = False,
+    ) -> None:
+        self.path = path
+        self.fault = fault
+        self.fsync = fsync
+        self.direct = direct and O_DIRECT != 0  # segments with O_DIRECT (cleared on EINVAL)
+        self.links_ok = True  # cleared when the filesystem refuses hard links
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def _create_tmp(self, directory: str, stem: str) -> tuple[str, int]:
+        tmp = os.path.join(directory, f".{stem}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
+        try:
+            return tmp, os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)
+            return tmp, os.open(tmp, flags, 0o644)
+
+    def _write_file(self, fd: int, parts: list[memoryview], enospc: bool) -> None:
+        if enospc:  # an injected full disk: half the bytes, then the error
+            half = sum(p.nbytes for p in parts) // 2
+            pwrite_all(fd, _cut(parts, half))
+            raise fault_error(FaultKind.ENOSPC, "write")
+        pwrite_all(fd, parts)
+        if self.fsync:
+            os.fdatasync(fd)
+
+    def _write_direct(
+        self, directory: str, parts: list[memoryview], enospc: bool, scratch: Scratch
+    ) -> str | None:
+        """Write a segment with ``O_DIRECT`` from an aligned copy, zero-padded to a whole
+        block; returns the temp file, or None when the filesystem refuses O_DIRECT."""
+        size = sum(p.nbytes for p in parts)
+        padded = -(-size // BLOCK) * BLOCK
+        buf = scratch.aligned(padded)
+        at = 0
+        for p in parts:
+            copy_into(buf[at : at + p.nbytes], p)
+            at += p.nbytes
+        buf[size:] = bytes(padded - size)
+        tmp = os.path.join(directory, f".seg.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_DIRECT
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct = False  # e.g. tmpfs: buffered writes from now on
+            return None
+        try:
+            if enospc:
+                pwrite_all(fd, [buf[: padded // 2 // BLOCK * BLOCK]])
+                raise fault_error(FaultKind.ENOSPC, "write")
+            pwrite_all(fd, [buf])
+            if self.fsync:
+                os.fdatasync(fd)  # the file's size and extents
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def write_single(self, req: WriteReq, guard: PageGuard) -> None:
+        """One page, one file: temp file, then ``os.replace`` onto its name."""
+        fault = self.fault("write", req.key)
+        tmp = None
+        try:
+            pre_fault(fault, "write")
+            parts = _faulted_parts(req, fault)
+            final = self.path(req.key)
+            tmp, fd = self._create_tmp(os.path.dirname(final), req.name)
+            try:
+                enospc = fault is not None and fault.kind is FaultKind.ENOSPC
+                self._write_file(fd, parts, enospc)
+            finally:
+                os.close(fd)
+            if not guard.may_publish():
+                return  # the call is over; the finally below removes the temp file
+            os.replace(tmp, final)
+            tmp = None
+            guard.finish(req.slot, OK)
+        except OSError as exc:
+            guard.finish(req.slot, os_error_reason(exc), str(exc))
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def write_segment(self, reqs: list[WriteReq], guard: PageGuard, scratch: Scratch) -> None:
+        """Several pages in one file (one write, one fdatasync), then a hard link per page.
+
+        A fault striking any page's raw write fails the whole file, as a real one would.
+        """
+        faults = [self.fault("write", r.key) for r in reqs]
+        tmp = None
+        try:
+            for f in faults:
+                pre_fault(f, "write")
+            table, _entries = encode_table(
+                [name_hash(r.name) for r in reqs], [r.payload.nbytes for r in reqs]
+            )
+            parts: list[memoryview] = [memoryview(table)]
+            for r, f in zip(reqs, faults, strict=True):
+                if f is not None and f.kind is FaultKind.PARTIAL_WRITE:
+                    # a torn write: this page is cut short, nothing after it reached the disk
+                    page = _faulted_parts(r, None)
+                    size = sum(p.nbytes for p in page)
+                    parts += _cut(page, HEADER_SIZE + int((size - HEADER_SIZE) * f.position))
+                    break
+                parts += _faulted_parts(r, f)
+            enospc = any(f is not None and f.kind is FaultKind.ENOSPC for f in faults)
+            directory = os.path.dirname(self.path(reqs[0].key))
+            if self.direct:
+                tmp = self._write_direct(directory, parts, enospc, scratch)
+            if tmp is None:
+                tmp, fd = self._create_tmp(directory, "seg")
+                try:
+                    self._write_file(fd, parts, enospc)
+                finally:
+                    os.close(fd)
+            if not guard.may_publish():
+                return
+            for i, r in enumerate(reqs):
+                if not self.links_ok:
+                    self.write_single(r, guard)
+                    continue
+                try:
+                    self._link(tmp, self.path(r.key))
+                    guard.finish(r.slot, OK)
+                except OSError as exc:
+                    if exc.errno in _NO_LINKS and i == 0:
+                        self.links_ok = False
+                        self.write_single(r, guard)
+                    else:
+                        guard.finish(r.slot, os_error_reason(exc), str(exc))
+        except OSError as exc:
+            reason, detail = os_error_reason(exc), str(exc)
+            for r in reqs:
+                guard.finish(r.slot, reason, detail)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @staticmethod
+    def _link(src: str, dst: str) -> None:
+        """Publish ``src`` as ``dst``; an existing ``dst`` is replaced atomically."""
+        try:
+            os.link(src, dst)
+            return
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+        except FileExistsError:
+            pass  # another writer's copy (or a stale one): replace it like os.replace would
+        else:
+            return
+        try:
+            os.link(src, dst)
+            return
+        except FileExistsError:
+            pass
+        side = f"{src[:-4]}.{secrets.token_hex(4)}.tmp"  # swept on start if we crash here
+        os.link(src, side)
+        try:
+            os.replace(side, dst)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(side)
+            raise
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def read_run(
+        self, reqs: list[ReadReq], in_segment: bool, guard: PageGuard, scratch: Scratch
+    ) -> None:
+        """Read ``reqs``: the first by its own name; the following ones from the same file
+        (one ``preadv``) when it is a segment holding them right after the first; any left
+        over are read the same way, starting from their own names."""
+        while reqs and not guard.cancelled:
+            done = self._read_from(reqs, in_segment, guard, scratch)
+            reqs = reqs[done:]
+
+    def _read_from(
+        self, reqs: list[ReadReq], in_segment: bool, guard: PageGuard, scratch: Scratch
+    ) -> int:
+        first = reqs[0]
+        path = self.path(first.key)
+        fault = self.fault("read", first.key)
+        direct = in_segment and self.direct
+        try:
+            pre_fault(fault, "read")
+            fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            guard.finish(first.slot, MISS)
+            return 1
+        except OSError as exc:
+            guard.finish(first.slot, os_error_reason(exc), str(exc))
+            return 1
+        ino = -1
+        try:
+            st = os.fstat(fd)
+            ino = st.st_ino
+            want = HEADER_SIZE + first.target.nbytes
+            # A page known to live in a segment: read the table first, not page 0's bytes.
+            if direct:
+                head = scratch.aligned(HEAD_READ)
+                got = pread_direct(fd, head, 0)
+            else:
+                head = scratch.view(HEAD_READ if in_segment else want)
+                got = pread_full(fd, head)
+            if got >= 4 and is_segment(head):
+                if got < HEAD_READ < st.st_size:  # read as a single page: fetch the table
+                    head = scratch.view(HEAD_READ)
+                    got = pread_full(fd, head)
+                table = parse_table(head[:got], first.name)
+                run = _run_of(reqs, table)
+                if not run:
+                    raise CorruptPageError("corrupt", f"segment {first.name}: page not in table")
+                return self._read_segment_run(
+                    fd, st, reqs[: len(run)], run, fault, direct, guard, scratch
+                )
+            if in_segment and got < min(want, st.st_size):  # read only a head: read the page
+                if direct:  # not a segment after all: read it the plain way
+                    plain = os.open(path, os.O_RDONLY | O_CLOEXEC)
+                    os.close(fd)
+                    fd = plain
+                    st = os.fstat(fd)
+                    ino = st.st_ino
+                head = scratch.view(want)
+                got = pread_full(fd, head)
+            self._check_and_copy(first, head, got, st.st_size, fault, guard)
+            self._touch(fd, st)
+            return 1
+        except CorruptPageError as exc:
+            remove_bad(path, ino)
+            guard.finish(first.slot, "partial" if exc.reason == "partial" else "corrupt", str(exc))
+            return 1
+        except OSError as exc:
+            guard.finish(first.slot, os_error_reason(exc), str(exc))
+            return 1
+        finally:
+            os.close(fd)
+
+    def _read_segment_run(
+        self,
+        fd: int,
+        st: os.stat_result,
+        reqs: list[ReadReq],
+        run: list[Entry],
+        first_fault: Fault | None,
+        direct: bool,
+        guard: PageGuard,
+        scratch: Scratch,
+    ) -> int:
+        start = run[0].offset
+        end = run[-1].offset + run[-1].length
+        if direct:  # a block-aligned range around the run
+            lo = start // BLOCK * BLOCK
+            buf = scratch.aligned(-(-end // BLOCK) * BLOCK - lo)
+            got = pread_direct(fd, buf, lo) - (start - lo)
+            buf = buf[start - lo :]
+        else:
+            buf = scratch.view(end - start)
+            got = pread_full(fd, buf, start)
+        for j, (req, entry) in enumerate(zip(reqs, run, strict=True)):
+            # the first page's fault was decided (and its pre-fault applied) on opening
+            fault = self.fault("read", req.key) if j else first_fault
+            lo = entry.offset - start
+            page = buf[lo : lo + entry.length]
+            avail = max(0, min(entry.length, got - lo))
+            if entry.length != HEADER_SIZE + req.target.nbytes:
+                guard.finish(
+                    req.slot,
+                    "size_mismatch",
+                    f"object has {entry.length - HEADER_SIZE} payload bytes, "
+                    f"buffer {req.target.nbytes}",
+                )
+                continue
+            try:
+                if j:
+                    pre_fault(fault, "read")
+                self._check_and_copy(req, page, avail, entry.length, fault, guard)
+            except CorruptPageError as exc:
+                remove_bad(self.path(req.key), st.st_ino)
+                reason = "partial" if exc.reason == "partial" else "corrupt"
+                guard.finish(req.slot, reason, str(exc))
+            except OSError as exc:
+                guard.finish(req.slot, os_error_reason(exc), str(exc))
+        self._touch(fd, st)
+        return len(reqs)
+
+    def _check_and_copy(
+        self,
+        req: ReadReq,
+        buf: memoryview,
+        got: int,
+        stored: int,
+        fault: Fault | None,
+        guard: PageGuard,
+    ) -> None:
+        """Verify one page read into ``buf`` (``got`` bytes of an object of ``stored`` bytes)
+        and copy its payload into the caller's buffer; raises CorruptPageError."""
+        want = HEADER_SIZE + req.target.nbytes
+        if fault is not None and fault.kind is FaultKind.SHORT_READ:
+            got = int(got * fault.position)
+        elif fault is not None and fault.kind is FaultKind.FLIP_BYTES:
+            flip_byte(buf[:got], fault.position)
+        info = parse_header(buf[:got], req.name)
+        if info.payload_len != req.target.nbytes and stored == HEADER_SIZE + info.payload_len:
+            guard.finish(
+                req.slot,
+                "size_mismatch",
+                f"object has {info.payload_len} payload bytes, buffer {req.target.nbytes}",
+            )
+            return
+        if stored != want or got < want:
+            raise CorruptPageError(
+                "partial",
+                f"object {req.name}: {stored} bytes stored, {got} read, expected {want}",
+            )
+        verify_payload(info, buf[HEADER_SIZE:want], req.name)
+        if guard.enter():
+            copied = False
+            try:
+                copy_into(req.target, buf[HEADER_SIZE:want])
+                copied = True
+            finally:
+                guard.leave(req.slot, OK if copied else "internal")
+
+    @staticmethod
+    def _touch(fd: int, st: os.stat_result) -> None:
+        if time.time() - st.st_mtime > TOUCH_AFTER_S:
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # recency survives a restart (coarsely: no inode churn)
+
+
+def _run_of(reqs: list[ReadReq], table: dict[int, Entry]) -> list[Entry]:
+    """Entries of the leading ``reqs`` that lie back to back in the segment."""
+    run: list[Entry] = []
+    for req in reqs:
+        entry = table.get(name_hash(req.name))
+        if entry is None or (run and entry.offset != run[-1].offset + run[-1].length):
+            break
+        run.append(entry)
+    return run
+
+
+def _faulted_parts(req: WriteReq, fault: Fault | None) -> list[memoryview]:
+    """Header + payload of a page, with a write fault's damage applied (flip / cut)."""
+    header = memoryview(encode_header(req.name, req.payload))
+    if fault is not None and fault.kind is FaultKind.FLIP_BYTES:
+        flipped = bytearray(req.payload)
+        flip_byte(flipped, fault.position)
+        return [header, memoryview(flipped)]
+    if fault is not None and fault.kind is FaultKind.PARTIAL_WRITE:
+        return [header, req.payload[: int(req.payload.nbytes * fault.position)]]
+    return [header, req.payload]
+
+
+def _cut(parts: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of ``parts``."""
+    out: list[memoryview] = []
+    for p in parts:
+        if nbytes <= 0:
+            break
+        out.append(p[:nbytes])
+        nbytes -= p.nbytes
+    return out
