@@ -49,6 +49,7 @@ class CacheConfig:
     enable_page_hashes: bool = False
     disable: bool = False
     model_name: str = "model"  # names L3 objects: different models never share one
+    kv_replicated: bool = False  # every TP rank holds the whole KV (MLA): ranks share L3 objects
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -67,7 +68,7 @@ class CacheConfig:
             raise ConfigError("set device_tokens or device_bytes (the L1 capacity)")
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        for flag in ("enable_kv_events", "enable_page_hashes", "disable"):
+        for flag in ("enable_kv_events", "enable_page_hashes", "disable", "kv_replicated"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_layout not in ("layer_first", "page_first"):
