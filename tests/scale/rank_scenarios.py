@@ -165,3 +165,73 @@ def raise_on_odd_rank(rank: int, world_size: int, init_method: str) -> str:
     if rank % 2:
         raise ValueError(f"rank {rank} was told to fail")
     return f"rank {rank} ok"
+
+
+async def _shared_l3(group: Any, url: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One independent cache instance per process over ONE shared backend (a directory or
+    an S3 prefix). ``group`` only coordinates the test (barriers); the caches do not agree."""
+    from asynccache import HierarchicalCache
+    from asynccache.l3 import StoragePolicy
+    from storage.factory import open_backend
+
+    me, other = group.rank, 1 - group.rank
+    rng = np.random.default_rng(11)
+    common = [rng.integers(0, 50_000, size=40).astype(np.uint32) for _ in range(3)]
+    own = {r: [np.random.default_rng(100 + 10 * r + i).integers(0, 50_000, size=36)
+               .astype(np.uint32) for i in range(3)] for r in (0, 1)}
+    out: dict[str, Any] = {"rank": me}
+    cfg = _config(enable_kv_events=False, device_tokens=512, host_tokens=1024)
+    async with HierarchicalCache(cfg) as cache:
+        backend = await open_backend(url, cache.storage_layout(), **kwargs)
+        cache.attach_storage(backend, StoragePolicy(prefetch_threshold=PS))
+        await group.barrier()
+        # Phase 1: both instances write the common prompts at once (same pages, concurrent
+        # writers) and their own prompts.
+        await _serve_stream_plain(cache, common + own[me])
+        await cache.flush()
+        await cache.storage.drain()
+        await group.barrier()
+        # Phase 2: each serves the OTHER instance's prompts: nothing of them is local, all of
+        # their whole pages must come from the shared tier, bit for bit.
+        fetched = []
+        for toks in own[other] + common:
+            req = cache.admit(toks)
+            local = req.prefix_len + req.host_hit_length
+            got = await cache.prefetch_request(req, policy="wait_complete")
+            await cache.load_back_request(req)
+            _verify(cache, toks, req.slots[: req.prefix_len], f"instance {me}")
+            fetched.append((local, got, req.prefix_len))
+            cache.abort_req(req)
+        out["fetched"] = fetched
+        cache.sanity_check()
+        await cache.detach_storage()
+        await backend.aclose()
+    await group.barrier()
+    return out
+
+
+async def _serve_stream_plain(cache: Any, seqs: list[np.ndarray]) -> None:
+    from asynccache.replay.kvgen import expected_kv
+
+    for toks in seqs:
+        req = cache.admit(toks)
+        await cache.load_back_request(req)
+        n = len(toks)
+        new = await cache.extend(req, n - req.computed)
+        start = n - len(new)
+        cache.write_kv(new, expected_kv(cache.shape, toks[start:], np.arange(start, n)))
+        cache.cache_finished_req(req)
+
+
+def shared_l3(rank: int, world_size: int, init_method: str, url: str,
+              kwargs: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from asynccache.ranks import TorchRankGroup
+
+    torch.set_num_threads(1)
+    group = TorchRankGroup.create(rank, world_size, init_method, timeout_s=60.0)
+    try:
+        return asyncio.run(_shared_l3(group, url, kwargs))
+    finally:
+        group.close()
