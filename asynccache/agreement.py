@@ -135,13 +135,6 @@ class Agreement:
             self._tick = None
             try:
                 agreed = fut.result()
-                self.held_back += sum(c - a for c, a in zip(counts, agreed, strict=False))
-                n = self._retire(agreed[: len(LANES)])
-                if ops:
-                    width = len(entries[0])
-                    rest = agreed[len(LANES):]
-                    tier.apply_agreement(ops, [rest[i * width:(i + 1) * width]
-                                               for i in range(len(ops))])
             except BaseException as exc:
                 err = exc if isinstance(exc, RankGroupError) else RankGroupError(
                     f"tick failed: {exc!r}")
@@ -149,6 +142,13 @@ class Agreement:
                 _log.error("tick_failed", error=str(err))
                 done.set_exception(err)
                 return
+            self.held_back += sum(c - a for c, a in zip(counts, agreed, strict=False))
+            n = self._retire(agreed[: len(LANES)])
+            if ops:
+                width = len(entries[0])
+                rest = agreed[len(LANES):]
+                tier.apply_agreement(ops, [rest[i * width:(i + 1) * width]
+                                           for i in range(len(ops))])
             self.ticks += 1
             done.set_result(n)
 

@@ -458,7 +458,11 @@ class StorageTier:
                 continue
             was = op.phase
             if was == "query" and hit >= 0:
-                op.want_pages = self._take_hit(op, hit)
+                try:
+                    op.want_pages = self._take_hit(op, hit)
+                except Exception as exc:  # e.g. the cache is closing: identical on every rank
+                    _log.warning("prefetch_not_started", error=repr(exc))
+                    op.want_pages = 0
                 if op.want_pages:
                     op.phase = "transfer"
                     op.task = asyncio.get_running_loop().create_task(

@@ -73,3 +73,19 @@ def test_a_rank_that_raises_is_reported(tmp_path: Path) -> None:
     assert "ValueError: rank 1 was told to fail" in (outcomes[1].error or "")
     with pytest.raises(Exception, match="rank 1: Traceback"):
         check_ranks(outcomes)
+
+
+@pytest.mark.cuda
+def test_nccl_group_drives_the_deferred_commits_on_a_gpu(tmp_path: Path) -> None:
+    """One rank per GPU over NCCL (here as many GPUs as there are, at most 2): the tick's
+    collective runs on CUDA tensors and the caches' L1 lives on the GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    world = min(2, torch.cuda.device_count())
+    outcomes = run_ranks(SCENARIOS, "agreement", world,
+                         args=(str(tmp_path), 16, 1, None, False, "nccl"), timeout_s=150)
+    results = check_ranks(outcomes)
+    _assert_identical(results)
+    assert results[0]["ticks"] > 0
