@@ -392,6 +392,10 @@ class HierarchicalCache:
             # nodes until they land): wait for those, then evict again.
             in_flight = list(self._inflight.values())
             if not in_flight:
+                # Storage writes pin their nodes on host, which protects them on the device too.
+                if self._storage is not None and self._storage.writes_pending:
+                    await self._storage.drain()
+                    continue
                 break
             await self._settle(in_flight)
         raise PoolExhaustedError(

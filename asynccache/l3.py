@@ -208,6 +208,12 @@ class StorageTier:
             if pin is not None:
                 self.cache.tree.unlock_host(pin)
 
+    @property
+    def writes_pending(self) -> bool:
+        """Storage writes started and not yet done (not yet retired, with several ranks)."""
+        agree = self.cache._agree
+        return bool(self._writes) if agree is None else not agree.lane_empty("storage")
+
     async def drain(self) -> None:
         """Wait for every storage write started so far."""
         agree = self.cache._agree

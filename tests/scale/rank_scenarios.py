@@ -79,7 +79,8 @@ async def _serve_stream(cache: Any, seqs: list[np.ndarray], rank: int) -> list[t
 
 
 async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | None,
-                     replicated: bool, device: str = "cpu") -> dict[str, Any]:
+                     replicated: bool, device: str = "cpu",
+                     write_policy: str = "write_through") -> dict[str, Any]:
     from asynccache import HierarchicalCache
     from asynccache.errors import RankGroupError
     from asynccache.l3 import StoragePolicy
@@ -89,7 +90,8 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
 
     rank = group.rank
     out: dict[str, Any] = {"rank": rank}
-    cache = HierarchicalCache(_config(kv_replicated=replicated, device=device), ranks=group)
+    cache = HierarchicalCache(_config(kv_replicated=replicated, device=device,
+                                      write_policy=write_policy), ranks=group)
     await cache.start()
     inner = FileBackend(root, cache.storage_layout())
     await inner.start()
@@ -147,7 +149,7 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
 
 def agreement(rank: int, world_size: int, init_method: str, root: str, n_requests: int,
               tp_size: int, fail_rank: int | None = None, replicated: bool = False,
-              backend: str = "gloo") -> dict[str, Any]:
+              backend: str = "gloo", write_policy: str = "write_through") -> dict[str, Any]:
     import torch
 
     from asynccache.ranks import TorchRankGroup
@@ -157,7 +159,8 @@ def agreement(rank: int, world_size: int, init_method: str, root: str, n_request
                                   backend=backend, timeout_s=20.0 if fail_rank is None else 5.0)
     device = group.device if backend == "nccl" else "cpu"
     try:
-        return asyncio.run(_agreement(group, root, n_requests, fail_rank, replicated, device))
+        return asyncio.run(_agreement(group, root, n_requests, fail_rank, replicated, device,
+                                      write_policy))
     finally:
         group.close()
 

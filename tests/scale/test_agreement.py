@@ -50,15 +50,19 @@ def test_four_ranks_tp2_pp2_agree(tmp_path: Path) -> None:
     assert "tp0of2_pp0of2" in names[0] and "tp1of2_pp1of2" in names[3]
 
 
-def test_two_ranks_replicated_kv_then_a_rank_dies(tmp_path: Path) -> None:
+def test_two_ranks_write_back_replicated_kv_then_a_rank_dies(tmp_path: Path) -> None:
+    """Write-back (eviction awaits its D->H copies through ticks), tp=2 with replicated KV."""
     outcomes = run_ranks(SCENARIOS, "agreement", 2,
-                         args=(str(tmp_path), 20, 2, 1, True), timeout_s=90)
+                         args=(str(tmp_path), 24, 2, 1, True, "gloo", "write_back"),
+                         timeout_s=90)
     alive, dead = outcomes
     assert alive.ok, alive.error
     assert not dead.ok and dead.exitcode == 3
     assert "died with exit code 3" in (dead.error or "")
     r = alive.result
     assert r["peers_equal"]  # checked in-world before rank 1 died
+    assert r["evicted"] > 0 and r["ticks"] > 0
+    assert any(loaded for *_, loaded, _ in r["log"])  # write-back copies were loaded back
     assert r["closed_clean"]
     assert "rank 0/2" in r["failure"] and "failed" in r["failure"]
     # replicated KV (MLA): both TP ranks name a page's object alike (rank 1 checked it too)
