@@ -6,6 +6,7 @@ Every function takes ``(rank, world_size, init_method, ...)`` and returns plain 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 from typing import Any
@@ -127,6 +128,18 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
     out["pp_min"] = (await group.all_reduce_min([rank], scope="pp"))[0]
     mins, maxs = await group.all_reduce_min_max([rank + 10], [rank])
     out["min_max"] = (mins[0], maxs[0])
+    # A cancelled sync() still completes its tick (its peers are in the collective): the
+    # next sync waits for it, and the ranks stay in step.
+    before = cache._agree.ticks
+    tick = asyncio.get_running_loop().create_task(cache.sync())
+    await asyncio.sleep(0)
+    tick.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tick
+    await cache.sync()
+    state["ticks_after_cancel"] = cache._agree.ticks - before
+    state["digest_after_cancel"] = tree_digest(cache)
+    out.update(state)
     # Every rank checks its peers' state itself too (the test compares the returned copies).
     blobs = await group.all_gather_bytes(pickle.dumps(state))
     out["peers_equal"] = all(pickle.loads(b) == state for b in blobs)

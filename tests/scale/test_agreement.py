@@ -21,10 +21,12 @@ def _assert_identical(results: list[dict]) -> None:
         assert r["events"] == first["events"], f"rank {r['rank']} KV events differ from rank 0"
         assert r["log"] == first["log"], f"rank {r['rank']} took other decisions than rank 0"
         assert r["ticks"] == first["ticks"]
+        assert r["digest_after_cancel"] == first["digest_after_cancel"]
     for r in results:
         assert r["peers_equal"], f"rank {r['rank']} saw a peer in another state"
         assert (r["held_locks"], r["host_inflight"], r["in_flight"]) == (0, 0, 0)
         assert r["closed_clean"]
+        assert r["ticks_after_cancel"] == 2  # the cancelled tick applied, then one more
 
 
 def test_four_ranks_tp2_pp2_agree(tmp_path: Path) -> None:
