@@ -177,9 +177,19 @@ class Agreement:
         few milliseconds, so waiting ranks do not spin collectives.
         """
         while not done():
-            if await self.sync() == 0 and not done():
+            if await self.sync() == 0 and not done() and self._locally_waiting():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._progress.wait(), IDLE_WAIT_S)
+
+    def _locally_waiting(self) -> bool:
+        """True while something is unfinished *here* (then wait for it before the next tick;
+        otherwise a peer is behind, and the next tick's collective waits for it instead)."""
+        if self._progress.is_set():
+            return False  # something finished since the last snapshot: tick at once
+        if any(not item.ready() for lane in self.lanes.values() for item in lane):
+            return True
+        tier = self._storage()
+        return tier is not None and tier.locally_busy()
 
     async def settle(self, objs: Sequence[Any]) -> None:
         """Wait until every copy handle / task in ``objs`` has been retired."""

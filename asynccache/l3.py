@@ -445,6 +445,10 @@ class StorageTier:
             return time.perf_counter() - op.started < self.policy.timeout_s(op.requested_tokens)
         return incomplete
 
+    def locally_busy(self) -> bool:
+        """An agreeing prefetch still has local work (a query or a read) in progress."""
+        return any(op.task is not None and not op.task.done() for op in self._agreeing)
+
     def agreement_entries(self) -> tuple[list[PrefetchOp], list[list[int]]]:
         """This rank's view of every agreeing prefetch, for one tick."""
         ps = self.cache.page_size
