@@ -44,7 +44,7 @@ IDLE_WAIT_S = 0.005
 @dataclass(eq=False, slots=True)
 class _Deferred:
     ready: Callable[[], bool]
-    apply: Callable[[], None]
+    apply: Callable[[], object]
     token: int  # id() of the handle / task it stands for
 
 
@@ -67,17 +67,17 @@ class Agreement:
         self.failed: RankGroupError | None = None
 
     # ------------------------------------------------------------------ deferring
-    def defer(self, lane: str, ready: Callable[[], bool], apply: Callable[[], None],
+    def defer(self, lane: str, ready: Callable[[], bool], apply: Callable[[], object],
               token: int) -> None:
         self.lanes[lane].append(_Deferred(ready, apply, token))
         self._pending.add(token)
 
-    def defer_copy(self, handle: Any, apply: Callable[[], None]) -> None:
+    def defer_copy(self, handle: Any, apply: Callable[[], object]) -> None:
         """Commit ``handle`` (a copy) at the tick that agrees it finished on every rank."""
         self.defer("copies", lambda: handle.finished, apply, id(handle))
         handle.add_done_callback(lambda _h: self._progress.set())
 
-    def defer_task(self, task: asyncio.Task[Any], apply: Callable[[], None]) -> None:
+    def defer_task(self, task: asyncio.Task[Any], apply: Callable[[], object]) -> None:
         """Run ``apply`` at the tick that agrees ``task`` (a storage write) ended everywhere."""
         self.defer("storage", task.done, apply, id(task))
         task.add_done_callback(lambda _t: self._progress.set())

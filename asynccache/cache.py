@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -489,8 +490,8 @@ class HierarchicalCache:
             handle = self._engine.submit_d2h(req.device_slots, host)
             self._inflight[req.op_id] = handle
             if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
-                self._agree.defer_copy(handle, lambda h=handle, req=req, host=host:
-                                       self._backup_done(req, host, h, failed))
+                self._agree.defer_copy(handle, partial(self._backup_done, req, host, handle,
+                                                       failed))
                 handles.append(handle)
                 continue
             handle.add_done_callback(
