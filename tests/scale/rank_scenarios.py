@@ -252,3 +252,37 @@ def shared_l3(rank: int, world_size: int, init_method: str, url: str,
         return asyncio.run(_shared_l3(group, url, kwargs))
     finally:
         group.close()
+
+
+def hung_peer(rank: int, world_size: int, init_method: str) -> str:
+    """Rank 1 stays alive but never joins the collective: rank 0's must time out, clearly."""
+    import time
+
+    from asynccache.errors import RankGroupError
+    from asynccache.ranks import TorchRankGroup
+
+    group = TorchRankGroup.create(rank, world_size, init_method, timeout_s=1.0)
+    try:
+        if rank == 1:
+            time.sleep(2.5)
+            return "slept"
+        t0 = time.monotonic()
+        try:
+            asyncio.run(group.all_reduce_min([1, 2]))
+        except RankGroupError as exc:
+            return f"{time.monotonic() - t0:.1f}s {exc}"
+        return "no error"
+    finally:
+        group.close()
+
+
+def join_alone(rank: int, world_size: int, init_method: str) -> str:
+    """A world of 2 that only this process joins: the rendezvous must fail, clearly."""
+    from asynccache.errors import RankGroupError
+    from asynccache.ranks import TorchRankGroup
+
+    try:
+        TorchRankGroup.create(0, 2, init_method, timeout_s=1.0)
+    except RankGroupError as exc:
+        return str(exc)
+    return "joined"

@@ -95,3 +95,13 @@ def test_nccl_group_drives_the_deferred_commits_on_a_gpu(tmp_path: Path) -> None
     results = check_ranks(outcomes)
     _assert_identical(results)
     assert results[0]["ticks"] > 0
+
+
+def test_a_hung_peer_times_out_and_a_missing_peer_fails_the_rendezvous() -> None:
+    hung = check_ranks(run_ranks(SCENARIOS, "hung_peer", 2, timeout_s=60))
+    assert hung[1] == "slept"
+    assert "rank 0/2: collective #1 (all_reduce_min[2]@world) failed" in hung[0]
+    assert "Timed out" in hung[0]
+    alone = check_ranks(run_ranks(SCENARIOS, "join_alone", 1, timeout_s=60))
+    assert alone[0].startswith("rank 0/2 could not join 'tcp://127.0.0.1:")
+    assert "1/2 clients joined" in alone[0]
