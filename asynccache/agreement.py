@@ -37,6 +37,15 @@ _log = get_logger("agreement")
 
 #: The lanes, in the order their counts travel in a tick.
 LANES = ("copies", "storage")
+#: Agreed state every rank must share at a tick; each travels as MIN and MAX (negated MIN), and
+#: a difference means the ranks no longer make the same calls (the contract below is broken).
+CHECKS = ("tick", "tree nodes", "device tokens", "host tokens", "copies retired",
+          "storage writes retired", "prefetches")
+#: Prefetches one tick carries (the vector has a fixed size on every rank, so ranks that
+#: disagree on how many there are get a clear error, not a collective of mismatched sizes —
+#: which gloo answers by aborting the process). Later ones wait for a following tick.
+TICK_PREFETCHES = 32
+ENTRY_WIDTH = 3
 #: How long a tick with nothing retired waits for local progress before the next one.
 IDLE_WAIT_S = 0.005
 
@@ -51,9 +60,11 @@ class _Deferred:
 class Agreement:
     """The deferred-completion lanes and the tick of one multi-rank cache."""
 
-    def __init__(self, group: Any, storage: Callable[[], Any]) -> None:
+    def __init__(self, group: Any, storage: Callable[[], Any],
+                 tree_state: Callable[[], Sequence[int]] = tuple) -> None:
         self.group = group
         self._storage = storage  # -> the attached StorageTier (or None), asked for its entries
+        self._tree_state = tree_state  # -> (nodes, device tokens, host tokens): must agree
         self.lanes: dict[str, deque[_Deferred]] = {name: deque() for name in LANES}
         self.retired: dict[str, int] = dict.fromkeys(LANES, 0)  # absolute, equal on every rank
         self._pending: set[int] = set()
@@ -114,12 +125,16 @@ class Agreement:
             await asyncio.shield(self._tick)
         tier = self._storage()
         ops, entries = tier.agreement_entries() if tier is not None else ([], [])
+        ops, entries = ops[:TICK_PREFETCHES], entries[:TICK_PREFETCHES]
+        padding = [0] * (ENTRY_WIDTH * (TICK_PREFETCHES - len(ops)))
         counts = [self._ready_through(lane) for lane in LANES]
         self._progress.clear()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[int] = loop.create_future()
         self._tick = done
-        values = counts + [v for e in entries for v in e]
+        checks = [self.ticks, *self._tree_state(), *self.retired.values(), len(ops)]
+        values = (checks + [-c for c in checks] + counts + [v for e in entries for v in e]
+                  + padding)
         if self.failed is not None:
             reduced: asyncio.Future[list[int]] = loop.create_future()
             reduced.set_result(values)
@@ -142,12 +157,24 @@ class Agreement:
                 _log.error("tick_failed", error=str(err))
                 done.set_exception(err)
                 return
+            k = len(checks)
+            lo, hi = agreed[:k], [-x for x in agreed[k : 2 * k]]
+            if lo != hi:
+                bad = ", ".join(f"{name} {a}..{b}" for name, a, b in zip(CHECKS, lo, hi,
+                                                                       strict=False) if a != b)
+                err = RankGroupError(
+                    f"rank {getattr(self.group, 'rank', '?')}: ranks diverged at a tick ({bad}); "
+                    "every rank must make the same cache calls in the same order")
+                self.failed = self.failed or err
+                _log.error("ranks_diverged", error=str(err))
+                done.set_exception(err)
+                return
+            agreed = agreed[2 * k :]
             self.held_back += sum(c - a for c, a in zip(counts, agreed, strict=False))
             n = self._retire(agreed[: len(LANES)])
             if ops:
-                width = len(entries[0])
                 rest = agreed[len(LANES):]
-                tier.apply_agreement(ops, [rest[i * width:(i + 1) * width]
+                tier.apply_agreement(ops, [rest[i * ENTRY_WIDTH:(i + 1) * ENTRY_WIDTH]
                                            for i in range(len(ops))])
             self.ticks += 1
             done.set_result(n)

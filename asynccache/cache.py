@@ -190,7 +190,8 @@ class HierarchicalCache:
             raise InvalidInputError(f"ranks must be a RankGroup, got {ranks!r}")
         if ranks.is_single:
             return ranks, None
-        return ranks, Agreement(ranks, lambda: self._storage)
+        return ranks, Agreement(ranks, lambda: self._storage, lambda: (
+            self.tree.node_count, self.tree.device_size, self.tree.host_size))
 
     async def sync(self) -> int:
         """One agreement tick across the ranks; returns the completions it retired.

@@ -254,8 +254,26 @@ def shared_l3(rank: int, world_size: int, init_method: str, url: str,
         group.close()
 
 
-def hung_peer(rank: int, world_size: int, init_method: str) -> str:
-    """Rank 1 stays alive but never joins the collective: rank 0's must time out, clearly."""
+async def _diverge(group: Any) -> str:
+    """Rank 1 serves one request more than rank 0: the next tick must say the ranks diverged."""
+    from asynccache import HierarchicalCache
+    from asynccache.errors import RankGroupError
+
+    async with HierarchicalCache(_config(device_tokens=1024, host_tokens=2048),
+                                 ranks=group) as cache:
+        await _serve_stream(cache, request_stream(3), 0)
+        if group.rank == 1:  # room to spare, no hit: no tick of its own, only a bigger tree
+            extra = np.arange(1_000_000, 1_000_040, dtype=np.uint32)
+            await _serve_stream_plain(cache, [extra])
+        try:
+            await cache.sync()
+        except RankGroupError as exc:
+            return str(exc)
+        return "no error"
+
+
+def diverge_then_hang(rank: int, world_size: int, init_method: str) -> list[str]:
+    """Then rank 1 stays alive but never joins a collective: rank 0's must time out, clearly."""
     import time
 
     from asynccache.errors import RankGroupError
@@ -263,15 +281,16 @@ def hung_peer(rank: int, world_size: int, init_method: str) -> str:
 
     group = TorchRankGroup.create(rank, world_size, init_method, timeout_s=1.0)
     try:
+        out = [asyncio.run(_diverge(group))]
+        asyncio.run(group.barrier())
         if rank == 1:
             time.sleep(2.5)
-            return "slept"
-        t0 = time.monotonic()
+            return [*out, "slept"]
         try:
             asyncio.run(group.all_reduce_min([1, 2]))
         except RankGroupError as exc:
-            return f"{time.monotonic() - t0:.1f}s {exc}"
-        return "no error"
+            return [*out, str(exc)]
+        return [*out, "no error"]
     finally:
         group.close()
 

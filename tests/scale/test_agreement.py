@@ -97,11 +97,16 @@ def test_nccl_group_drives_the_deferred_commits_on_a_gpu(tmp_path: Path) -> None
     assert results[0]["ticks"] > 0
 
 
-def test_a_hung_peer_times_out_and_a_missing_peer_fails_the_rendezvous() -> None:
-    hung = check_ranks(run_ranks(SCENARIOS, "hung_peer", 2, timeout_s=60))
-    assert hung[1] == "slept"
-    assert "rank 0/2: collective #1 (all_reduce_min[2]@world) failed" in hung[0]
-    assert "Timed out" in hung[0]
+def test_divergence_is_detected_a_hung_peer_times_out_a_missing_peer_fails() -> None:
+    (div0, hung0), (div1, slept) = check_ranks(
+        run_ranks(SCENARIOS, "diverge_then_hang", 2, timeout_s=60))
+    # rank 1 served a fourth request: its tree has more nodes and tokens than rank 0's
+    for r, msg in ((0, div0), (1, div1)):
+        assert msg.startswith(f"rank {r}: ranks diverged at a tick (")
+        assert "tree nodes" in msg and "device tokens" in msg
+        assert "every rank must make the same cache calls in the same order" in msg
+    assert slept == "slept"
+    assert "failed" in hung0 and "all_reduce_min[2]@world" in hung0 and "Timed out" in hung0
     alone = check_ranks(run_ranks(SCENARIOS, "join_alone", 1, timeout_s=60))
     assert alone[0].startswith("rank 0/2 could not join 'tcp://127.0.0.1:")
     assert "1/2 clients joined" in alone[0]
