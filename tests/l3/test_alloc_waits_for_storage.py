@@ -10,7 +10,7 @@ from storage.faults import FaultKind, FaultRule
 async def test_alloc_device_waits_for_pinning_storage_writes(make_cache, make_file_backend,
                                                              kit) -> None:
     cache = await make_cache(device_tokens=64, host_tokens=256, write_policy="write_back")
-    slow = [FaultRule(FaultKind.DELAY, ops=frozenset({"write"}), delay_s=0.3)]
+    slow = [FaultRule(FaultKind.DELAY, ops=frozenset({"write"}), delay_s=0.15)]
     backend = await make_file_backend(cache, slow)
     cache.attach_storage(backend)
     toks = kit.tokens(1, 64)
