@@ -13,12 +13,14 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
+from asynccache.agreement import Agreement
 from asynccache.buffer_mode import BufferModePipeline
 from asynccache.config import CacheConfig
 from asynccache.errors import (
@@ -31,6 +33,7 @@ from asynccache.errors import (
 from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.logs import get_logger
 from asynccache.metrics import CacheMetrics
+from asynccache.ranks import RankGroup, SingleRank
 from asynccache.retraction import RetractedKV, RetractionMixin
 from asynccache.sessions import SessionTracker, StreamingSession
 from asynccache.tree import (
@@ -80,12 +83,15 @@ class LoadBack:
     receipt: LockReceipt | None = None
     error: BaseException | None = None
     abandoned: bool = False
+    committed: Any = None  # multi-rank: a coroutine function that ticks until it is committed
 
     def layer(self, i: int) -> Any:
         return self.handle.layer(i)
 
     async def wait(self) -> None:
         await self.handle
+        if self.committed is not None:
+            await self.committed()
         if self.error is not None:
             raise TransferError(f"load-back {self.op_id} failed: {self.error}") from self.error
 
@@ -132,9 +138,14 @@ class HierarchicalCache(RetractionMixin):
     thread; copies are coroutines or handles.
     """
 
-    def __init__(self, config: CacheConfig, *, metrics: CacheMetrics | None = None) -> None:
+    def __init__(self, config: CacheConfig, *, metrics: CacheMetrics | None = None,
+                 ranks: RankGroup | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidInputError(f"config must be a CacheConfig, got {config!r}")
+        self.ranks, self._agree = self._rank_agreement(ranks)
+        if self._agree is not None and config.host_mode == "buffer_only":
+            raise ConfigError("host_mode='buffer_only' runs on a single rank only (no agreement "
+                              "of its staging and intents across ranks yet)")
         self.config = config
         self.page_size = config.page_size
         self.shape = KVShape(config.num_layers, config.num_heads, config.head_dim,
@@ -191,6 +202,27 @@ class HierarchicalCache(RetractionMixin):
         self._storage: StorageTier | None = None
         self._buffer: BufferModePipeline | None = None  # buffer-only host mode with storage
         self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
+
+    # ------------------------------------------------------------------ ranks
+    def _rank_agreement(self, ranks: RankGroup | None) -> tuple[RankGroup, Agreement | None]:
+        """The rank group, and the agreement of deferred completions when it has several ranks."""
+        if ranks is None:
+            return SingleRank(), None
+        if not isinstance(ranks, RankGroup):
+            raise InvalidInputError(f"ranks must be a RankGroup, got {ranks!r}")
+        if ranks.is_single:
+            return ranks, None
+        return ranks, Agreement(ranks, lambda: self._storage, lambda: (
+            self.tree.node_count, self.tree.device_size, self.tree.host_size))
+
+    async def sync(self) -> int:
+        """One agreement tick across the ranks; returns the completions it retired.
+
+        With one rank completions commit on their own and this returns 0 at once. With several,
+        every rank must call it at the same point; the cache's own waits tick by themselves.
+        """
+        self._check_open()
+        return 0 if self._agree is None else await self._agree.sync()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> HierarchicalCache:
@@ -391,6 +423,10 @@ class HierarchicalCache(RetractionMixin):
             # nodes until they land): wait for those, then evict again.
             in_flight = list(self._inflight.values())
             if not in_flight:
+                # Storage writes pin their nodes on host, which protects them on the device too.
+                if self._storage is not None and self._storage.writes_pending:
+                    await self._storage.drain()
+                    continue
                 break
             await self._settle(in_flight)
         raise PoolExhaustedError(
@@ -522,6 +558,11 @@ class HierarchicalCache(RetractionMixin):
             self._host_inflight += len(host)
             handle = self._engine.submit_d2h(req.device_slots, host)
             self._inflight[req.op_id] = handle
+            if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
+                self._agree.defer_copy(handle, partial(self._backup_done, req, host, handle,
+                                                       failed))
+                handles.append(handle)
+                continue
             handle.add_done_callback(
                 lambda h, req=req, host=host: self._backup_done(req, host, h, failed))
             handles.append(handle)
@@ -564,10 +605,11 @@ class HierarchicalCache(RetractionMixin):
             self._buffer.launch_writes()
         await self._settle(list(self._inflight.values()))
 
-    @staticmethod
-    async def _settle(handles: Sequence[CopyHandle]) -> None:
+    async def _settle(self, handles: Sequence[CopyHandle]) -> None:
         """Wait for copies to finish (success or failure); their callbacks have run by then."""
-        if handles:
+        if self._agree is not None:
+            await self._agree.settle(handles)
+        elif handles:
             await asyncio.gather(*(h.done() for h in handles), return_exceptions=True)
 
     # ------------------------------------------------------------------ load-back (H -> D)
@@ -624,6 +666,10 @@ class HierarchicalCache(RetractionMixin):
             handle=handle,
         )
         self._inflight[ticket.op_id] = handle
+        if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
+            self._agree.defer_copy(handle, lambda: self._load_done(ticket, lb, handle))
+            lb.committed = lambda: self._settle([handle])
+            return lb
         handle.add_done_callback(lambda h: self._load_done(ticket, lb, h))
         return lb
 
@@ -680,21 +726,30 @@ class HierarchicalCache(RetractionMixin):
     async def wait_loads(self, op_ids: Sequence[int]) -> None:
         """Wait for the load-backs named by a match's ``pending_loads``."""
         handles = [self._inflight[i] for i in op_ids if i in self._inflight]
-        if handles:
+        if self._agree is not None:
+            await self._agree.settle(handles)
+        elif handles:
             await asyncio.gather(*(h.done() for h in handles),
                                  return_exceptions=True)
 
     # ------------------------------------------------------------------ storage (L3)
-    def storage_layout(self, *, tp_rank: int = 0, tp_size: int = 1,
-                       kv_replicated: bool = False) -> Any:
-        """The :class:`storage.StorageLayout` naming this cache's pages in a backend."""
+    def storage_layout(self, *, tp_rank: int | None = None, tp_size: int | None = None,
+                       kv_replicated: bool | None = None) -> Any:
+        """The :class:`storage.StorageLayout` naming this cache's pages in a backend.
+
+        TP / PP rank and size default to the cache's rank group, ``kv_replicated`` to the
+        config's (replicated KV, as with MLA: the TP ranks share one object per page).
+        """
         from storage.base import StorageLayout
 
-        c = self.config
+        c, r = self.config, self.ranks
         return StorageLayout(
             model=c.model_name, page_size=c.page_size, kv_dtype=str(c.torch_dtype).split(".")[-1],
-            kv_layout="page-major", tp_rank=tp_rank, tp_size=tp_size,
-            kv_replicated=kv_replicated, extra=f"L{c.num_layers}H{c.num_heads}D{c.head_dim}",
+            kv_layout="page-major", tp_rank=r.tp_rank if tp_rank is None else tp_rank,
+            tp_size=r.tp_size if tp_size is None else tp_size,
+            kv_replicated=c.kv_replicated if kv_replicated is None else kv_replicated,
+            pp_rank=r.pp_rank, pp_size=r.pp_size,
+            extra=f"L{c.num_layers}H{c.num_heads}D{c.head_dim}",
         )
 
     @property

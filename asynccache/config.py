@@ -55,6 +55,7 @@ class CacheConfig:
     retraction_backup: bool = False  # retract/restore requests via host memory
     model_name: str = "model"  # names L3 objects: different models never share one
     host_mode: str = "cache"  # "cache": host RAM is the L2 tier; "buffer_only": staging only
+    kv_replicated: bool = False  # every TP rank holds the whole KV (MLA): ranks share L3 objects
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -74,7 +75,7 @@ class CacheConfig:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
         for flag in ("enable_kv_events", "enable_page_hashes", "disable", "enable_sessions",
-                     "retraction_backup"):
+                     "retraction_backup", "kv_replicated"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_mode not in HOST_MODES:

@@ -54,3 +54,7 @@ class StorageError(AsyncCacheError):
 
 class CorruptObjectError(StorageError):
     """A stored object failed its header or checksum verification."""
+
+
+class RankGroupError(AsyncCacheError, RuntimeError):
+    """A collective across ranks failed: a peer timed out, died or disagreed on the call order."""

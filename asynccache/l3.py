@@ -95,6 +95,12 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     finished: bool = False
     staging: list[torch.Tensor] = field(default_factory=list)
+    # multi-rank (see asynccache/agreement.py): the agreed phase and figures
+    phase: str = "query"  # query -> transfer -> stopped (or done: revoked)
+    local_hit: int = -1  # pages this rank found (-1: query still running)
+    want_pages: int = 0
+    stop_policy: str | None = None  # set by finish_prefetch
+    agreed_tokens: int | None = None
 
 
 class StorageTier:
@@ -109,6 +115,7 @@ class StorageTier:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._writes: set[asyncio.Task[None]] = set()
         self._prefetches: set[PrefetchOp] = set()
+        self._agreeing: list[PrefetchOp] = []  # multi-rank: prefetches in start order
         self._occupied = 0
         host = cache.host_pool
         self._zero_copy = host.layout == "page_first"
@@ -152,8 +159,12 @@ class StorageTier:
     def backup_nodes(self, node_ids: Sequence[int]) -> None:
         """Write the pages of freshly backed-up nodes to storage (in the background)."""
         tree = self.cache.tree
+        agree = self.cache._agree
         for nid in node_ids:
             keys = tree.node_page_keys(nid)
+            if agree is not None:  # multi-rank: the known set is rank-local, pins must not be
+                self._agreed_write(nid, keys)
+                continue
             if all(k in self._known for k in keys):
                 self.cache.metrics.storage_backup_skipped_tokens.labels(reason="exists").inc(
                     len(keys) * self.cache.page_size)
@@ -165,7 +176,18 @@ class StorageTier:
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
-    async def _write(self, keys: list[str], host_slots: np.ndarray, pin: LockReceipt) -> None:
+    def _agreed_write(self, nid: int, keys: list[str]) -> None:
+        tree = self.cache.tree
+        pin = tree.lock_host(nid)
+        host_slots = tree.host_slots_of(nid)
+        assert host_slots is not None and self.cache._agree is not None
+        task = asyncio.get_running_loop().create_task(self._write(keys, host_slots, None))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        self.cache._agree.defer_task(task, lambda: tree.unlock_host(pin))
+
+    async def _write(self, keys: list[str], host_slots: np.ndarray,
+                     pin: LockReceipt | None) -> None:
         ps = self.cache.page_size
         metrics = self.cache.metrics
         try:
@@ -195,11 +217,21 @@ class StorageTier:
                     if written and dt > 0:
                         metrics.storage_backup_bandwidth.observe(written * self._page_bytes / dt)
         finally:
-            self.cache.tree.unlock_host(pin)
+            if pin is not None:
+                self.cache.tree.unlock_host(pin)
+
+    @property
+    def writes_pending(self) -> bool:
+        """Storage writes started and not yet done (not yet retired, with several ranks)."""
+        agree = self.cache._agree
+        return bool(self._writes) if agree is None else not agree.lane_empty("storage")
 
     async def drain(self) -> None:
         """Wait for every storage write started so far."""
-        if self._writes:
+        agree = self.cache._agree
+        if agree is not None:
+            await agree.until(lambda: agree.lane_empty("storage"))
+        elif self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
@@ -224,13 +256,15 @@ class StorageTier:
         self._occupied += n
         self._prefetches.add(op)
         outcomes.labels(outcome="issued").inc()
-        op.task = asyncio.get_running_loop().create_task(self._fetch(op))
+        if cache._agree is not None:
+            self._agreeing.append(op)
+            op.task = asyncio.get_running_loop().create_task(self._query(op))
+        else:
+            op.task = asyncio.get_running_loop().create_task(self._fetch(op))
         return op
 
-    async def _fetch(self, op: PrefetchOp) -> None:
-        cache = self.cache
-        ps = cache.page_size
-        metrics = cache.metrics
+    async def _hits(self, op: PrefetchOp) -> int:
+        """How many of ``op``'s pages storage holds, from the first (the existence query)."""
         hit = 0
         for i in range(0, len(op.keys), BATCH_PAGES):
             batch = op.keys[i : i + BATCH_PAGES]
@@ -238,12 +272,25 @@ class StorageTier:
             hit += found
             if found < len(batch):
                 break
+        return hit
+
+    async def _fetch(self, op: PrefetchOp) -> None:
+        want = self._take_hit(op, await self._hits(op))
+        if want:
+            await self._read(op, want)
+
+    def _take_hit(self, op: PrefetchOp, hit: int) -> int:
+        """Account the query's ``hit`` pages and allocate host memory for them (or a shorter
+        prefix under pressure); returns the pages to read (0: revoked)."""
+        cache = self.cache
+        ps = cache.page_size
+        metrics = cache.metrics
         op.hit_tokens = hit * ps
         metrics.storage_hit_tokens.inc(hit * ps)
         metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
         if hit * ps < max(self.policy.prefetch_threshold, ps):
             op.outcome = "revoked_insufficient"
-            return
+            return 0
         # Host memory for the hit; under pressure a shorter prefix that still clears the bar.
         want = hit
         host = cache._alloc_host(want * ps)
@@ -254,9 +301,18 @@ class StorageTier:
             host = cache._alloc_host(want * ps)
         if host is None:
             op.outcome = "revoked_no_host_memory"
-            return
+            return 0
         cache._host_inflight += len(host)
         op.host_slots = host
+        return want
+
+    async def _read(self, op: PrefetchOp, want: int) -> None:
+        """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows."""
+        cache = self.cache
+        ps = cache.page_size
+        metrics = cache.metrics
+        host = op.host_slots
+        assert host is not None
         t0 = time.perf_counter()
         for i in range(0, want, BATCH_PAGES):
             keys = op.keys[i : min(want, i + BATCH_PAGES)]
@@ -271,6 +327,8 @@ class StorageTier:
             for k in keys[:good]:
                 self._remember(k)
             op.completed_tokens += good * ps
+            if cache._agree is not None:
+                cache._agree.note_progress()
             if good < len(keys):
                 break
         dt = time.perf_counter() - t0
@@ -289,6 +347,8 @@ class StorageTier:
             raise ConfigError(f"unknown prefetch policy {policy!r}")
         task = op.task
         assert task is not None
+        if self.cache._agree is not None:
+            return await self._finish_agreed(op, policy)
         try:
             if policy == "wait_complete":
                 await asyncio.wait({task})
@@ -327,12 +387,15 @@ class StorageTier:
         if not task.cancelled() and task.exception() is not None:
             _log.warning("prefetch_failed", error=repr(task.exception()))
         self._prefetches.discard(op)
+        if op in self._agreeing:
+            self._agreeing.remove(op)
         self._occupied -= op.requested_tokens
         taken = 0
         host = op.host_slots
         if host is not None:
             cache._host_inflight -= len(host)
-            done = op.completed_tokens if insert else 0
+            got = op.completed_tokens if op.agreed_tokens is None else op.agreed_tokens
+            done = got if insert else 0
             if done:
                 res = cache.tree.insert_host(op.key, op.start, host[:done])
                 for dup in res.device_frees:  # host slots of pages the tree already had
@@ -345,7 +408,7 @@ class StorageTier:
         if not insert:
             outcomes.labels(outcome="aborted").inc()
         elif op.outcome == "issued":
-            full = host is not None and op.completed_tokens == len(host)
+            full = host is not None and done == len(host)
             op.outcome = "completed" if full else "partial"
             outcomes.labels(outcome=op.outcome).inc()
         else:
@@ -360,3 +423,88 @@ class StorageTier:
         for op in list(self._prefetches):
             await self._release(op, insert=False)
         await self.drain()
+
+    # ------------------------------------------------------------------ multi-rank prefetch
+    # With several ranks the decisions of a prefetch that depend on rank-local timing are taken
+    # at agreement ticks (asynccache/agreement.py): the existence-query hit (MIN over ranks,
+    # then the host allocation, identically everywhere), whether it may stop (MAX of "cannot
+    # stop") and how many fetched tokens to keep (MIN). Each op in ``_agreeing`` contributes
+    # three ints to a tick: [local hit or -1, -1 if it cannot stop else 0, local pages read].
+
+    async def _query(self, op: PrefetchOp) -> None:
+        try:
+            op.local_hit = await self._hits(op)
+        except Exception as exc:  # a storage fault is a miss
+            _log.warning("prefetch_query_failed", error=repr(exc))
+            op.local_hit = 0
+        finally:
+            if self.cache._agree is not None:
+                self.cache._agree.note_progress()
+
+    def _cannot_stop(self, op: PrefetchOp) -> bool:
+        policy = op.stop_policy
+        if policy is None:
+            return True
+        if policy == "best_effort":
+            return False
+        if op.phase == "query":
+            incomplete = True
+        else:
+            task = op.task
+            incomplete = op.completed_tokens < op.want_pages * self.cache.page_size and not (
+                task is not None and task.done())
+        if policy == "timeout" and incomplete:
+            return time.perf_counter() - op.started < self.policy.timeout_s(op.requested_tokens)
+        return incomplete
+
+    def locally_busy(self) -> bool:
+        """An agreeing prefetch still has local work (a query or a read) in progress."""
+        return any(op.task is not None and not op.task.done() for op in self._agreeing)
+
+    def agreement_entries(self) -> tuple[list[PrefetchOp], list[list[int]]]:
+        """This rank's view of every agreeing prefetch, for one tick."""
+        ps = self.cache.page_size
+        ops = list(self._agreeing)
+        entries = []
+        for op in ops:
+            hit = op.local_hit if op.phase == "query" else 0
+            pages = op.completed_tokens // ps if op.phase == "transfer" else 0
+            entries.append([hit, -1 if self._cannot_stop(op) else 0, pages])
+        return ops, entries
+
+    def apply_agreement(self, ops: Sequence[PrefetchOp], agreed: Sequence[Sequence[int]]) -> None:
+        """Apply a tick's reduced values (identical on every rank) to ``ops``."""
+        ps = self.cache.page_size
+        for op, (hit, stop, pages) in zip(ops, agreed, strict=True):
+            if op.finished or op.phase in ("stopped", "done"):
+                continue
+            was = op.phase
+            if was == "query" and hit >= 0:
+                try:
+                    op.want_pages = self._take_hit(op, hit)
+                except Exception as exc:  # e.g. the cache is closing: identical on every rank
+                    _log.warning("prefetch_not_started", error=repr(exc))
+                    op.want_pages = 0
+                if op.want_pages:
+                    op.phase = "transfer"
+                    op.task = asyncio.get_running_loop().create_task(
+                        self._read(op, op.want_pages))
+                else:
+                    op.phase = "done"
+                    op.agreed_tokens = 0
+            if stop == 0 and op.phase in ("query", "transfer"):
+                op.phase = "stopped"
+                op.agreed_tokens = pages * ps if was == "transfer" else 0
+            if op.phase in ("stopped", "done") and op in self._agreeing:
+                self._agreeing.remove(op)
+
+    async def _finish_agreed(self, op: PrefetchOp, policy: str) -> int:
+        op.stop_policy = policy
+        try:
+            agree = self.cache._agree
+            assert agree is not None
+            await agree.until(lambda: op.phase in ("stopped", "done") or op.finished)
+        except BaseException:
+            await self._release(op, insert=False)
+            raise
+        return await self._release(op, insert=True)
