@@ -22,9 +22,9 @@ __version__ = "0.1.0"
 _WHERE = {
     "AsyncCacheError": "asynccache.errors",
     "CacheConfig": "asynccache.config",
-    "CacheRequest": "asynccache.cache",
+    "CacheRequest": "asynccache.requests",
     "HierarchicalCache": "asynccache.cache",
-    "LoadBack": "asynccache.cache",
+    "LoadBack": "asynccache.loadback",
     "RadixKey": "asynccache.tree.keys",
 }
 

@@ -28,7 +28,7 @@ from transfers.pools import HostPool
 
 if TYPE_CHECKING:
     from asynccache.buffer_mode import BufferModePipeline
-    from asynccache.cache import CacheRequest
+    from asynccache.requests import CacheRequest
 
 _log = get_logger("buffer_reads")
 

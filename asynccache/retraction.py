@@ -25,7 +25,7 @@ from asynccache.logs import get_logger
 from asynccache.tree.results import EMPTY_SLOTS
 
 if TYPE_CHECKING:
-    from asynccache.cache import CacheRequest
+    from asynccache.requests import CacheRequest
 
 _log = get_logger("retraction")
 

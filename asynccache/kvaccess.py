@@ -1,0 +1,66 @@
+"""Direct KV access of the cache facade (tests, replay verification, a model writing its KV)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from asynccache.errors import InvalidInputError
+from asynccache.tree import as_slots
+
+if TYPE_CHECKING:
+    from asynccache.cache import HierarchicalCache
+
+
+class KVAccessMixin:
+    """``read_kv`` / ``write_kv`` of :class:`~asynccache.HierarchicalCache`."""
+
+    def _split_pages(self: HierarchicalCache, slots: np.ndarray) -> tuple[np.ndarray, int]:
+        """(page ids, tokens they cover) of the leading whole pages of ``slots``."""
+        ps = self.page_size
+        full = len(slots) // ps
+        if ps == 1:
+            return slots, len(slots)
+        head = slots[: full * ps].reshape(full, ps)
+        firsts = head[:, 0]
+        whole = (firsts % ps == 0) & (head == firsts[:, None] + np.arange(ps)).all(axis=1)
+        full = full if whole.all() else int(np.argmin(whole))
+        return firsts[:full] // ps, full * ps
+
+    def read_kv(self: HierarchicalCache, slots: Any) -> torch.Tensor:
+        """A copy of the device KV of ``slots`` as (layers, 2, n, heads, head_dim)."""
+        arr = as_slots(slots, "slots")
+        pool = self.device_pool
+        L, H, D = self.shape.num_layers, self.shape.num_heads, self.shape.head_dim
+        pages, covered = self._split_pages(arr)
+        dev = pool.device
+        parts = []
+        if covered:
+            got = pool.page_view().index_select(2, torch.tensor(pages, device=dev))
+            parts.append(got.reshape(L, 2, covered, H, D))
+        if covered < len(arr):
+            parts.append(pool.kv.index_select(2, torch.tensor(arr[covered:], device=dev)))
+        if not parts:
+            return pool.kv[:, :, :0].cpu()
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).cpu()
+
+    def write_kv(self: HierarchicalCache, slots: Any, values: torch.Tensor) -> None:
+        """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
+        arr = as_slots(slots, "slots")
+        if values.dim() != 5 or values.shape[2] != len(arr):
+            raise InvalidInputError(
+                f"KV of shape {tuple(values.shape)} for {len(arr)} slots; expected "
+                f"(layers, 2, {len(arr)}, heads, head_dim)"
+            )
+        pool = self.device_pool
+        values = values.to(device=pool.device, dtype=pool.kv.dtype)
+        pages, covered = self._split_pages(arr)
+        if covered:
+            view = pool.page_view()
+            src = values[:, :, :covered].reshape(view.shape[0], 2, len(pages), view.shape[3])
+            view.index_copy_(2, torch.tensor(pages, device=pool.device), src)
+        if covered < len(arr):
+            pool.kv.index_copy_(2, torch.tensor(arr[covered:], device=pool.device),
+                                values[:, :, covered:])
