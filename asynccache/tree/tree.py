@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,6 +23,8 @@ from asynccache.errors import (
     OwnerError,
     UnknownNodeError,
 )
+from asynccache.tree import hybrid
+from asynccache.tree.components import Component, MambaComponent, SWAComponent
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
 from asynccache.tree.keys import DEFAULT_NAMESPACE, RadixKey, as_key, decode_tokens
@@ -51,7 +53,12 @@ _THRESHOLDS: Final = {"write_through": 1, "write_through_selective": 2, "write_b
 
 @dataclass(frozen=True, slots=True)
 class TreeConfig:
-    """Tree settings. ``host_enabled`` turns on the L2 tier (backups, demotion, load-back)."""
+    """Tree settings. ``host_enabled`` turns on the L2 tier (backups, demotion, load-back).
+
+    Hybrid models: ``sliding_window`` > 0 adds the SWA component with that retained window
+    (tokens); ``mamba`` adds the Mamba state component, whose branching seqlens lie on a grid
+    of ``mamba_track_interval`` tokens (0: the page size). Hybrid trees are device-only.
+    """
 
     page_size: int = 1
     eviction_policy: str = "lru"
@@ -59,6 +66,9 @@ class TreeConfig:
     write_policy: str = "write_through_selective"
     enable_kv_events: bool = False
     enable_page_hashes: bool = False
+    sliding_window: int = 0
+    mamba: bool = False
+    mamba_track_interval: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
@@ -69,6 +79,22 @@ class TreeConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         policy_key(self.eviction_policy)
+        for name in ("sliding_window", "mamba_track_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.mamba, bool):
+            raise ConfigError(f"mamba must be a bool, got {self.mamba!r}")
+        if self.mamba_track_interval % self.page_size:
+            raise ConfigError(
+                f"mamba_track_interval {self.mamba_track_interval} must be a multiple of "
+                f"page_size {self.page_size}"
+            )
+        if self.host_enabled and self.hybrid:
+            raise ConfigError(
+                "host_enabled with SWA / Mamba components: the L2 tier is not implemented for "
+                f"hybrid trees (sliding_window={self.sliding_window}, mamba={self.mamba})"
+            )
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
                 f"unknown write_policy {self.write_policy!r}; choose one of {list(WRITE_POLICIES)}"
@@ -77,6 +103,10 @@ class TreeConfig:
     @property
     def write_through_threshold(self) -> int:
         return _THRESHOLDS[self.write_policy]
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_window > 0 or self.mamba
 
 
 @dataclass(slots=True)
@@ -140,6 +170,19 @@ class RadixTree:
         self._ids = itertools.count(1)
         self._op_ids = itertools.count(1)
         self._receipt_ids = itertools.count(1)
+        comps: list[Component] = []
+        self._swa: SWAComponent | None = None
+        self._mamba: MambaComponent | None = None
+        if config.sliding_window:
+            self._swa = SWAComponent(len(comps), config.page_size, config.sliding_window)
+            comps.append(self._swa)
+        if config.mamba:
+            self._mamba = MambaComponent(
+                len(comps), config.page_size, config.mamba_track_interval or config.page_size
+            )
+            comps.append(self._mamba)
+        self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
+        self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -154,6 +197,13 @@ class RadixTree:
         self._receipts: dict[int, tuple[Node, bool]] = {}
         for q in self._queues:
             q.clear()
+        # Hybrid trees: per device receipt, each component's lock extent (0: not held).
+        self._aux_locks: dict[int, list[int]] = {}
+        self._swa_released: set[int] = set()
+        for c in self._aux:
+            c.reset()
+        if self._aux:
+            self._root.aux = hybrid.new_aux(self)
 
     def enable_page_hashes(self) -> None:
         """Compute page hashes eagerly from now on (storage attached); existing nodes get theirs
@@ -194,6 +244,24 @@ class RadixTree:
     def host_size(self) -> int:
         """Tokens with a host copy."""
         return self._host_size
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """Names of the components: ``"full"`` then the auxiliary ones (``"swa"``, ``"mamba"``)."""
+        return ("full", *(c.name for c in self._aux))
+
+    def component_sizes(self, name: str) -> tuple[int, int]:
+        """(evictable, protected) units of a component: tokens (full, swa) or states (mamba)."""
+        if name == "full":
+            return self._evictable, self._protected
+        for c in self._aux:
+            if c.name == name:
+                return c.evictable, c.protected
+        raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
+
+    def component_slots(self, name: str) -> np.ndarray:
+        """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset)."""
+        return hybrid.slots_of(self, name)
 
     @property
     def node_count(self) -> int:
@@ -406,17 +474,24 @@ class RadixTree:
         p.children[x.key[: self._pb]] = x
         x.parent = p
         self._refresh(p)
+        if self._aux:
+            p.aux = [c.split(x, p, m) for c in self._aux]
+            hybrid.refresh_aux(self, p)
         return p
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, key: RadixKey | Any) -> MatchResult:
+    def match_prefix(self, key: RadixKey | Any, *, cow_mamba: bool = False) -> MatchResult:
         """Find the longest cached prefix of ``key`` (whole pages only).
 
         A match may split a node where the prefix ends inside it and refreshes recency, but
-        never frees anything.
+        never frees anything. In a hybrid tree the prefix ends at the deepest node every
+        component accepts (see :class:`MatchResult`); ``cow_mamba`` asks for the state slot
+        to copy.
         """
         self._check_owner()
         key = as_key(key)
+        if self._aux:
+            return hybrid.match(self, key, cow_mamba)
         data = key.data
         end = len(data) - len(data) % self._pb
         root = self._root
@@ -473,6 +548,7 @@ class RadixTree:
             best_node=node.id,
             host_hit_length=host_len,
             pending_loads=tuple(dict.fromkeys(pending)),
+            full_kv_hit_length=off >> 2,
         )
 
     # ------------------------------------------------------------------ insert
@@ -484,6 +560,9 @@ class RadixTree:
         prev_prefix_len: int = 0,
         inserted_len: int = 0,
         priority: int = 0,
+        swa_value: Any = None,
+        component_evicted_seqlens: Mapping[str, int] | None = None,
+        mamba_value: Any = None,
     ) -> InsertResult:
         """Cache ``value`` (one device slot per token of ``key``) for the page-aligned part of key.
 
@@ -492,6 +571,13 @@ class RadixTree:
         request inserted before (only nodes ending past it count a hit). The tree takes
         ownership of the slots it stores; the duplicates it does not need come back in
         ``device_frees``; the unaligned tail stays the caller's.
+
+        Hybrid trees: ``swa_value`` holds the SWA-pool slot of each token (the caller's
+        full->SWA translation; entries below the SWA floor are ignored);
+        ``component_evicted_seqlens={"swa": k}`` says the caller already freed the SWA slots
+        of its first ``k`` tokens (those nodes are SWA tombstones from birth);
+        ``mamba_value`` is the state slot after the page-aligned key, kept on its last node.
+        SWA and Mamba slots the tree does not take come back in ``component_frees``.
         """
         self._check_owner()
         key = as_key(key)
@@ -509,6 +595,16 @@ class RadixTree:
             )
         if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
             raise InvalidInputError(f"priority must be an int, got {priority!r}")
+        if self._aux or swa_value is not None or mamba_value is not None or (
+            component_evicted_seqlens
+        ):
+            swa_slots, floor, state = hybrid.check_insert_args(
+                self, total, swa_value, component_evicted_seqlens, mamba_value
+            )
+            return hybrid.insert(
+                self, key, slots, prev_prefix_len, inserted_len, int(priority), swa_slots,
+                floor, state,
+            )
         data = key.data
         pb = self._pb
         end = len(data) - len(data) % pb
@@ -589,6 +685,8 @@ class RadixTree:
         is the node ending at the end of the inserted span.
         """
         self._check_owner()
+        if self._aux:
+            raise InvalidInputError("insert_host: hybrid trees have no host tier")
         key = as_key(key)
         slots = as_slots(host_slots, "host_slots")
         start = _check_count("start", start)
@@ -763,24 +861,63 @@ class RadixTree:
             n = n.parent
         return delta
 
-    def lock(self, node_id: int) -> LockReceipt:
-        """Pin ``node_id`` and its ancestors on device; returns the receipt for ``unlock``."""
+    def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
+        """Pin ``node_id`` and its ancestors on device; returns the receipt for ``unlock``.
+
+        Hybrid trees also pin one SWA window above the node and the node's Mamba state;
+        ``skip`` names components not to lock (e.g. ``("mamba",)`` during decode).
+        """
         self._check_owner()
         node = self._node(node_id)
         if node is not self._root and node.value is None:
             raise LockError(f"node {node_id} is not on device (host only); load it back first")
         if node.pending and self._pending[node.pending].kind == "load":
             raise LockError(f"node {node_id} is still being loaded; wait for load {node.pending}")
+        if skip:
+            names = {c.name for c in self._aux}
+            for name in skip:
+                if name not in names:
+                    raise InvalidInputError(
+                        f"cannot skip locking {name!r}: the tree's auxiliary components are "
+                        f"{sorted(names)}"
+                    )
         token = next(self._receipt_ids)
         delta = self._inc(node)
         self._receipts[token] = (node, False)
-        return LockReceipt(token=token, node_id=node.id, delta=delta)
+        if not self._aux:
+            return LockReceipt(token=token, node_id=node.id, delta=delta)
+        extents = hybrid.lock(self, node, tuple(skip))
+        self._aux_locks[token] = extents
+        swa = self._swa
+        mamba = self._mamba
+        return LockReceipt(
+            token=token,
+            node_id=node.id,
+            delta=delta,
+            swa_span=extents[swa.index] if swa is not None else 0,
+            mamba_locked=bool(extents[mamba.index]) if mamba is not None else False,
+        )
 
     def unlock(self, receipt: LockReceipt) -> int:
         """Release a device lock; returns the tokens that became evictable."""
         self._check_owner()
         node = self._take_receipt(receipt, host=False)
+        if self._aux:
+            extents = self._aux_locks.pop(receipt.token)
+            self._swa_released.discard(receipt.token)
+            hybrid.release(self, node, extents, 1 << 30)
         return self._dec(node)
+
+    def release_swa(self, receipt: LockReceipt) -> None:
+        """Release the SWA window (and Mamba) pins of a held lock early, once decode has moved
+        past the window; the FULL path lock stays until ``unlock``."""
+        self._check_owner()
+        if not isinstance(receipt, LockReceipt) or receipt.host:
+            raise LockError(f"expected a device LockReceipt, got {receipt!r}")
+        held = self._receipts.get(receipt.token)
+        if held is None or held[0].id != receipt.node_id:
+            raise LockError(f"lock receipt {receipt.token} is not held")
+        hybrid.release_swa(self, receipt.token)
 
     def lock_host(self, node_id: int) -> LockReceipt:
         """Pin the host copies of ``node_id`` and its ancestors against host eviction."""
@@ -990,16 +1127,35 @@ class RadixTree:
         return value
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, num_tokens: int) -> EvictResult:
+    def evict(
+        self, num_tokens: int, *, swa_num_tokens: int = 0, mamba_num: int = 0
+    ) -> EvictResult:
         """Free at least ``num_tokens`` device tokens if possible (whole nodes, so maybe more).
 
         Victims come in eviction-policy order from the evictable device leaves. A backed-up
         victim is demoted to host; an un-backed one is deleted with its host-only subtree, or
         under write-back returned as a :class:`BackupRequest` to run before a later ``evict``
         demotes it.
+
+        Hybrid trees also take per-component targets: ``swa_num_tokens`` SWA tokens and
+        ``mamba_num`` states, each freed from its own LRU (an internal or pinned node becomes a
+        tombstone of that component and every lower one; an unlocked leaf is deleted whole).
         """
         self._check_owner()
         num_tokens = _check_count("num_tokens", num_tokens)
+        swa_num_tokens = _check_count("swa_num_tokens", swa_num_tokens)
+        mamba_num = _check_count("mamba_num", mamba_num)
+        if self._aux:
+            if swa_num_tokens and self._swa is None:
+                raise InvalidInputError("swa_num_tokens given but the tree has no SWA component")
+            if mamba_num and self._mamba is None:
+                raise InvalidInputError("mamba_num given but the tree has no Mamba component")
+            return hybrid.evict(self, num_tokens, swa_num_tokens, mamba_num)
+        if swa_num_tokens or mamba_num:
+            raise InvalidInputError(
+                f"component targets (swa_num_tokens={swa_num_tokens}, mamba_num={mamba_num}) "
+                "given to a FULL-only tree"
+            )
         res = EvictResult()
         dq = self._queues[DLEAF]
         while res.num_evicted + res.pending_tokens < num_tokens:
@@ -1024,6 +1180,8 @@ class RadixTree:
         self._check_owner()
         n = self._node(node_id)
         res = EvictResult()
+        if self._aux:
+            raise InvalidInputError("drop: hybrid trees have no write-back tier")
         if (
             n is self._root
             or n.value is None
@@ -1159,3 +1317,7 @@ class RadixTree:
         from asynccache.tree.invariants import check_tree
 
         check_tree(self)
+        if self._aux:
+            from asynccache.tree.components.invariants import check_components
+
+            check_components(self)
