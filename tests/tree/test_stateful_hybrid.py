@@ -118,7 +118,7 @@ class HybridMachine(RuleBasedStateMachine):
         return {
             "best": best,
             "full_hit": L,
-            "swa_branch": L if self.SWA and L > swa_bound else None,
+            "swa_branch": L if self.SWA and swa_bound < L else None,
             "mamba_branch": grid_hit if self.MAMBA and grid_hit > mamba_bound else None,
         }
 
@@ -206,7 +206,7 @@ class HybridMachine(RuleBasedStateMachine):
             if not self.SWA:
                 continue
             s = int(swa_value[i])  # type: ignore[index]
-            if i < L0 and i < prev or i < floor:
+            if (i < L0 and i < prev) or i < floor:
                 if s != self.swa.get(pos):
                     kept_swa.append(s)
             elif i < L0:
