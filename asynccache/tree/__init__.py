@@ -1,5 +1,6 @@
 """The synchronous tree core: radix tree, eviction policies, locks, hashes and KV events."""
 
+from asynccache.tree.config import WRITE_POLICIES, TreeConfig, as_slots
 from asynccache.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
 from asynccache.tree.keys import DEFAULT_NAMESPACE, Namespace, RadixKey, as_key
@@ -13,7 +14,7 @@ from asynccache.tree.results import (
     LockReceipt,
     MatchResult,
 )
-from asynccache.tree.tree import WRITE_POLICIES, RadixTree, TreeConfig, as_slots
+from asynccache.tree.tree import RadixTree
 
 __all__ = [
     "DEFAULT_NAMESPACE",

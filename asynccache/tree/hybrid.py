@@ -16,6 +16,7 @@ import numpy as np
 
 from asynccache.errors import InvalidInputError, LockError
 from asynccache.tree.components.base import CompData, Component
+from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen
@@ -43,18 +44,19 @@ def refresh_aux(tree: RadixTree, n: Node) -> None:
 
 
 def touch_aux(tree: RadixTree, node: Node) -> None:
-    """Refresh each component's LRU for a match or insert ending at ``node``."""
+    """Refresh each component's LRU for a match or insert ending at ``node`` (stamps only; the
+    queues re-file lazily)."""
     for c in tree._aux:
         nodes = c.touched(node)
         if not nodes:
             continue
         base = tree._clock
         k = len(nodes)
+        idx = c.index
         for i, n in enumerate(nodes):  # deepest first: ancestors end up slightly older
-            d = c.data(n)
-            d.stamp = base + k - i
-            if d.qe is not None:
-                c.queue.push(n)
+            aux = n.aux
+            assert aux is not None
+            aux[idx].stamp = base + k - i
         tree._clock = base + k
 
 
@@ -166,8 +168,6 @@ def check_insert_args(
     mamba_value: Any,
 ) -> tuple[np.ndarray | None, int, int | None]:
     """Validate the component arguments of an insert; returns (SWA slots, SWA floor, state)."""
-    from asynccache.tree.tree import _check_count, as_slots
-
     names = {c.name for c in tree._aux}
     floor = 0
     if component_evicted_seqlens:
@@ -283,7 +283,9 @@ def insert(
             if state is not None and int(d.value[0]) != state:
                 mamba_frees.append(np.array([state], dtype=np.int64))
         elif state is not None:
-            d.value = frozen(np.array([state], dtype=np.int64))
+            one = np.array([state], dtype=np.int64)
+            one.flags.writeable = False
+            d.value = one
             refresh_aux(tree, node)
     touch_aux(tree, node)
     res.last_node = node.id
@@ -358,17 +360,21 @@ def _commit_tail(
     pb = tree._pb
     ns = key.namespace
     node = parent
+    full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
+    live = None
+    if swa is not None and swa_slots is not None and floor_a < n_tok:
+        live = frozen(swa_slots[start:n_tok])
     for a, b in itertools.pairwise(cuts):
         leaf = Node(next(tree._ids), node, data[a * 4 : b * 4], ns)
         tree._nodes[leaf.id] = leaf
-        leaf.value = frozen(slots[a:b])
+        leaf.value = full[a - start : b - start]
         leaf.creation = leaf.last_access = tree._tick()
         leaf.hit_count = 1
-        leaf.priority = int(priority)
-        aux = new_aux(tree)
-        if swa is not None and a >= floor_a:
-            assert swa_slots is not None
-            aux[swa.index].value = frozen(swa_slots[a:b])
+        leaf.priority = priority
+        aux = [CompData() for _ in tree._aux]
+        if live is not None and a >= floor_a:
+            assert swa is not None
+            aux[swa.index].value = live[a - start : b - start]
         leaf.aux = aux
         node.children[tree._child_key(node, data[a * 4 : a * 4 + pb], ns)] = leaf
         node.dchildren += 1

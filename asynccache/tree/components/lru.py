@@ -1,8 +1,13 @@
 """An O(log n) least-recently-used queue of one component's per-node data.
 
 The same lazy-deletion idea as :mod:`asynccache.tree.queues`: the data remembers its live heap
-entry; re-stamping pushes a new entry and orphans the old one; a pop skips orphans; the heap is
-compacted when orphans outnumber live entries. No call re-heaps all nodes.
+entry; a pop skips orphans; the heap is compacted when orphans outnumber live entries. No call
+re-heaps all nodes.
+
+Recency refreshes are lazier still: stamps only grow, so touching a node just raises its stamp
+(O(1), no heap work). A pop that meets an entry whose key is older than the node's stamp re-files
+it under the current stamp and goes on; each touch costs at most one such re-push, at eviction
+time.
 """
 
 from __future__ import annotations
@@ -57,10 +62,18 @@ class LruQueue:
             node = entry[2]
             aux = node.aux
             assert aux is not None
-            if aux[i].qe is entry:
-                aux[i].qe = None
-                self._live -= 1
-                return node
+            d = aux[i]
+            if d.qe is not entry:
+                continue  # orphaned
+            if entry[0] != d.stamp:  # touched since it was filed: re-file, look again
+                self._seq += 1
+                fresh = (d.stamp, self._seq, node)
+                d.qe = fresh
+                heapq.heappush(heap, fresh)
+                continue
+            d.qe = None
+            self._live -= 1
+            return node
         return None
 
     def clear(self) -> None:
