@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from asynccache.tree.tree import RadixTree
 
 
+_INF = 1 << 62
+
+
 def _ceil_page(pos: int, page_size: int) -> int:
     return -(-pos // page_size) * page_size
 
@@ -66,19 +69,25 @@ def new_aux(tree: RadixTree) -> list[CompData]:
 
 # ---------------------------------------------------------------------------- match
 def match(tree: RadixTree, key: RadixKey, cow_mamba: bool) -> MatchResult:
+    """The validators are evaluated inline (a method call per node and component costs a
+    third of a match): SWA accepts a node when the path has no SWA tombstone or the SWA-live
+    tokens since the last one reach the window; Mamba accepts a node holding a state."""
     data = key.data
     pb = tree._pb
     end = len(data) - len(data) % pb
     ns = key.namespace
-    comps = tree._aux
-    validators = [c.new_validator() for c in comps]
-    bounds = [0] * len(comps)  # per component: deepest boundary (bytes) it accepts
+    swa = tree._swa
+    mamba = tree._mamba
+    si = swa.index if swa is not None else -1
+    mi = mamba.index if mamba is not None else -1
+    window = swa.window if swa is not None else 0
+    live = _INF  # SWA-live tokens since the last SWA tombstone
+    swa_bound = mamba_bound = 0  # deepest boundary (bytes) each component accepts
     root = tree._root
     node = root
     best = root
     best_count = 0
     off = 0
-    values: list[np.ndarray] = []
     path: list[Node] = []
     children = root.children
     while off < end:
@@ -88,19 +97,29 @@ def match(tree: RadixTree, key: RadixKey, cow_mamba: bool) -> MatchResult:
         nb = tree._match_bytes(child.key, data, off, end)
         if nb < len(child.key):
             child = tree._split(child, nb)
-        assert child.value is not None
-        values.append(child.value)
         path.append(child)
         off += nb
+        aux = child.aux
+        assert aux is not None
         ok = True
-        for j, v in enumerate(validators):
-            if v.visit(child):
-                bounds[j] = off
-            else:
+        if si >= 0:
+            if aux[si].value is None:
+                live = 0
                 ok = False
+            else:
+                live += nb >> 2
+                if live >= window:
+                    swa_bound = off
+                else:
+                    ok = False
+        if mi >= 0:
+            if aux[mi].value is None:
+                ok = False
+            else:
+                mamba_bound = off
         if ok:
             best = child
-            best_count = len(values)
+            best_count = len(path)
         node = child
         children = child.children
     if path:
@@ -113,12 +132,14 @@ def match(tree: RadixTree, key: RadixKey, cow_mamba: bool) -> MatchResult:
                 if n.qe[DLEAF] is not None:
                     tree._requeue(n)
     touch_aux(tree, best)
+    indices: np.ndarray | None
     if best_count == 0:
         indices = EMPTY_SLOTS
     elif best_count == 1:
-        indices = values[0]
+        indices = path[0].value
+        assert indices is not None
     else:
-        indices = np.concatenate(values[:best_count])
+        indices = np.concatenate([n.value for n in path[:best_count]])
     full_hit = off >> 2
     res = MatchResult(
         device_indices=indices,
@@ -128,20 +149,17 @@ def match(tree: RadixTree, key: RadixKey, cow_mamba: bool) -> MatchResult:
         host_hit_length=0,
         full_kv_hit_length=full_hit,
     )
-    for j, c in enumerate(comps):
-        boundary = bounds[j] >> 2
-        if c.name == "swa":
-            if full_hit > boundary:
-                res.swa_branching_seqlen = full_hit
-        else:
-            grid = tree._mamba_interval
-            b = full_hit // grid * grid
-            if b > boundary:
-                res.mamba_branching_seqlen = b
-            if cow_mamba and best is not root:
-                state = c.data(best).value
-                assert state is not None
-                res.mamba_cow_slot = int(state[0])
+    if swa is not None and full_hit > swa_bound >> 2:
+        res.swa_branching_seqlen = full_hit
+    if mamba is not None:
+        grid = tree._mamba_interval
+        b = full_hit // grid * grid
+        if b > mamba_bound >> 2:
+            res.mamba_branching_seqlen = b
+        if cow_mamba and best is not root:
+            state = mamba.data(best).value
+            assert state is not None
+            res.mamba_cow_slot = int(state[0])
     return res
 
 
@@ -168,7 +186,7 @@ def check_insert_args(
     mamba_value: Any,
 ) -> tuple[np.ndarray | None, int, int | None]:
     """Validate the component arguments of an insert; returns (SWA slots, SWA floor, state)."""
-    names = {c.name for c in tree._aux}
+    names = tree._aux_names
     floor = 0
     if component_evicted_seqlens:
         if not isinstance(component_evicted_seqlens, Mapping):
@@ -364,27 +382,39 @@ def _commit_tail(
     live = None
     if swa is not None and swa_slots is not None and floor_a < n_tok:
         live = frozen(swa_slots[start:n_tok])
+    swa_i = swa.index if swa is not None else -1
+    n_aux = len(tree._aux)
+    tick = tree._clock
+    created = []
     for a, b in itertools.pairwise(cuts):
         leaf = Node(next(tree._ids), node, data[a * 4 : b * 4], ns)
         tree._nodes[leaf.id] = leaf
         leaf.value = full[a - start : b - start]
-        leaf.creation = leaf.last_access = tree._tick()
+        tick += 1
+        leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
         leaf.priority = priority
-        aux = [CompData() for _ in tree._aux]
+        aux = [CompData(), CompData()] if n_aux == 2 else [CompData()]
         if live is not None and a >= floor_a:
             assert swa is not None
-            aux[swa.index].value = live[a - start : b - start]
+            d = aux[swa_i]
+            d.value = live[a - start : b - start]
+            d.acct = 1  # counted (and queued) as evictable just below
+            swa.evictable += b - a
         leaf.aux = aux
         node.children[tree._child_key(node, data[a * 4 : a * 4 + pb], ns)] = leaf
         node.dchildren += 1
+        created.append(leaf)
+        node = leaf
+    tree._clock = tick
+    tree._refresh(parent)
+    for leaf in created:
         if tree._eager_hashes:
             tree._digests(leaf)
         tree._emit_stored(leaf, Medium.GPU)
-        tree._refresh(node)
         tree._refresh(leaf)
-        refresh_aux(tree, leaf)
-        node = leaf
+        if swa is not None and swa.data(leaf).acct:
+            swa.queue.push(leaf)
     return node
 
 

@@ -95,6 +95,7 @@ class RadixTree:
             )
             comps.append(self._mamba)
         self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
+        self._aux_names = frozenset(c.name for c in comps)
         self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()
 
@@ -787,7 +788,7 @@ class RadixTree:
         if node.pending and self._pending[node.pending].kind == "load":
             raise LockError(f"node {node_id} is still being loaded; wait for load {node.pending}")
         if skip:
-            names = {c.name for c in self._aux}
+            names = self._aux_names
             for name in skip:
                 if name not in names:
                     raise InvalidInputError(

@@ -1,6 +1,6 @@
 """Auxiliary tree components (sliding-window attention, Mamba) and their interface."""
 
-from asynccache.tree.components.base import CompData, Component, Validator
+from asynccache.tree.components.base import CompData, Component
 from asynccache.tree.components.lru import LruQueue
 from asynccache.tree.components.mamba import MambaComponent
 from asynccache.tree.components.swa import SWAComponent
@@ -11,5 +11,4 @@ __all__ = [
     "LruQueue",
     "MambaComponent",
     "SWAComponent",
-    "Validator",
 ]

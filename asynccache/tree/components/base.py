@@ -4,7 +4,7 @@ FULL attention is the tree's primary component and is built into :mod:`asynccach
 (its value is ``Node.value``; its eviction queue is the policy-ordered device-leaf queue).
 Auxiliary components (sliding-window attention, Mamba state) plug in through
 :class:`Component`: each keeps one :class:`CompData` per node in ``Node.aux[index]`` and
-provides the hooks the hybrid walks call — a per-walk match validator, split redistribution,
+provides the hooks the hybrid walks call — a match validator (``accepts``), split redistribution,
 lock acquire / release, the LRU refresh after a match or insert, and tombstoning (dropping its
 value while the node stays). Insert overlap and commit are component-specific and live in the
 hybrid insert (:mod:`asynccache.tree.hybrid`), which asks the component for its rules.
@@ -47,16 +47,6 @@ class CompData:
         return f"CompData({v}, lock={self.lock_ref})"
 
 
-class Validator:
-    """Stateful match validator for one walk: ``visit`` each node root-down; True when a match
-    may end at that node as far as this component is concerned."""
-
-    __slots__ = ()
-
-    def visit(self, node: Node) -> bool:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 class Component:
     """Base of the auxiliary components; see the module docstring for the hooks."""
 
@@ -75,7 +65,10 @@ class Component:
         """How many units a value on ``node`` counts: tokens, or states."""
         raise NotImplementedError
 
-    def new_validator(self) -> Validator:
+    def accepts(self, node: Node, live: int) -> bool:
+        """The match validator: may a match end at ``node``? ``live`` is the count of SWA-live
+        tokens since the last SWA tombstone up to ``node``'s end (the hybrid match walk keeps
+        it and evaluates the same rules inline)."""
         raise NotImplementedError
 
     def split(self, x: Node, p: Node, m: int) -> CompData:

@@ -9,22 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from asynccache.tree.components.base import CompData, Component, Validator
+from asynccache.tree.components.base import CompData, Component
 
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
-
-
-class MambaValidator(Validator):
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def visit(self, node: Node) -> bool:
-        aux = node.aux
-        assert aux is not None
-        return aux[self.index].value is not None
 
 
 class MambaComponent(Component):
@@ -38,8 +26,8 @@ class MambaComponent(Component):
     def units(self, node: Node) -> int:
         return 1
 
-    def new_validator(self) -> Validator:
-        return MambaValidator(self.index)
+    def accepts(self, node: Node, live: int) -> bool:
+        return self.data(node).value is not None
 
     def split(self, x: Node, p: Node, m: int) -> CompData:
         # The state describes the end of x, which the suffix keeps (with its pins).

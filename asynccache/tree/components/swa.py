@@ -11,33 +11,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-from asynccache.tree.components.base import CompData, Component, Validator
+from asynccache.tree.components.base import CompData, Component
 
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
-
-_INF = 1 << 62
-
-
-class SWAValidator(Validator):
-    """``live`` counts the SWA-live tokens since the last tombstone (infinite before any)."""
-
-    __slots__ = ("index", "live", "window")
-
-    def __init__(self, index: int, window: int) -> None:
-        self.index = index
-        self.window = window
-        self.live = _INF
-
-    def visit(self, node: Node) -> bool:
-        aux = node.aux
-        assert aux is not None
-        if aux[self.index].value is None:
-            self.live = 0
-            return False
-        self.live += len(node.key) >> 2
-        return self.live >= self.window
-
 
 class SWAComponent(Component):
     name: ClassVar[str] = "swa"
@@ -52,8 +29,8 @@ class SWAComponent(Component):
     def units(self, node: Node) -> int:
         return len(node.key) >> 2
 
-    def new_validator(self) -> Validator:
-        return SWAValidator(self.index, self.window)
+    def accepts(self, node: Node, live: int) -> bool:
+        return self.data(node).value is not None and live >= self.window
 
     def split(self, x: Node, p: Node, m: int) -> CompData:
         dx = self.data(x)
