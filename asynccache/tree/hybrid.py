@@ -23,7 +23,7 @@ from asynccache.tree.node import DLEAF, Node, frozen
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
-    from asynccache.tree.tree import RadixTree
+    from asynccache.tree.base import TreeBase
 
 
 _INF = 1 << 62
@@ -33,7 +33,7 @@ def _ceil_page(pos: int, page_size: int) -> int:
     return -(-pos // page_size) * page_size
 
 
-def refresh_aux(tree: RadixTree, n: Node) -> None:
+def refresh_aux(tree: TreeBase, n: Node) -> None:
     """Recount ``n``'s component values and fix their LRU queue membership."""
     if n.parent is None:
         return
@@ -46,7 +46,7 @@ def refresh_aux(tree: RadixTree, n: Node) -> None:
             locked_below = True
 
 
-def touch_aux(tree: RadixTree, node: Node) -> None:
+def touch_aux(tree: TreeBase, node: Node) -> None:
     """Refresh each component's LRU for a match or insert ending at ``node`` (stamps only; the
     queues re-file lazily)."""
     for c in tree._aux:
@@ -63,12 +63,12 @@ def touch_aux(tree: RadixTree, node: Node) -> None:
         tree._clock = base + k
 
 
-def new_aux(tree: RadixTree) -> list[CompData]:
+def new_aux(tree: TreeBase) -> list[CompData]:
     return [CompData() for _ in tree._aux]
 
 
 # ---------------------------------------------------------------------------- match
-def match(tree: RadixTree, key: RadixKey, cow_mamba: bool) -> MatchResult:
+def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
     """The validators are evaluated inline (a method call per node and component costs a
     third of a match): SWA accepts a node when the path has no SWA tombstone or the SWA-live
     tokens since the last one reach the window; Mamba accepts a node holding a state."""
@@ -179,7 +179,7 @@ def _slot(value: Any, what: str) -> int:
 
 
 def check_insert_args(
-    tree: RadixTree,
+    tree: TreeBase,
     total: int,
     swa_value: Any,
     component_evicted_seqlens: Mapping[str, int] | None,
@@ -228,7 +228,7 @@ def check_insert_args(
 
 
 def insert(
-    tree: RadixTree,
+    tree: TreeBase,
     key: RadixKey,
     slots: np.ndarray,
     prev_prefix_len: int,
@@ -311,7 +311,7 @@ def insert(
 
 
 def _swa_overlap(
-    tree: RadixTree,
+    tree: TreeBase,
     swa: Component,
     child: Node,
     pos: int,
@@ -345,7 +345,7 @@ def _swa_overlap(
 
 
 def _commit_tail(
-    tree: RadixTree,
+    tree: TreeBase,
     parent: Node,
     key: RadixKey,
     slots: np.ndarray,
@@ -419,7 +419,7 @@ def _commit_tail(
 
 
 # ---------------------------------------------------------------------------- eviction
-def evict(tree: RadixTree, num_tokens: int, swa_num_tokens: int, mamba_num: int) -> EvictResult:
+def evict(tree: TreeBase, num_tokens: int, swa_num_tokens: int, mamba_num: int) -> EvictResult:
     res = EvictResult()
     for c in tree._aux:
         res.component_frees[c.name] = []
@@ -452,7 +452,7 @@ def _free_aux(c: Component, n: Node, res: EvictResult) -> None:
         res.mamba_num_evicted += 1
 
 
-def _tombstone(tree: RadixTree, n: Node, trigger: Component, res: EvictResult) -> None:
+def _tombstone(tree: TreeBase, n: Node, trigger: Component, res: EvictResult) -> None:
     """Drop ``trigger``'s value on ``n`` and, by cascade, every lower-priority component's."""
     for c in tree._aux:
         if c.priority <= trigger.priority and c.data(n).value is not None:
@@ -460,7 +460,7 @@ def _tombstone(tree: RadixTree, n: Node, trigger: Component, res: EvictResult) -
     refresh_aux(tree, n)
 
 
-def _delete_leaf(tree: RadixTree, n: Node, res: EvictResult) -> None:
+def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     """Delete the unlocked leaf ``n`` with all its components, then every ancestor that became
     an unlocked leaf and is a tombstone of some component (it can never end a match)."""
     root = tree._root
@@ -498,7 +498,7 @@ def _delete_leaf(tree: RadixTree, n: Node, res: EvictResult) -> None:
 
 
 # ---------------------------------------------------------------------------- locks
-def lock(tree: RadixTree, node: Node, skip: tuple[str, ...]) -> list[int]:
+def lock(tree: TreeBase, node: Node, skip: tuple[str, ...]) -> list[int]:
     """Take each component's lock for a request anchored at ``node``; returns the extents."""
     extents = []
     for c in tree._aux:
@@ -512,7 +512,7 @@ def lock(tree: RadixTree, node: Node, skip: tuple[str, ...]) -> list[int]:
     return extents
 
 
-def release(tree: RadixTree, node: Node, extents: list[int], min_priority: int) -> None:
+def release(tree: TreeBase, node: Node, extents: list[int], min_priority: int) -> None:
     """Release the components of priority <= ``min_priority`` still held in ``extents``."""
     for i, c in enumerate(tree._aux):
         if c.priority <= min_priority and extents[i]:
@@ -521,7 +521,7 @@ def release(tree: RadixTree, node: Node, extents: list[int], min_priority: int) 
             extents[i] = 0
 
 
-def release_swa(tree: RadixTree, token: int) -> None:
+def release_swa(tree: TreeBase, token: int) -> None:
     swa = tree._swa
     if swa is None:
         raise LockError("release_swa: the tree has no SWA component")
@@ -535,7 +535,7 @@ def release_swa(tree: RadixTree, token: int) -> None:
     tree._swa_released.add(token)
 
 
-def slots_of(tree: RadixTree, name: str) -> np.ndarray:
+def slots_of(tree: TreeBase, name: str) -> np.ndarray:
     comp = next((c for c in tree._aux if c.name == name), None)
     if comp is None:
         raise InvalidInputError(
