@@ -336,3 +336,37 @@ def test_hybrid_config_errors() -> None:
         RadixTree(sliding_window=-1)
     with pytest.raises(ConfigError, match="'yes'"):
         RadixTree(mamba="yes")
+
+
+def test_component_accepts_hooks_agree_with_the_inline_match_walk() -> None:
+    tree = RadixTree(page_size=1, sliding_window=3, mamba=True)
+    keys = [list(range(10)), [*range(5), 50, 51, 52, 53], [*range(3), 60, 61]]
+    for i, k in enumerate(keys):
+        tree.insert(k, np.arange(100 * i, 100 * i + len(k)),
+                    swa_value=np.arange(1000 + 100 * i, 1000 + 100 * i + len(k)),
+                    mamba_value=i, component_evicted_seqlens={"swa": 2 * i})
+    tree.insert(list(range(5)), np.arange(300, 305), swa_value=np.arange(1300, 1305),
+                mamba_value=7)
+    tree.evict(0, swa_num_tokens=1)
+    tree.sanity_check()
+    swa, mamba = tree._aux
+    probes = [k[:j] for k in keys for j in range(1, len(k) + 1)]
+    accepted_somewhere = 0
+    for probe in probes:
+        m = tree.match_prefix(probe)
+        end = next(n for n in tree.iter_nodes()
+                   if list(tree.node_key(n.id).tokens) == probe[: m.full_kv_hit_length]
+                   ) if m.full_kv_hit_length else None
+        path = []
+        while end is not None and end.parent is not None:
+            path.append(end)
+            end = end.parent
+        live, depth, best = 1 << 62, 0, 0
+        for n in reversed(path):
+            depth += n.ntok
+            live = live + n.ntok if n.aux[swa.index].value is not None else 0
+            if swa.accepts(n, live) and mamba.accepts(n, live):
+                best = depth
+        assert m.device_prefix_len == best, probe
+        accepted_somewhere += best > 0
+    assert 0 < accepted_somewhere < len(probes)
