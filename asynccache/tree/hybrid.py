@@ -285,7 +285,7 @@ def insert(
                 frees.append(dup)
             if swa is not None and swa_slots is not None:
                 _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
-                             swa_frees)
+                             swa_frees, res.swa_adopted)
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
@@ -321,6 +321,7 @@ def _swa_overlap(
     recover_from: int,
     swa_slots: np.ndarray,
     swa_frees: list[np.ndarray],
+    adopted: list[tuple[np.ndarray, np.ndarray]],
 ) -> None:
     """The caller's SWA slots over an already cached span ``[lo, hi)`` of ``child``: duplicates
     are freed; an in-window SWA tombstone is recovered from them instead."""
@@ -334,6 +335,8 @@ def _swa_overlap(
             if r > pos:
                 tree._split(child, (r - pos) * 4)  # child keeps the recovered suffix
             d.value = frozen(swa_slots[r:hi])
+            assert child.value is not None
+            adopted.append((child.value, d.value))
             refresh_aux(tree, child)
         elif s_lo < hi:
             swa_frees.append(swa_slots[s_lo:hi])

@@ -105,6 +105,8 @@ class InsertResult:
     Hybrid trees: ``component_frees`` maps a component name (``"swa"``, ``"mamba"``) to the
     caller's slots of that pool the tree did not take; ``mamba_exist``: the last node already
     held a Mamba state (the caller's state then comes back in ``component_frees["mamba"]``).
+    ``swa_adopted``: (the node's FULL slots, the caller's SWA slots it adopted) for every SWA
+    tombstone recovered from the caller's slots — the full->SWA map must now pair them.
     """
 
     prefix_len: int
@@ -114,6 +116,7 @@ class InsertResult:
     backups: list[BackupRequest] = field(default_factory=list)
     component_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)
     mamba_exist: bool = False
+    swa_adopted: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

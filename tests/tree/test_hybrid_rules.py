@@ -104,6 +104,8 @@ def test_insert_recovers_an_in_window_tombstone_from_the_callers_slots() -> None
     # Only the last window [4, 8) is recovered (split there); the rest are duplicates.
     assert flat(r.device_frees) == list(range(20, 28))
     assert flat(r.component_frees["swa"]) == [200, 201, 202, 203]
+    assert [(f.tolist(), s.tolist()) for f, s in r.swa_adopted] == [
+        ([4, 5, 6, 7], [204, 205, 206, 207])]
     assert swa_of(tree, [0, 1, 2, 3]) is None
     assert swa_of(tree, list(range(8))) == [204, 205, 206, 207]
     m = tree.match_prefix(list(range(8)))
