@@ -312,19 +312,19 @@ class RadixTree(HostTier):
         """
         self._check_owner()
         num_tokens = _check_count("num_tokens", num_tokens)
-        swa_num_tokens = _check_count("swa_num_tokens", swa_num_tokens)
-        mamba_num = _check_count("mamba_num", mamba_num)
-        if self._aux:
+        if self._aux or swa_num_tokens != 0 or mamba_num != 0:
+            swa_num_tokens = _check_count("swa_num_tokens", swa_num_tokens)
+            mamba_num = _check_count("mamba_num", mamba_num)
+            if not self._aux:
+                raise InvalidInputError(
+                    f"component targets (swa_num_tokens={swa_num_tokens}, "
+                    f"mamba_num={mamba_num}) given to a FULL-only tree"
+                )
             if swa_num_tokens and self._swa is None:
                 raise InvalidInputError("swa_num_tokens given but the tree has no SWA component")
             if mamba_num and self._mamba is None:
                 raise InvalidInputError("mamba_num given but the tree has no Mamba component")
             return hybrid.evict(self, num_tokens, swa_num_tokens, mamba_num)
-        if swa_num_tokens or mamba_num:
-            raise InvalidInputError(
-                f"component targets (swa_num_tokens={swa_num_tokens}, mamba_num={mamba_num}) "
-                "given to a FULL-only tree"
-            )
         res = EvictResult()
         dq = self._queues[DLEAF]
         while res.num_evicted + res.pending_tokens < num_tokens:
