@@ -414,7 +414,7 @@ class HybridMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("ASYNCCACHE_STATEFUL_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("ASYNCCACHE_STATEFUL_EXAMPLES", "60")),
     stateful_step_count=int(os.environ.get("ASYNCCACHE_STATEFUL_STEPS", "40")),
     deadline=None,
     database=None,
