@@ -247,6 +247,7 @@ def insert(
     swa = tree._swa
     mamba = tree._mamba
     floor_a = _ceil_page(floor, ps)
+    si = swa.index if swa is not None else -1
     recover_from = max(floor_a, n_tok - swa.window_span) if swa is not None else n_tok
     res = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
     frees = res.device_frees
@@ -283,9 +284,20 @@ def insert(
             own = own[lo - pos :]
             if dup[0] != own[0] or not np.array_equal(dup, own):
                 frees.append(dup)
-            if swa is not None and swa_slots is not None:
-                _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
-                             swa_frees, res.swa_adopted)
+            if swa_slots is not None:
+                aux = child.aux
+                assert aux is not None and swa is not None
+                live = aux[si].value
+                if live is None:
+                    _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
+                                 swa_frees, res.swa_adopted)
+                else:  # the common case, inline: the caller's SWA slots here are duplicates
+                    s_lo = lo if lo > floor else floor
+                    if s_lo < hi:
+                        mine = swa_slots[s_lo:hi]
+                        theirs = live[s_lo - pos :]
+                        if mine[0] != theirs[0] or not np.array_equal(mine, theirs):
+                            swa_frees.append(mine)
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
