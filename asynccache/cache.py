@@ -29,6 +29,7 @@ from asynccache.errors import (
     InvalidInputError,
     PoolExhaustedError,
 )
+from asynccache.hybrid_slots import HybridSlots
 from asynccache.kvaccess import KVAccessMixin
 from asynccache.l3 import StorageTier
 from asynccache.loadback import LoadBackMixin, copy_error
@@ -112,9 +113,13 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             enable_kv_events=config.enable_kv_events,
             enable_page_hashes=config.enable_page_hashes,
             enable_sessions=config.enable_sessions,
+            sliding_window=config.sliding_window,
+            mamba=config.mamba_states > 0,
         ))
         self.sessions = SessionTracker(self.tree) if config.enable_sessions else None
         self._streams: dict[str, StreamingSession] = {}
+        # Hybrid models: the SWA pool and slot map, the Mamba state pool (None: FULL only).
+        self.hybrid = HybridSlots(config, self.device_pool) if config.hybrid else None
         self.metrics = metrics if metrics is not None else CacheMetrics()
         if self.host_pool is not None:
             self.metrics.host_total_tokens.set(self.host_pool.num_slots)
@@ -192,6 +197,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             if self._engine is not None:
                 await self._engine.aclose()
         finally:
+            if self.hybrid is not None:
+                self.hybrid.release_tree(self.tree)
             device, host = self.tree.reset() if not self.tree.pending_ops else ([], [])
             for slots in device:
                 self.device_pool.allocator.free(slots)
@@ -264,14 +271,18 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                 )
         if self._buffer is not None:
             self._buffer.check()
+        if self.hybrid is not None:
+            self.hybrid.check(self.tree)
 
     # ------------------------------------------------------------------ tree calls
-    def match_prefix(self, key: RadixKey | Any) -> MatchResult:
+    def match_prefix(self, key: RadixKey | Any, *, cow_mamba: bool = False) -> MatchResult:
+        """Longest cached prefix; ``cow_mamba`` (hybrid) reports the Mamba state to copy (see
+        :meth:`mamba_copy_on_write`)."""
         self._check_open()
         key = as_key(key)
         if self.config.disable:
             return MatchResult(EMPTY_SLOTS, 0, 0, 0, 0)
-        res = self.tree.match_prefix(key)
+        res = self.tree.match_prefix(key, cow_mamba=cow_mamba)
         m = self.metrics
         m.matched_tokens.inc(len(key))
         m.hit_tokens.inc(res.total_hit_length)
@@ -282,15 +293,23 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         return res
 
     def insert(self, key: RadixKey | Any, value: Any, *, prev_prefix_len: int = 0,
-               inserted_len: int = 0, priority: int = 0) -> InsertResult:
+               inserted_len: int = 0, priority: int = 0,
+               swa_evicted_seqlen: int = 0, mamba_value: int | None = None) -> InsertResult:
         """Insert and execute: duplicate slots are freed here, write-through backups started.
 
         The slots of ``value`` past ``prev_prefix_len`` must come from :meth:`alloc_device`; the
         tree adopts the page-aligned part, the unaligned tail stays the caller's.
+
+        Hybrid caches: the SWA slots are the pairs of ``value`` (the request already freed
+        those of its first ``swa_evicted_seqlen`` tokens, see :meth:`free_swa`);
+        ``mamba_value`` is a state from :meth:`alloc_mamba_state` after the page-aligned key.
         """
         self._check_open()
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
+        if self.hybrid is not None:
+            return self._insert_hybrid(key, value, prev_prefix_len, inserted_len, priority,
+                                       swa_evicted_seqlen, mamba_value)
         res = self.tree.insert(key, value, prev_prefix_len=prev_prefix_len,
                                inserted_len=inserted_len, priority=priority)
         for slots in res.device_frees:
@@ -302,9 +321,73 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             self._buffer.enqueue(res.intents)
         return res
 
-    def lock(self, node_id: int) -> LockReceipt:
+    def _insert_hybrid(self, key: RadixKey | Any, value: Any, prev_prefix_len: int,
+                       inserted_len: int, priority: int, swa_evicted_seqlen: int,
+                       mamba_value: int | None) -> InsertResult:
+        hy = self.hybrid
+        assert hy is not None
+        slots = as_slots(value)
+        if isinstance(swa_evicted_seqlen, bool) or not isinstance(swa_evicted_seqlen, int) or (
+            not 0 <= swa_evicted_seqlen <= len(slots)
+        ):
+            raise InvalidInputError(
+                f"swa_evicted_seqlen must be an int in [0, {len(slots)}], got {swa_evicted_seqlen!r}"
+            )
+        start = min(len(slots), max(swa_evicted_seqlen, prev_prefix_len))
+        swa_value = hy.swa_value(slots, start)
+        evicted = {"swa": swa_evicted_seqlen} if hy.swa_map is not None else None
+        res = self.tree.insert(key, slots, prev_prefix_len=prev_prefix_len,
+                               inserted_len=inserted_len, priority=priority, swa_value=swa_value,
+                               component_evicted_seqlens=evicted, mamba_value=mamba_value)
+        hy.apply_insert(res, mamba_value)
+        self._outstanding -= max(0, res.cached_len - prev_prefix_len)
+        return res
+
+    def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
+        """Pin a matched node (hybrid: also one SWA window and its Mamba state, unless
+        ``skip`` names them)."""
         self._check_open()
-        return self.tree.lock(node_id)
+        return self.tree.lock(node_id, skip=skip)
+
+    def release_swa(self, receipt: LockReceipt) -> None:
+        """Hybrid: drop the SWA / Mamba pins of a held lock once decode passed the window."""
+        self._check_open()
+        self.tree.release_swa(receipt)
+
+    def _hybrid_slots(self) -> HybridSlots:
+        if self.hybrid is None:
+            raise InvalidInputError("this cache has no SWA / Mamba components")
+        return self.hybrid
+
+    def free_swa(self, slots: Any) -> None:
+        """Free a request's SWA slots that slid out of the window (pairs of its FULL slots)."""
+        self._check_open()
+        self._hybrid_slots().free_swa(slots)
+
+    def alloc_mamba_state(self) -> int | None:
+        """A fresh Mamba state slot for a request (None when the pool is full after evicting
+        unlocked states)."""
+        self._check_open()
+        hy = self._hybrid_slots()
+        got = hy.alloc_mamba()
+        if got is None:
+            self.evict(0, mamba_num=1)
+            got = hy.alloc_mamba()
+        return got
+
+    def free_mamba_state(self, slot: int) -> None:
+        self._check_open()
+        self._hybrid_slots().free_mamba(slot)
+
+    def mamba_copy_on_write(self, slot: int) -> int | None:
+        """A request-private copy of the state a match returned in ``mamba_cow_slot``."""
+        self._check_open()
+        hy = self._hybrid_slots()
+        got = hy.copy_on_write(slot)
+        if got is None:
+            self.evict(0, mamba_num=1)
+            got = hy.copy_on_write(slot)
+        return got
 
     def unlock(self, receipt: LockReceipt) -> int:
         self._check_open()
@@ -323,6 +406,17 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         """
         self._check_open()
         need = self._round_up(num_tokens)
+        if self.hybrid is not None:
+            hy = self.hybrid
+            slots = hy.alloc(need)
+            if slots is None:
+                full, swa = hy.available()
+                self.evict(max(0, need - full),
+                           swa_num_tokens=max(0, need - swa) if hy.swa_map is not None else 0)
+                slots = hy.alloc(need)
+            if slots is not None:
+                self._outstanding += len(slots)
+            return slots
         alloc = self.device_pool.allocator
         slots = alloc.alloc(need)
         if slots is None:
@@ -339,6 +433,14 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         """
         self._check_open()
         need = self._round_up(num_tokens)
+        if self.hybrid is not None:
+            got = self.try_alloc_device(need)
+            if got is None:
+                raise PoolExhaustedError(
+                    f"cannot allocate {need} device slots (FULL, SWA free: "
+                    f"{self.hybrid.available()}), {self.tree.protected_size} locked"
+                )
+            return got
         alloc = self.device_pool.allocator
         for _ in range(64):
             slots = alloc.alloc(need)
@@ -367,7 +469,10 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         """Return slots obtained from :meth:`alloc_device` (whole pages)."""
         arr = as_slots(slots, "slots")
         if len(arr):
-            self.device_pool.allocator.free(arr)
+            if self.hybrid is not None:
+                self.hybrid.free_full(arr)
+            else:
+                self.device_pool.allocator.free(arr)
             self._outstanding -= len(arr)
 
     def _alloc_host(self, num_tokens: int) -> np.ndarray | None:
@@ -416,8 +521,11 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
 
     # ------------------------------------------------------------------ eviction
     def _apply_evict(self, res: EvictResult, started: float) -> None:
-        for slots in res.device_frees:
-            self.device_pool.allocator.free(slots)
+        if self.hybrid is not None:
+            self.hybrid.apply_evict(res)
+        else:
+            for slots in res.device_frees:
+                self.device_pool.allocator.free(slots)
         if res.host_frees:
             assert self.host_pool is not None
             for slots in res.host_frees:
@@ -429,15 +537,16 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             self.metrics.evicted_tokens.inc(res.num_evicted)
         self.metrics.eviction_duration.observe(time.perf_counter() - started)
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, *, swa_num_tokens: int = 0, mamba_num: int = 0) -> int:
         """Free at least ``num_tokens`` device tokens now if possible; returns tokens freed.
 
         Under write-back, un-backed victims start their write-back copy and are demoted by a
-        later call (see :meth:`evict_async`).
+        later call (see :meth:`evict_async`). Hybrid caches also take SWA-token and Mamba-state
+        targets (their slots go back to their own pools).
         """
         self._check_open()
         started = time.perf_counter()
-        res = self.tree.evict(num_tokens)
+        res = self.tree.evict(num_tokens, swa_num_tokens=swa_num_tokens, mamba_num=mamba_num)
         self._apply_evict(res, started)
         if res.backups:
             self._start_backups(res.backups)

@@ -56,6 +56,14 @@ class CacheConfig:
     model_name: str = "model"  # names L3 objects: different models never share one
     host_mode: str = "cache"  # "cache": host RAM is the L2 tier; "buffer_only": staging only
     kv_replicated: bool = False  # every TP rank holds the whole KV (MLA): ranks share L3 objects
+    # Hybrid models (device-only): an SWA component with this retained window (0: none), its
+    # KV pool of `swa_layers` layers and `swa_tokens` slots (default: the device pool's), and a
+    # Mamba component with a pool of `mamba_states` states of `mamba_state_shape` (0: none).
+    sliding_window: int = 0
+    swa_layers: int = 1
+    swa_tokens: int | None = None
+    mamba_states: int = 0
+    mamba_state_shape: tuple[int, ...] = (64,)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -106,6 +114,21 @@ class CacheConfig:
             )
         if self.retraction_backup and not self.host_enabled:
             raise ConfigError("retraction_backup needs a host tier (host_tokens or host_bytes)")
+        _positive("sliding_window", self.sliding_window, allow_zero=True)
+        _positive("swa_layers", self.swa_layers)
+        _positive("mamba_states", self.mamba_states, allow_zero=True)
+        if self.swa_tokens is not None:
+            _positive("swa_tokens", self.swa_tokens)
+        shape = self.mamba_state_shape
+        if not isinstance(shape, tuple | list) or not shape or any(
+            isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
+        ):
+            raise ConfigError(f"mamba_state_shape must be a tuple of positive ints, got {shape!r}")
+        if self.hybrid and self.host_enabled:
+            raise ConfigError(
+                "a host tier with SWA / Mamba components is not implemented: set host_tokens=0 "
+                f"(sliding_window={self.sliding_window}, mamba_states={self.mamba_states})"
+            )
         try:
             dev = torch.device(self.device)
         except RuntimeError as exc:
@@ -116,6 +139,10 @@ class CacheConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[str(self.dtype)]
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_window > 0 or self.mamba_states > 0
 
     @property
     def host_enabled(self) -> bool:

@@ -7,6 +7,11 @@ the tree full. Page sizes 1 and 16; page hashing + KV events off (default) and o
 With ``--sglang-python PY`` it also runs SGLang's Python RadixCache on the same workload in that
 interpreter (which must have sglang installed) and reports our throughput as a ratio to it.
 Targets: insert and match >= 2x SGLang; eviction >= 3,000 calls/s.
+
+Hybrid configurations (``hybrid`` in the report; ``--no-hybrid`` skips them): the same workload
+on FULL+SWA (window 512), FULL+Mamba and FULL+SWA+Mamba trees, every insert carrying SWA slots
+and a Mamba state, run back to back with FULL-only; ``slowdown_vs_full`` is the ratio of the
+FULL-only rate to the hybrid rate measured in the same run (target: <= 1.5).
 """
 
 from __future__ import annotations
@@ -27,20 +32,36 @@ from tree_workload import make_sequences
 from asynccache.tree import RadixKey, RadixTree
 
 
-def run_ours(seqs: np.ndarray, page_size: int, hashing: bool, evict_calls: int) -> dict:
+def run_ours(
+    seqs: np.ndarray,
+    page_size: int,
+    hashing: bool,
+    evict_calls: int,
+    window: int = 0,
+    mamba: bool = False,
+) -> dict:
     tree = RadixTree(
-        page_size=page_size, enable_kv_events=hashing, enable_page_hashes=hashing
+        page_size=page_size, enable_kv_events=hashing, enable_page_hashes=hashing,
+        sliding_window=window, mamba=mamba,
     )
     keys = [RadixKey(s) for s in seqs]
     n = len(keys)
     width = seqs.shape[1]
     slots = np.arange(n * width, dtype=np.int64)
     values = [slots[i * width : (i + 1) * width] for i in range(n)]
+    kwargs = [{} for _ in range(n)]
+    if window:
+        swa = slots + n * width  # the caller's full->SWA translation
+        for i in range(n):
+            kwargs[i]["swa_value"] = swa[i * width : (i + 1) * width]
+    if mamba:
+        for i in range(n):
+            kwargs[i]["mamba_value"] = i
     gc.collect()  # start every configuration from the same heap state
 
     t0 = time.perf_counter()
-    for k, v in zip(keys, values, strict=True):
-        tree.insert(k, v)
+    for k, v, kw in zip(keys, values, kwargs, strict=True):
+        tree.insert(k, v, **kw)
         if hashing:
             tree.take_events()
     t_insert = time.perf_counter() - t0
@@ -85,6 +106,8 @@ def main() -> None:
     ap.add_argument("--sglang-python", help="interpreter with sglang installed, for the side-by-side")
     ap.add_argument("--sglang-evict-calls", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="2,000 sequences, fewer evict calls")
+    ap.add_argument("--no-hybrid", action="store_true", help="skip the SWA / Mamba configurations")
+    ap.add_argument("--repeat", type=int, default=1, help="hybrid comparison: runs per config")
     args = ap.parse_args()
     if args.quick:
         args.num, args.evict_calls, args.sglang_evict_calls = 2000, 300, 30
@@ -107,7 +130,35 @@ def main() -> None:
                     row["asynccache"]["evict_calls_s"] / sg["evict_calls_s"]
                 )
             report["runs"].append(row)
+    if not args.no_hybrid:
+        report["hybrid"] = run_hybrid(seqs, args.evict_calls, args.repeat)
     print(json.dumps(report, indent=1))
+
+
+HYBRIDS = (("full", 0, False), ("full+swa", 512, False), ("full+mamba", 0, True),
+           ("full+swa+mamba", 512, True))
+PHASES = ("insert_ops_s", "match_ops_s", "evict_calls_s")
+
+
+def run_hybrid(seqs: np.ndarray, evict_calls: int, repeat: int) -> list[dict]:
+    """Each configuration back to back with FULL-only, ``repeat`` times; medians and ranges."""
+    rows = []
+    for page_size in (1, 16):
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in HYBRIDS}
+        for _ in range(repeat):
+            for name, window, mamba in HYBRIDS:
+                runs[name].append(run_ours(seqs, page_size, False, evict_calls, window, mamba))
+        full = {ph: float(np.median([r[ph] for r in runs["full"]])) for ph in PHASES}
+        for name, window, mamba in HYBRIDS:
+            row: dict = {"page_size": page_size, "config": name, "window": window,
+                         "mamba": mamba}
+            for ph in PHASES:
+                vals = [r[ph] for r in runs[name]]
+                row[ph] = float(np.median(vals))
+                row[ph + "_range"] = [min(vals), max(vals)]
+                row["slowdown_vs_full_" + ph.split("_")[0]] = full[ph] / row[ph]
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The synchronous tree core: radix tree, eviction policies, locks, hashes and KV events."""
 
+from asynccache.tree.config import WRITE_POLICIES, TreeConfig, as_slots
 from asynccache.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
 from asynccache.tree.keys import DEFAULT_NAMESPACE, Namespace, RadixKey, as_key
@@ -14,7 +15,7 @@ from asynccache.tree.results import (
     MatchResult,
     SessionRef,
 )
-from asynccache.tree.tree import WRITE_POLICIES, RadixTree, TreeConfig, as_slots
+from asynccache.tree.tree import RadixTree
 
 __all__ = [
     "DEFAULT_NAMESPACE",

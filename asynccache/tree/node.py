@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asynccache.tree.keys import Namespace
+
+if TYPE_CHECKING:
+    from asynccache.tree.components.base import CompData
 
 # Queue slots of a node (index into Node.qe): evictable device leaf, evictable host leaf,
 # reclaimable host duplicate (on device and on host).
@@ -21,11 +24,13 @@ class Node:
     ``key`` holds whole pages of tokens as uint32 bytes. ``value`` holds the device slot of
     each token (None when the node was demoted to host only); ``host_value`` the host slots
     (None when not backed up). Slot arrays are read-only numpy int64 arrays owned by the tree.
+    ``aux`` holds the auxiliary components' data (SWA, Mamba) in hybrid trees, else None.
     """
 
     __slots__ = (
         "acct",
         "anchors",
+        "aux",
         "children",
         "creation",
         "dchildren",
@@ -70,6 +75,7 @@ class Node:
         # nodes go last).
         self.anchors: list[int] | None = None
         self.sref = 0
+        self.aux: list[CompData] | None = None  # auxiliary components (hybrid trees only)
 
     @property
     def ntok(self) -> int:

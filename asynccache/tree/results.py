@@ -55,6 +55,8 @@ class LockReceipt:
     node_id: int
     delta: int  # tokens that moved from evictable to protected (device) or host-pinned (host)
     host: bool = False
+    swa_span: int = 0  # hybrid trees: tokens whose SWA the lock pins (its window boundary)
+    mamba_locked: bool = False  # hybrid trees: the anchor's Mamba state is pinned
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,13 @@ class MatchResult:
     prefetch); ``host_hit_length`` the tokens after the device prefix that are on host only.
     ``pending_loads`` names load-backs still copying pages that follow the device prefix (they
     count in ``host_hit_length`` until they commit): wait for them, then match again.
+
+    Hybrid trees (SWA / Mamba components): the device prefix ends at the deepest node every
+    component accepts; ``full_kv_hit_length`` counts every matched FULL token regardless.
+    ``swa_branching_seqlen`` / ``mamba_branching_seqlen`` (None when not applicable): where a
+    new SWA window / Mamba state could be checkpointed past the usable prefix.
+    ``mamba_cow_slot``: with ``cow_mamba=True``, the state slot the caller must copy into a
+    fresh slot of its own (copy-on-write is the caller's action).
     """
 
     device_indices: np.ndarray
@@ -86,6 +95,10 @@ class MatchResult:
     best_node: int
     host_hit_length: int
     pending_loads: tuple[int, ...] = ()
+    full_kv_hit_length: int = 0
+    swa_branching_seqlen: int | None = None
+    mamba_branching_seqlen: int | None = None
+    mamba_cow_slot: int | None = None
 
     @property
     def total_hit_length(self) -> int:
@@ -103,6 +116,11 @@ class InsertResult:
     ``backups``: write-through copies to run, root first. ``intents``: with storage intents on
     (buffer-only host mode), the nodes that reached the write threshold, root first: write them
     to storage (nothing is pinned or marked for them).
+    Hybrid trees: ``component_frees`` maps a component name (``"swa"``, ``"mamba"``) to the
+    caller's slots of that pool the tree did not take; ``mamba_exist``: the last node already
+    held a Mamba state (the caller's state then comes back in ``component_frees["mamba"]``).
+    ``swa_adopted``: (the node's FULL slots, the caller's SWA slots it adopted) for every SWA
+    tombstone recovered from the caller's slots — the full->SWA map must now pair them.
     """
 
     prefix_len: int
@@ -111,6 +129,9 @@ class InsertResult:
     device_frees: list[np.ndarray] = field(default_factory=list)
     backups: list[BackupRequest] = field(default_factory=list)
     intents: list[int] = field(default_factory=list)
+    component_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    mamba_exist: bool = False
+    swa_adopted: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,6 +141,8 @@ class EvictResult:
     ``num_evicted``: device tokens freed now (``device_frees``). ``host_frees``: host slots of
     dropped subtrees. ``backups``: write-back copies the caller must run; once committed those
     nodes are demoted by the next ``evict`` call (``pending_tokens`` counts them).
+    Hybrid trees: ``swa_num_evicted`` (SWA tokens) and ``mamba_num_evicted`` (states) freed,
+    their slots in ``component_frees[name]``.
     """
 
     num_evicted: int = 0
@@ -128,6 +151,9 @@ class EvictResult:
     host_frees: list[np.ndarray] = field(default_factory=list)
     backups: list[BackupRequest] = field(default_factory=list)
     dropped_host_tokens: int = 0
+    swa_num_evicted: int = 0
+    mamba_num_evicted: int = 0
+    component_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

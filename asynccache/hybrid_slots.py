@@ -1,0 +1,163 @@
+"""The facade's side of hybrid models: the SWA KV pool with its full->SWA slot map and the
+Mamba state pool, and how tree results are applied to them (per-component frees).
+
+:class:`~asynccache.cache.HierarchicalCache` owns one :class:`HybridSlots` when its config
+has ``sliding_window`` or ``mamba_states``; FULL-only caches have none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asynccache.errors import InvalidInputError
+from asynccache.tree import EvictResult, InsertResult, RadixTree
+from asynccache.tree.config import as_slots
+from transfers.hybrid_pools import MambaStatePool, SWASlotMap
+from transfers.pools import DevicePool, KVShape
+
+if TYPE_CHECKING:
+    from asynccache.config import CacheConfig
+
+
+class HybridSlots:
+    """SWA and Mamba pools of a hybrid cache, and their accounting."""
+
+    def __init__(self, config: CacheConfig, device_pool: DevicePool) -> None:
+        self.swa_pool: DevicePool | None = None
+        self.swa_map: SWASlotMap | None = None
+        if config.sliding_window:
+            shape = KVShape(config.swa_layers, config.num_heads, config.head_dim,
+                            config.torch_dtype)
+            tokens = config.swa_tokens or device_pool.num_slots
+            self.swa_pool = DevicePool.from_tokens(shape, tokens, config.page_size,
+                                                   device=config.device)
+            self.swa_map = SWASlotMap(device_pool.allocator, self.swa_pool.allocator)
+        self.mamba_pool: MambaStatePool | None = None
+        if config.mamba_states:
+            self.mamba_pool = MambaStatePool(config.mamba_states, config.mamba_state_shape,
+                                             dtype=config.torch_dtype, device=config.device)
+        self.device_pool = device_pool
+        self.mamba_outstanding = 0  # states handed to callers, not yet adopted or freed
+
+    # ------------------------------------------------------------------ FULL + SWA slots
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        if self.swa_map is not None:
+            return self.swa_map.alloc(num_tokens)
+        got: np.ndarray | None = self.device_pool.allocator.alloc(num_tokens)
+        return got
+
+    def available(self) -> tuple[int, int]:
+        """Free (FULL, SWA) slots."""
+        full = self.device_pool.allocator.available_size
+        swa = self.swa_map.swa.available_size if self.swa_map is not None else full
+        return full, swa
+
+    def free_full(self, slots: np.ndarray) -> None:
+        if self.swa_map is not None:
+            self.swa_map.free_full(slots)
+        else:
+            self.device_pool.allocator.free(slots)
+
+    def free_swa(self, slots: Any) -> None:
+        """Free a request's SWA slots that slid out of the window (its FULL slots stay)."""
+        if self.swa_map is None:
+            raise InvalidInputError("free_swa: the cache has no SWA component")
+        self.swa_map.free_swa(as_slots(slots, "slots"))
+
+    def swa_value(self, value: np.ndarray, floor: int) -> np.ndarray | None:
+        """The SWA slots of ``value`` (entries below ``floor``, already freed, are -1)."""
+        if self.swa_map is None:
+            return None
+        out = np.full(len(value), -1, dtype=np.int64)
+        out[floor:] = self.swa_map.translate(value[floor:])
+        return out
+
+    # ------------------------------------------------------------------ Mamba states
+    def alloc_mamba(self) -> int | None:
+        if self.mamba_pool is None:
+            raise InvalidInputError("alloc_mamba: the cache has no Mamba component")
+        got = self.mamba_pool.alloc(1)
+        if got is None:
+            return None
+        self.mamba_outstanding += 1
+        return int(got[0])
+
+    def copy_on_write(self, slot: int) -> int | None:
+        if self.mamba_pool is None:
+            raise InvalidInputError("copy_on_write: the cache has no Mamba component")
+        dst = self.mamba_pool.copy_on_write(slot)
+        if dst is not None:
+            self.mamba_outstanding += 1
+        return dst
+
+    def free_mamba(self, slot: int) -> None:
+        if self.mamba_pool is None:
+            raise InvalidInputError("free_mamba: the cache has no Mamba component")
+        self.mamba_pool.free([slot])
+        self.mamba_outstanding -= 1
+
+    # ------------------------------------------------------------------ tree results
+    def apply_insert(self, res: InsertResult, mamba_value: int | None) -> None:
+        if self.swa_map is not None:
+            self.swa_map.apply_tree_frees(res.device_frees, res.component_frees.get("swa", []),
+                                          res.swa_adopted)
+        else:
+            for slots in res.device_frees:
+                self.device_pool.allocator.free(slots)
+        if mamba_value is not None and self.mamba_pool is not None:
+            dups = res.component_frees.get("mamba", [])
+            for slots in dups:
+                self.mamba_pool.free(slots)
+            # Adopted, or a duplicate freed just above (unless it was the tree's own state).
+            if res.cached_len and not (res.mamba_exist and not dups):
+                self.mamba_outstanding -= 1
+
+    def apply_evict(self, res: EvictResult) -> None:
+        if self.swa_map is not None:
+            self.swa_map.apply_tree_frees(res.device_frees, res.component_frees.get("swa", []))
+        else:
+            for slots in res.device_frees:
+                self.device_pool.allocator.free(slots)
+        if self.mamba_pool is not None:
+            for slots in res.component_frees.get("mamba", []):
+                self.mamba_pool.free(slots)
+
+    def release_tree(self, tree: RadixTree) -> None:
+        """Free every slot the tree holds, then reset it (the cache is closing)."""
+        swa = tree.component_slots("swa") if self.swa_map is not None else None
+        states = tree.component_slots("mamba") if self.mamba_pool is not None else None
+        device, _ = tree.reset()
+        if self.swa_map is not None:
+            assert swa is not None
+            self.swa_map.apply_tree_frees(device, [swa])
+        else:
+            for slots in device:
+                self.device_pool.allocator.free(slots)
+        if self.mamba_pool is not None and states is not None and len(states):
+            self.mamba_pool.free(states)
+
+    def check(self, tree: RadixTree) -> None:
+        """Every SWA slot is paired with an allocated FULL slot, the tree's SWA slots are the
+        pairs of its FULL slots, and every Mamba state has one owner."""
+        if self.swa_map is not None:
+            self.swa_map.check()
+            paired = int((self.swa_map.swa_to_full >= 0).sum())
+            used = self.swa_map.swa.used_size
+            if paired != used:
+                raise AssertionError(f"SWA accounting: {used} slots used but {paired} paired")
+            for n in tree.iter_nodes():
+                aux = n.aux
+                assert aux is not None and n.value is not None
+                swa = aux[0].value
+                if swa is not None and not np.array_equal(self.swa_map.full_to_swa[n.value],
+                                                          swa):
+                    raise AssertionError(f"node {n.id}: its SWA slots are not its FULL pairs")
+        if self.mamba_pool is not None:
+            held = len(tree.component_slots("mamba"))
+            if self.mamba_pool.used_size != held + self.mamba_outstanding:
+                raise AssertionError(
+                    f"Mamba accounting: pool uses {self.mamba_pool.used_size} states, tree holds "
+                    f"{held} and callers {self.mamba_outstanding}"
+                )

@@ -1,0 +1,465 @@
+"""The tree's state and the helpers every operation shares: construction, ownership, sizes,
+accounting and eviction-queue membership, page hashes and KV events, splits and device locks."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asynccache.errors import (
+    ConfigError,
+    InvalidInputError,
+    LockError,
+    OwnerError,
+    UnknownNodeError,
+)
+from asynccache.tree import hybrid
+from asynccache.tree.components import Component, MambaComponent, SWAComponent
+from asynccache.tree.config import TreeConfig
+from asynccache.tree.events import EventRecorder, KVEvent, Medium
+from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
+from asynccache.tree.keys import DEFAULT_NAMESPACE, decode_tokens
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
+from asynccache.tree.queues import (
+    USES_ACCESS,
+    USES_HITS,
+    USES_PRIORITY,
+    NodeQueue,
+    policy_key,
+    sessions_last,
+)
+from asynccache.tree.results import (
+    LockReceipt,
+)
+
+
+@dataclass(slots=True)
+class _PendingOp:
+    kind: str  # "backup" | "load"
+    fragments: list[Node]  # root first; the anchor (deepest) is last
+
+
+class TreeBase:
+    """State and shared helpers of :class:`~asynccache.tree.tree.RadixTree` (see there)."""
+
+    def __init__(self, config: TreeConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = TreeConfig(**kwargs)
+        elif kwargs:
+            raise ConfigError("pass either a TreeConfig or keyword settings, not both")
+        self.config = config
+        self.page_size = config.page_size
+        self._pb = 4 * config.page_size
+        self._host = config.host_enabled
+        self._write_back = config.host_enabled and config.write_policy == "write_back"
+        self._write_through = config.host_enabled and not self._write_back
+        self._threshold = config.write_through_threshold
+        self._intents = False  # buffer-only host mode with storage: report, do not back up
+        policy = config.eviction_policy
+        self._touch_requeues = policy in USES_ACCESS
+        self._hit_requeues = policy in USES_HITS
+        self._prio_requeues = policy in USES_PRIORITY
+        key = policy_key(policy)
+        if config.enable_sessions:
+            key = sessions_last(key)
+        self._queues = (NodeQueue(DLEAF, key), NodeQueue(HLEAF, key), NodeQueue(HDUP, key))
+        self._events = EventRecorder() if config.enable_kv_events else None
+        self._eager_hashes = config.enable_page_hashes
+        self._owner = threading.get_ident()
+        self._ids = itertools.count(1)
+        self._op_ids = itertools.count(1)
+        self._receipt_ids = itertools.count(1)
+        comps: list[Component] = []
+        self._swa: SWAComponent | None = None
+        self._mamba: MambaComponent | None = None
+        if config.sliding_window:
+            self._swa = SWAComponent(len(comps), config.page_size, config.sliding_window)
+            comps.append(self._swa)
+        if config.mamba:
+            self._mamba = MambaComponent(
+                len(comps), config.page_size, config.mamba_track_interval or config.page_size
+            )
+            comps.append(self._mamba)
+        self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
+        self._aux_names = frozenset(c.name for c in comps)
+        self._mamba_interval = config.mamba_track_interval or config.page_size
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._root = Node(0, None, b"", DEFAULT_NAMESPACE)
+        self._root.lock_ref = 1  # the root is never evicted
+        self._nodes: dict[int, Node] = {0: self._root}
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+        self._host_size = 0
+        self._pending: dict[int, _PendingOp] = {}
+        self._receipts: dict[int, tuple[Node, bool]] = {}
+        old = getattr(self, "_srefs", {})
+        self._srefs: dict[int, Node] = dict.fromkeys(old, self._root)  # refs survive a reset
+        for q in self._queues:
+            q.clear()
+        # Hybrid trees: per device receipt, each component's lock extent (0: not held).
+        self._aux_locks: dict[int, list[int]] = {}
+        self._swa_released: set[int] = set()
+        for c in self._aux:
+            c.reset()
+        if self._aux:
+            self._root.aux = hybrid.new_aux(self)
+
+    def enable_page_hashes(self) -> None:
+        """Compute page hashes eagerly from now on (storage attached); existing nodes get theirs
+        on demand, continuing their parents' chains."""
+        self._eager_hashes = True
+
+    # ------------------------------------------------------------------ ownership
+    def bind_owner(self, thread_ident: int | None = None) -> None:
+        """Make ``thread_ident`` (default: the calling thread) the only one allowed to mutate."""
+        self._owner = threading.get_ident() if thread_ident is None else thread_ident
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise OwnerError(
+                f"tree is owned by thread {self._owner}; called from {threading.get_ident()}"
+            )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def root_id(self) -> int:
+        return 0
+
+    @property
+    def evictable_size(self) -> int:
+        """Device tokens that eviction may free (unlocked)."""
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        """Device tokens pinned by locks."""
+        return self._protected
+
+    @property
+    def device_size(self) -> int:
+        return self._evictable + self._protected
+
+    @property
+    def host_size(self) -> int:
+        """Tokens with a host copy."""
+        return self._host_size
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """Names of the components: ``"full"`` then the auxiliary ones (``"swa"``, ``"mamba"``)."""
+        return ("full", *(c.name for c in self._aux))
+
+    def component_sizes(self, name: str) -> tuple[int, int]:
+        """(evictable, protected) units of a component: tokens (full, swa) or states (mamba)."""
+        if name == "full":
+            return self._evictable, self._protected
+        for c in self._aux:
+            if c.name == name:
+                return c.evictable, c.protected
+        raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
+
+    def component_slots(self, name: str) -> np.ndarray:
+        """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset)."""
+        return hybrid.slots_of(self, name)
+
+    @property
+    def node_count(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return len(self._nodes) - 1
+
+    @property
+    def pending_ops(self) -> int:
+        return len(self._pending)
+
+    @property
+    def held_locks(self) -> int:
+        """Outstanding lock receipts (device and host)."""
+        return len(self._receipts)
+
+    # ------------------------------------------------------------------ helpers
+    def _node(self, node_id: int) -> Node:
+        try:
+            return self._nodes[node_id]
+        except (KeyError, TypeError):
+            raise UnknownNodeError(f"no node with id {node_id!r} in the tree") from None
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, parent: Node, page: bytes, ns: Any) -> Any:
+        if parent is self._root and ns is not DEFAULT_NAMESPACE:
+            return (ns, page)
+        return page
+
+    def _match_bytes(self, node_key: bytes, data: bytes, off: int, end: int) -> int:
+        """Bytes of ``node_key`` matching ``data[off:end]``, rounded down to whole pages.
+
+        The first page is known to match (it selected the child).
+        """
+        klen = len(node_key)
+        avail = min(klen, end - off)
+        if data[off : off + avail] == node_key[:avail]:
+            return avail
+        pb = self._pb
+        lo, hi = 1, avail // pb
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            nb = mid * pb
+            if data[off : off + nb] == node_key[:nb]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * pb
+
+    def _account(self, n: Node) -> None:
+        """Count ``n``'s device tokens as evictable or protected, per its current state.
+
+        Protected: device-locked, or host-pinned without a host copy (eviction could only
+        delete it, which the pin forbids). The sizes are therefore exactly what ``evict`` can
+        free and what it cannot.
+        """
+        if n.value is None:
+            want = 0
+        elif n.lock_ref or (n.host_value is None and n.host_lock_ref):
+            want = 2
+        else:
+            want = 1
+        have = n.acct
+        if want != have:
+            k = n.ntok
+            if have == 1:
+                self._evictable -= k
+            elif have == 2:
+                self._protected -= k
+            if want == 1:
+                self._evictable += k
+            elif want == 2:
+                self._protected += k
+            n.acct = want
+
+    def _refresh(self, n: Node) -> None:
+        """Recount ``n`` and put it in exactly the eviction queues its state calls for."""
+        if n is self._root:
+            return
+        self._account(n)
+        free = n.pending == 0
+        dq, hq, uq = self._queues
+        if (
+            free
+            and n.value is not None
+            and n.lock_ref == 0
+            and n.dchildren == 0
+            and not (n.host_value is None and n.host_lock_ref > 0)
+        ):
+            if n.qe[DLEAF] is None:
+                dq.push(n)
+        elif n.qe[DLEAF] is not None:
+            dq.discard(n)
+        if free and n.value is None and n.host_value is not None and not n.children and (
+            n.host_lock_ref == 0
+        ):
+            if n.qe[HLEAF] is None:
+                hq.push(n)
+        elif n.qe[HLEAF] is not None:
+            hq.discard(n)
+        if free and n.value is not None and n.host_value is not None and n.host_lock_ref == 0:
+            if n.qe[HDUP] is None:
+                uq.push(n)
+        elif n.qe[HDUP] is not None:
+            uq.discard(n)
+
+    def _requeue(self, n: Node) -> None:
+        """Re-key ``n`` in the queues it is in (its policy key changed)."""
+        for q, slot in zip(self._queues, (DLEAF, HLEAF, HDUP), strict=True):
+            if n.qe[slot] is not None:
+                q.push(n)
+
+    # ------------------------------------------------------------------ hashes / events
+    def _digests(self, n: Node) -> list[bytes]:
+        """Page digests of ``n`` (computed on demand, continuing the parent's chain)."""
+        if n.digests is not None:
+            return n.digests
+        chain = []
+        cur: Node | None = n
+        while cur is not None and cur is not self._root and cur.digests is None:
+            chain.append(cur)
+            cur = cur.parent
+        for node in reversed(chain):
+            parent = node.parent
+            assert parent is not None
+            prev = parent.digests[-1] if parent is not self._root and parent.digests else b""
+            if parent is self._root:
+                prev = chain_seed(node.ns)
+            node.digests = chain_digests(prev, node.key, self._pb)
+        assert n.digests is not None
+        return n.digests
+
+    def _emit_stored(self, n: Node, medium: Medium) -> None:
+        ev = self._events
+        if ev is None:
+            return
+        ns = n.ns
+        hashes = [event_hash(d, ns) for d in self._digests(n)]
+        parent = n.parent
+        parent_hash = (
+            None
+            if parent is None or parent is self._root
+            else event_hash(self._digests(parent)[-1], ns)
+        )
+        ev.stored(
+            hashes,
+            parent_hash,
+            decode_tokens(n.key),
+            self.page_size,
+            medium,
+            ns.extra_key,
+            ns.cache_salt,
+        )
+
+    def _emit_removed(self, n: Node, medium: Medium) -> None:
+        if self._events is not None:
+            ns = n.ns
+            self._events.removed([event_hash(d, ns) for d in self._digests(n)], medium)
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the KV events recorded since the last call (empty when events are off)."""
+        self._check_owner()
+        return self._events.take() if self._events is not None else []
+
+    def page_hashes(self, node_id: int) -> list[str]:
+        """Storage keys (hex page digests) of every page from the root down to ``node_id``."""
+        n = self._node(node_id)
+        path = []
+        while n is not self._root:
+            path.append(n)
+            assert n.parent is not None
+            n = n.parent
+        return [storage_key(d) for node in reversed(path) for d in self._digests(node)]
+
+    # ------------------------------------------------------------------ split
+    def _split(self, x: Node, nbytes: int) -> Node:
+        """Split ``x`` after ``nbytes``; the new prefix node is returned, ``x`` keeps its id."""
+        parent = x.parent
+        assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
+        m = nbytes >> 2
+        p = Node(next(self._ids), parent, x.key[:nbytes], x.ns)
+        self._nodes[p.id] = p
+        ck = self._child_key(parent, x.key[: self._pb], x.ns)
+        x.key = x.key[nbytes:]
+        if x.value is not None:
+            p.value = x.value[:m]
+            x.value = x.value[m:]
+            p.dchildren = 1
+        if x.host_value is not None:
+            p.host_value = x.host_value[:m]
+            x.host_value = x.host_value[m:]
+        if x.digests is not None:
+            k = m // self.page_size
+            p.digests = x.digests[:k]
+            x.digests = x.digests[k:]
+        p.lock_ref = x.lock_ref
+        p.host_lock_ref = x.host_lock_ref
+        p.acct = x.acct  # the prefix's tokens keep the class they were counted in
+        p.last_access = x.last_access
+        p.creation = x.creation
+        p.hit_count = x.hit_count
+        p.priority = x.priority
+        p.pending = x.pending
+        p.sref = x.sref
+        if x.pending:
+            frags = self._pending[x.pending].fragments
+            frags.insert(frags.index(x), p)
+        parent.children[ck] = p
+        p.children[x.key[: self._pb]] = x
+        x.parent = p
+        self._refresh(p)
+        if self._aux:
+            p.aux = [c.split(x, p, m) for c in self._aux]
+            hybrid.refresh_aux(self, p)
+        return p
+
+    # ------------------------------------------------------------------ locks
+    def _inc(self, node: Node) -> int:
+        delta = 0
+        n = node
+        root = self._root
+        while n is not root:
+            if n.lock_ref == 0:
+                if n.acct == 1:
+                    delta += n.ntok
+                n.lock_ref = 1
+                self._account(n)
+                if n.qe[DLEAF] is not None:
+                    self._queues[DLEAF].discard(n)
+            else:
+                n.lock_ref += 1
+            parent = n.parent
+            assert parent is not None
+            n = parent
+        return delta
+
+    def _dec(self, node: Node) -> int:
+        delta = 0
+        n = node
+        root = self._root
+        while n is not root:
+            if n.lock_ref <= 0:
+                raise LockError(f"node {n.id} is not device-locked")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._refresh(n)
+                if n.acct == 1:
+                    delta += n.ntok
+            parent = n.parent
+            assert parent is not None
+            n = parent
+        return delta
+
+    def _take_receipt(self, receipt: LockReceipt, *, host: bool) -> Node:
+        if not isinstance(receipt, LockReceipt):
+            raise LockError(f"expected a LockReceipt, got {receipt!r}")
+        held = self._receipts.get(receipt.token)
+        if held is None:
+            raise LockError(f"lock receipt {receipt.token} is not held (released twice?)")
+        node, is_host = held
+        if is_host != host or receipt.host != host:
+            kind = "host" if is_host else "device"
+            raise LockError(f"receipt {receipt.token} is a {kind} lock")
+        if node.id != receipt.node_id:
+            raise LockError(
+                f"receipt {receipt.token} is anchored at node {node.id}, not {receipt.node_id}"
+            )
+        del self._receipts[receipt.token]
+        return node
+
+    def _move_anchors(self, n: Node, to: Node) -> None:
+        """``n`` is being deleted: its session refs now anchor at ``to`` (which already counts
+        them)."""
+        assert n.anchors
+        for token in n.anchors:
+            self._srefs[token] = to
+        if to is not self._root:
+            if to.anchors is None:
+                to.anchors = []
+            to.anchors.extend(n.anchors)
+        n.anchors = None
+
+    def _detach(self, n: Node) -> None:
+        parent = n.parent
+        assert parent is not None
+        ck = self._child_key(parent, n.key[: self._pb], n.ns)
+        del parent.children[ck]
+        n.parent = None
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root (read-only use: tests, digests, debugging)."""
+        return (n for n in self._nodes.values() if n is not self._root)

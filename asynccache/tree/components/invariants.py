@@ -1,0 +1,105 @@
+"""Component invariants of a hybrid tree, recomputed from scratch (part of ``sanity_check``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asynccache.tree.node import Node
+
+if TYPE_CHECKING:
+    from asynccache.tree.tree import RadixTree
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"tree invariant violated: {msg}")
+
+
+def check_components(tree: RadixTree) -> None:
+    comps = tree._aux
+    nodes = tree._nodes
+    root = tree._root
+    # Expected pins from the receipts: SWA covers `extent` tokens above the anchor, Mamba the
+    # anchor alone.
+    expect: list[dict[int, int]] = [{} for _ in comps]
+    if set(tree._aux_locks) != {t for t, (_, host) in tree._receipts.items() if not host}:
+        _fail("component lock records do not match the held device receipts")
+    if not tree._swa_released <= set(tree._aux_locks):
+        _fail("an early SWA release is recorded for a receipt that is not held")
+    for token, extents in tree._aux_locks.items():
+        anchor, _ = tree._receipts[token]
+        if tree._swa is not None and token in tree._swa_released and extents[tree._swa.index]:
+            _fail(f"receipt {token} released its SWA part early but still holds it")
+        for i, c in enumerate(comps):
+            left = extents[i]
+            if c.name == "mamba":
+                if left:
+                    expect[i][anchor.id] = expect[i].get(anchor.id, 0) + 1
+                continue
+            n: Node | None = anchor
+            while left > 0:
+                if n is None or n is root:
+                    _fail(f"receipt {token}'s SWA span runs past the root")
+                    return
+                expect[i][n.id] = expect[i].get(n.id, 0) + 1
+                left -= n.ntok
+                n = n.parent
+            if left:
+                _fail(f"receipt {token}'s SWA span does not end at a node boundary")
+    for i, c in enumerate(comps):
+        evictable = protected = members = 0
+        held: list[np.ndarray] = []
+        for n in nodes.values():
+            aux = n.aux
+            if aux is None or len(aux) != len(comps):
+                _fail(f"node {n.id} has no data for every component")
+                return
+            d = aux[c.index]
+            if n is root:
+                if d.value is not None or d.lock_ref or d.qe is not None:
+                    _fail(f"the root holds {c.name} state")
+                continue
+            if d.lock_ref != expect[i].get(n.id, 0):
+                _fail(f"node {n.id} {c.name} lock_ref {d.lock_ref} != {expect[i].get(n.id, 0)}")
+            if d.lock_ref > n.lock_ref:
+                _fail(f"node {n.id} is {c.name}-locked more than FULL-locked")
+            if d.value is not None:
+                if n.value is None:
+                    _fail(f"node {n.id} holds {c.name} without FULL KV")
+                want_len = n.ntok if c.name == "swa" else 1
+                if len(d.value) != want_len or d.value.dtype != np.int64:
+                    _fail(f"node {n.id} has {len(d.value)} {c.name} slots, want {want_len}")
+                if d.value.flags.writeable:
+                    _fail(f"node {n.id} {c.name} slots are writeable")
+                held.append(d.value)
+                units = c.units(n)
+                if d.lock_ref:
+                    protected += units
+                else:
+                    evictable += units
+            elif c.name == "mamba" and d.lock_ref:
+                _fail(f"node {n.id} has a Mamba pin but no state")
+            want_acct = 0 if d.value is None else (2 if d.lock_ref else 1)
+            if d.acct != want_acct:
+                _fail(f"node {n.id} {c.name} counted in class {d.acct}, not {want_acct}")
+            blocked = any(
+                o.priority < c.priority and aux[o.index].lock_ref for o in comps
+            )
+            want_q = want_acct == 1 and not blocked and n.pending == 0
+            if want_q != (d.qe is not None):
+                _fail(f"node {n.id} {c.name} LRU membership is {not want_q}, want {want_q}")
+            members += want_q
+        if len(c.queue) != members:
+            _fail(f"{c.name} LRU counts {len(c.queue)} live entries, {members} expected")
+        if (evictable, protected) != (c.evictable, c.protected):
+            _fail(
+                f"{c.name} sizes (evictable, protected) = {(c.evictable, c.protected)}, "
+                f"recomputed {(evictable, protected)}"
+            )
+        if held:
+            allslots = np.concatenate(held)
+            if allslots.min() < 0:
+                _fail(f"a {c.name} slot index is negative")
+            if np.bincount(allslots).max() > 1:
+                _fail(f"a {c.name} slot is held by two nodes")

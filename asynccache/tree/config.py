@@ -1,0 +1,102 @@
+"""Tree settings and argument checks shared by the tree modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.tree.queues import policy_key
+
+WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
+_THRESHOLDS: Final = {"write_through": 1, "write_through_selective": 2, "write_back": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class TreeConfig:
+    """Tree settings. ``host_enabled`` turns on the L2 tier (backups, demotion, load-back).
+
+    Hybrid models: ``sliding_window`` > 0 adds the SWA component with that retained window
+    (tokens); ``mamba`` adds the Mamba state component, whose branching seqlens lie on a grid
+    of ``mamba_track_interval`` tokens (0: the page size). Hybrid trees are device-only.
+    """
+
+    page_size: int = 1
+    eviction_policy: str = "lru"
+    host_enabled: bool = False
+    write_policy: str = "write_through_selective"
+    enable_kv_events: bool = False
+    enable_page_hashes: bool = False
+    enable_sessions: bool = False
+    sliding_window: int = 0
+    mamba: bool = False
+    mamba_track_interval: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
+            raise ConfigError(f"page_size must be an int, got {self.page_size!r}")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes", "enable_sessions"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        policy_key(self.eviction_policy)
+        for name in ("sliding_window", "mamba_track_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.mamba, bool):
+            raise ConfigError(f"mamba must be a bool, got {self.mamba!r}")
+        if self.mamba_track_interval % self.page_size:
+            raise ConfigError(
+                f"mamba_track_interval {self.mamba_track_interval} must be a multiple of "
+                f"page_size {self.page_size}"
+            )
+        if self.host_enabled and self.hybrid:
+            raise ConfigError(
+                "host_enabled with SWA / Mamba components: the L2 tier is not implemented for "
+                f"hybrid trees (sliding_window={self.sliding_window}, mamba={self.mamba})"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"unknown write_policy {self.write_policy!r}; choose one of {list(WRITE_POLICIES)}"
+            )
+
+    @property
+    def write_through_threshold(self) -> int:
+        return _THRESHOLDS[self.write_policy]
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_window > 0 or self.mamba
+
+
+
+def as_slots(value: Any, what: str = "value") -> np.ndarray:
+    """Slot indices as a 1-D int64 numpy array (accepts numpy, torch or a list of ints)."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "numpy") and hasattr(value, "cpu"):
+        arr = value.cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"{what} must be an array of slot indices: {exc}") from None
+    if arr.ndim != 1:
+        raise InvalidInputError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"{what} must hold integer slot indices, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    return arr
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidInputError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise InvalidInputError(f"{name} must be >= 0, got {value}")
+    return int(value)

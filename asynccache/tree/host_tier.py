@@ -1,0 +1,487 @@
+"""The host (L2) tier of the tree: host inserts, backups (D->H), load-backs (H->D), demotion,
+subtree deletion and host eviction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from asynccache.errors import (
+    InvalidInputError,
+    LockError,
+)
+from asynccache.tree.base import TreeBase, _PendingOp
+from asynccache.tree.config import _check_count, as_slots
+from asynccache.tree.events import Medium
+from asynccache.tree.hashing import chain_digests, chain_seed, storage_key
+from asynccache.tree.keys import RadixKey, as_key
+from asynccache.tree.node import HDUP, HLEAF, Node, frozen
+from asynccache.tree.results import (
+    BackupRequest,
+    EvictResult,
+    HostEvictResult,
+    InsertResult,
+    LoadBackTicket,
+    LockReceipt,
+)
+
+
+class HostTier(TreeBase):
+    """Host-tier operations of the tree (mixed into :class:`~asynccache.tree.tree.RadixTree`)."""
+
+    def insert_host(self, key: RadixKey | Any, start: int, host_slots: Any) -> InsertResult:
+        """Record host copies (e.g. pages prefetched from storage) of ``key[start:]``.
+
+        ``host_slots`` holds one host slot per token of ``key[start:start + len(host_slots)]``
+        (whole pages). Spans the tree already has on host are duplicates: their slots come back
+        in ``InsertResult.device_frees`` (they are *host* slots here). A device node without a
+        host copy adopts the slots as its backup; the rest becomes host-only nodes. ``last_node``
+        is the node ending at the end of the inserted span.
+        """
+        self._check_owner()
+        if self._aux:
+            raise InvalidInputError("insert_host: hybrid trees have no host tier")
+        key = as_key(key)
+        slots = as_slots(host_slots, "host_slots")
+        start = _check_count("start", start)
+        end_tok = start + len(slots)
+        if start % self.page_size or len(slots) % self.page_size or end_tok > len(key):
+            raise InvalidInputError(
+                f"host span [{start}, {end_tok}) must be whole pages within the key of "
+                f"{len(key)} tokens (page_size={self.page_size})"
+            )
+        data = key.data
+        pb = self._pb
+        end = end_tok * 4
+        if self._cached_bytes(key, end) < start * 4:
+            raise InvalidInputError(
+                f"the tree holds only {self._cached_bytes(key, end) >> 2} tokens of the key; a "
+                f"host span starting at {start} would leave a gap"
+            )
+        ns = key.namespace
+        root = self._root
+        node = root
+        off = 0
+        result = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
+        while off < end:
+            page = data[off : off + pb]
+            child = node.children.get(self._child_key(node, page, ns))
+            if child is None:
+                break
+            nb = self._match_bytes(child.key, data, off, end)
+            if nb < len(child.key):
+                child = self._split(child, nb)
+            pos = off >> 2
+            m = nb >> 2
+            if pos + m > start:
+                lo = max(pos, start)
+                span = slots[lo - start : pos + m - start]
+                if child.host_value is None and child.pending == 0 and lo == pos:
+                    child.host_value = frozen(span)
+                    self._host_size += m
+                    self._emit_stored(child, Medium.CPU_PINNED)
+                    self._refresh(child)
+                else:
+                    result.device_frees.append(span)
+            node = child
+            off += nb
+        result.prefix_len = off >> 2
+        if off < end:
+            leaf = Node(next(self._ids), node, data[off:end], ns)
+            self._nodes[leaf.id] = leaf
+            leaf.host_value = frozen(slots[(off >> 2) - start :])
+            leaf.creation = leaf.last_access = self._tick()
+            leaf.hit_count = 1
+            node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
+            self._host_size += leaf.ntok
+            if self._eager_hashes:
+                self._digests(leaf)
+            self._emit_stored(leaf, Medium.CPU_PINNED)
+            self._refresh(node)
+            self._refresh(leaf)
+            node = leaf
+        result.last_node = node.id
+        return result
+
+    def host_slots_of(self, node_id: int) -> np.ndarray | None:
+        """The host slots of ``node_id`` (None when it has no host copy); read-only."""
+        return self._node(node_id).host_value
+
+    def _cached_bytes(self, key: RadixKey, end: int) -> int:
+        """Bytes of ``key.data[:end]`` the tree holds (whole pages), without changing anything."""
+        data = key.data
+        pb = self._pb
+        ns = key.namespace
+        node = self._root
+        off = 0
+        while off < end:
+            page = data[off : off + pb]
+            child = node.children.get(self._child_key(node, page, ns))
+            if child is None:
+                break
+            nb = self._match_bytes(child.key, data, off, end)
+            off += nb
+            if nb < len(child.key):
+                break
+            node = child
+        return off
+
+    def node_page_keys(self, node_id: int) -> list[str]:
+        """Storage keys of the pages of ``node_id`` itself (not its ancestors)."""
+        return [storage_key(d) for d in self._digests(self._node(node_id))]
+
+    def chain_keys(self, node_id: int, key: RadixKey | Any, start: int) -> list[str]:
+        """Storage keys of the whole pages of ``key[start:]``, continuing the chain of ``node_id``.
+
+        ``node_id`` must end at token ``start`` of ``key`` (e.g. a match's ``best_node``).
+        """
+        key = as_key(key)
+        n = self._node(node_id)
+        prev = chain_seed(key.namespace) if n is self._root else self._digests(n)[-1]
+        data = key.data[start * 4 :]
+        data = data[: len(data) - len(data) % self._pb]
+        return [storage_key(d) for d in chain_digests(prev, data, self._pb)]
+
+    def tail_slots(self, node_id: int, num_tokens: int) -> np.ndarray | None:
+        """Device slots of the last ``num_tokens`` tokens of the path ending at ``node_id``.
+
+        A node keeps its id and its end when a prefix is split off it, so a span recorded as
+        (node, length) stays valid across splits: it is gathered from the fragments here. None
+        when the node is gone (evicted), is not on device, or the path holds fewer tokens.
+        """
+        n = self._nodes.get(node_id)
+        if n is None or n is self._root:
+            return None
+        parts: list[np.ndarray] = []
+        need = num_tokens
+        while need > 0:
+            if n is self._root or n.value is None:
+                return None
+            v = n.value
+            parts.append(v if len(v) <= need else v[len(v) - need :])
+            need -= len(parts[-1])
+            assert n.parent is not None
+            n = n.parent
+        parts.reverse()
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _unevict(self, n: Node, slots: np.ndarray) -> None:
+        """Give a host-only node device slots again (the caller recomputed its KV)."""
+        parent = n.parent
+        assert parent is not None and n.lock_ref == 0
+        n.value = frozen(slots)
+        parent.dchildren += 1
+        self._emit_stored(n, Medium.GPU)
+        self._refresh(parent)
+        self._refresh(n)
+
+    def _host_inc(self, node: Node) -> int:
+        delta = 0
+        n = node
+        while n is not self._root:
+            if n.host_lock_ref == 0:
+                delta += n.ntok
+            n.host_lock_ref += 1
+            self._refresh(n)
+            assert n.parent is not None
+            n = n.parent
+        return delta
+
+    def _host_dec(self, node: Node) -> int:
+        delta = 0
+        n = node
+        while n is not self._root:
+            if n.host_lock_ref <= 0:
+                raise LockError(f"node {n.id} is not host-locked")
+            n.host_lock_ref -= 1
+            if n.host_lock_ref == 0:
+                delta += n.ntok
+            self._refresh(n)
+            assert n.parent is not None
+            n = n.parent
+        return delta
+
+    def lock_host(self, node_id: int) -> LockReceipt:
+        """Pin the host copies of ``node_id`` and its ancestors against host eviction."""
+        self._check_owner()
+        node = self._node(node_id)
+        token = next(self._receipt_ids)
+        delta = self._host_inc(node)
+        self._receipts[token] = (node, True)
+        return LockReceipt(token=token, node_id=node.id, delta=delta, host=True)
+
+    def unlock_host(self, receipt: LockReceipt) -> int:
+        self._check_owner()
+        node = self._take_receipt(receipt, host=True)
+        return self._host_dec(node)
+
+    def _backup_chain(self, node: Node, out: list[BackupRequest]) -> None:
+        chain = []
+        n = node
+        while n is not self._root and n.host_value is None and n.pending == 0:
+            chain.append(n)
+            assert n.parent is not None
+            n = n.parent
+        for c in reversed(chain):
+            out.append(self._begin_backup(c, write_back=False))
+
+    def _begin_backup(self, n: Node, *, write_back: bool) -> BackupRequest:
+        assert n.value is not None and n.pending == 0
+        op_id = next(self._op_ids)
+        self._pending[op_id] = _PendingOp("backup", [n])
+        n.pending = op_id
+        self._inc(n)
+        self._refresh(n)
+        return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value, write_back=write_back)
+
+    def _pop_op(self, op_id: int, kind: str) -> _PendingOp:
+        op = self._pending.get(op_id)
+        if op is None or op.kind != kind:
+            raise InvalidInputError(f"no {kind} in flight with id {op_id!r}")
+        del self._pending[op_id]
+        return op
+
+    def commit_backup(self, op_id: int, host_slots: Any) -> list[int]:
+        """The D->H copy of backup ``op_id`` landed in ``host_slots``: record the host copy.
+
+        Returns the ids of the nodes now backed up: the original node and any prefix fragments
+        split off it while the copy was in flight, root first.
+        """
+        self._check_owner()
+        op = self._pending.get(op_id)
+        if op is None or op.kind != "backup":
+            raise InvalidInputError(f"no backup in flight with id {op_id!r}")
+        slots = as_slots(host_slots, "host_slots")
+        need = sum(f.ntok for f in op.fragments)
+        if len(slots) != need:
+            raise InvalidInputError(f"backup {op_id} needs {need} host slots, got {len(slots)}")
+        del self._pending[op_id]
+        stored = frozen(slots)
+        pos = 0
+        for f in op.fragments:
+            k = f.ntok
+            f.host_value = stored[pos : pos + k]
+            pos += k
+            f.pending = 0
+            self._host_size += k
+            self._emit_stored(f, Medium.CPU_PINNED)
+        self._dec(op.fragments[-1])
+        for f in op.fragments:
+            self._refresh(f)
+        return [f.id for f in op.fragments]
+
+    def abort_backup(self, op_id: int) -> None:
+        """The copy for ``op_id`` failed or was dropped: unpin the node, keep it un-backed."""
+        self._check_owner()
+        op = self._pop_op(op_id, "backup")
+        for f in op.fragments:
+            f.pending = 0
+        self._dec(op.fragments[-1])
+        for f in op.fragments:
+            self._refresh(f)
+
+    def host_chain(self, node_id: int) -> list[int]:
+        """Ids of the host-only nodes from below the last device ancestor down to ``node_id``."""
+        n = self._node(node_id)
+        chain = []
+        while n is not self._root and n.value is None:
+            chain.append(n.id)
+            assert n.parent is not None
+            n = n.parent
+        return chain[::-1]
+
+    def start_load_back(self, node_id: int, device_slots: Any) -> LoadBackTicket:
+        """Give the host-only path ending at ``node_id`` the device slots ``device_slots``.
+
+        The nodes count as on device at once (marked pending and pinned); copy the ticket's
+        ``host_slots`` to its ``device_slots``, then ``commit_load_back``.
+        """
+        self._check_owner()
+        node = self._node(node_id)
+        chain: list[Node] = []
+        n = node
+        while n is not self._root and n.value is None:
+            if n.pending:
+                raise InvalidInputError(f"node {n.id} is already being loaded")
+            chain.append(n)
+            assert n.parent is not None
+            n = n.parent
+        if not chain:
+            raise InvalidInputError(f"node {node_id} has nothing to load: it is on device")
+        if n.pending and self._pending[n.pending].kind == "load":
+            raise InvalidInputError(
+                f"node {n.id} is already being loaded (load {n.pending}, above node {node_id})"
+            )
+        chain.reverse()
+        slots = as_slots(device_slots, "device_slots")
+        need = sum(c.ntok for c in chain)
+        if len(slots) != need:
+            raise InvalidInputError(f"load-back of node {node_id} needs {need} device slots, got {len(slots)}")
+        stored = frozen(slots)
+        op_id = next(self._op_ids)
+        self._pending[op_id] = _PendingOp("load", chain)
+        host_parts = []
+        pos = 0
+        for c in chain:
+            assert c.host_value is not None
+            k = c.ntok
+            c.value = stored[pos : pos + k]
+            pos += k
+            c.pending = op_id
+            host_parts.append(c.host_value)
+            assert c.parent is not None
+            c.parent.dchildren += 1
+        self._inc(node)
+        self._refresh(n)
+        for c in chain:
+            self._refresh(c)
+        return LoadBackTicket(
+            op_id=op_id,
+            node_ids=tuple(c.id for c in chain),
+            host_slots=np.concatenate(host_parts) if len(host_parts) > 1 else host_parts[0],
+            device_slots=stored,
+        )
+
+    def commit_load_back(self, op_id: int) -> None:
+        """The H->D copy of ``op_id`` completed: the KV may be read; release its pins."""
+        self._check_owner()
+        op = self._pop_op(op_id, "load")
+        for f in op.fragments:
+            f.pending = 0
+            self._emit_stored(f, Medium.GPU)
+        self._dec(op.fragments[-1])
+        for f in op.fragments:
+            self._refresh(f)
+
+    def abort_load_back(self, op_id: int) -> list[np.ndarray]:
+        """The H->D copy of ``op_id`` failed: the nodes go back to host only.
+
+        Returns the device slots to free. Nothing can have built on the nodes meanwhile: while
+        a load is in flight, matches report its nodes as host hits, inserts stop before them and
+        locks on them are refused, so every fragment goes back to host only.
+        """
+        self._check_owner()
+        op = self._pop_op(op_id, "load")
+        for f in op.fragments:
+            f.pending = 0
+        self._dec(op.fragments[-1])
+        frees: list[np.ndarray] = []
+        for f in reversed(op.fragments):
+            assert not f.dchildren and not f.lock_ref and f.value is not None
+            frees.append(self._drop_device_value(f))
+        for f in op.fragments:
+            self._refresh(f)
+        return frees
+
+    def _drop_device_value(self, n: Node) -> np.ndarray:
+        value = n.value
+        assert value is not None and n.lock_ref == 0
+        n.value = None
+        self._account(n)
+        parent = n.parent
+        assert parent is not None
+        parent.dchildren -= 1
+        self._refresh(parent)
+        return value
+
+    def drop(self, node_id: int) -> EvictResult:
+        """Delete an unlocked device leaf and its host-only subtree without a backup.
+
+        Used when a write-back copy cannot get host memory. A node that is locked, in flight,
+        has device children or pins host-locked descendants is kept (empty result).
+        """
+        self._check_owner()
+        n = self._node(node_id)
+        res = EvictResult()
+        if self._aux:
+            raise InvalidInputError("drop: hybrid trees have no write-back tier")
+        if (
+            n is self._root
+            or n.value is None
+            or n.lock_ref
+            or n.pending
+            or n.dchildren
+            or n.host_lock_ref
+        ):
+            return res
+        self._delete_subtree(n, res)
+        return res
+
+    def _demote(self, n: Node, res: EvictResult) -> None:
+        res.device_frees.append(self._drop_device_value(n))
+        res.num_evicted += n.ntok
+        self._emit_removed(n, Medium.GPU)
+        self._refresh(n)
+
+    def _delete_subtree(self, top: Node, res: EvictResult) -> None:
+        """Delete ``top`` (a device leaf) and its host-only descendants."""
+        parent = top.parent
+        assert parent is not None
+        top_on_device = top.value is not None
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for q in self._queues:
+                q.discard(n)
+            if n.value is not None:
+                self._emit_removed(n, Medium.GPU)
+                res.device_frees.append(n.value)
+                res.num_evicted += n.ntok
+                n.value = None
+                self._account(n)
+            if n.host_value is not None:
+                self._emit_removed(n, Medium.CPU_PINNED)
+                res.host_frees.append(n.host_value)
+                self._host_size -= n.ntok
+                if n is not top:
+                    res.dropped_host_tokens += n.ntok
+            if n.anchors:
+                self._move_anchors(n, parent)
+            del self._nodes[n.id]
+        self._detach(top)
+        if top_on_device:
+            parent.dchildren -= 1
+        self._refresh(parent)
+
+    def evict_host(self, num_tokens: int, *, reclaim_duplicates: bool | None = None) -> HostEvictResult:
+        """Free at least ``num_tokens`` host tokens.
+
+        Host-only leaves go first; then (or first, under write-back) host duplicates of nodes
+        still on device lose their host copy. ``reclaim_duplicates=False`` never touches
+        duplicates.
+        """
+        self._check_owner()
+        num_tokens = _check_count("num_tokens", num_tokens)
+        res = HostEvictResult()
+        use_dups = True if reclaim_duplicates is None else reclaim_duplicates
+        order = (HDUP, HLEAF) if self._write_back else (HLEAF, HDUP)
+        for slot in order:
+            if slot == HDUP and not use_dups:
+                continue
+            q = self._queues[slot]
+            while res.num_evicted < num_tokens:
+                n = q.pop()
+                if n is None:
+                    break
+                host = n.host_value
+                assert host is not None
+                self._emit_removed(n, Medium.CPU_PINNED)
+                res.host_frees.append(host)
+                res.num_evicted += n.ntok
+                self._host_size -= n.ntok
+                n.host_value = None
+                if slot == HLEAF:
+                    parent = n.parent
+                    assert parent is not None
+                    for other in self._queues:
+                        other.discard(n)
+                    self._detach(n)
+                    if n.anchors:
+                        self._move_anchors(n, parent)
+                    del self._nodes[n.id]
+                    self._refresh(parent)
+                else:
+                    self._refresh(n)
+        return res

@@ -1,0 +1,180 @@
+"""Pools of the hybrid-model components: the SWA slot map and the Mamba state pool.
+
+* :class:`SWASlotMap` pairs a FULL page allocator with a (usually smaller) SWA page allocator.
+  A request's tokens get a FULL slot and an SWA slot together; ``full_to_swa`` says where a FULL
+  slot's sliding-window KV lives (what the attention kernel and the tree's ``swa_value`` need).
+  SWA slots can be freed on their own (out of the window, or an SWA tombstone in the tree);
+  the map forgets them, and the FULL side is freed later with :meth:`SWASlotMap.free_full`.
+* :class:`MambaStatePool`: one real tensor of recurrent states with a one-slot-per-page
+  allocator, and the copy-on-write copy a match asks for.
+
+:meth:`SWASlotMap.apply_tree_frees` applies what the tree returns (its ``device_frees``,
+``component_frees["swa"]`` and ``swa_adopted``) in the one safe order. Not thread-safe: the
+cache's event loop is the only caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynccache.errors import ConfigError, DoubleFreeError, InvalidInputError
+from transfers.allocator import PageAllocator, positive_int
+from transfers.indices import as_slot_array
+
+
+class SWASlotMap:
+    """FULL and SWA slots allocated together, with the FULL -> SWA translation."""
+
+    def __init__(self, full: PageAllocator, swa: PageAllocator) -> None:
+        if full.page_size != swa.page_size:
+            raise ConfigError(
+                f"FULL page_size {full.page_size} != SWA page_size {swa.page_size}"
+            )
+        self.full = full
+        self.swa = swa
+        self.full_to_swa = np.full(full.total_size, -1, dtype=np.int64)
+        self.swa_to_full = np.full(swa.total_size, -1, dtype=np.int64)
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """``num_tokens`` FULL slots, each paired with a fresh SWA slot; None (nothing taken)
+        when either pool is short."""
+        full = self.full.alloc(num_tokens)
+        if full is None:
+            return None
+        swa = self.swa.alloc(num_tokens)
+        if swa is None:
+            self.full.free(full)
+            return None
+        self.full_to_swa[full] = swa
+        self.swa_to_full[swa] = full
+        return full
+
+    def translate(self, full_slots: Any) -> np.ndarray:
+        """The SWA slots of ``full_slots``; every one must still have its SWA side."""
+        full = as_slot_array(full_slots, name="full_slots")
+        if full.shape[0] and (int(full.min()) < 0 or int(full.max()) >= len(self.full_to_swa)):
+            raise InvalidInputError(f"a FULL slot of {full.tolist()[:8]} is out of range")
+        swa: np.ndarray = self.full_to_swa[full]
+        if swa.shape[0] and int(swa.min()) < 0:
+            bad = int(full[int(np.argmin(swa))])
+            raise InvalidInputError(f"FULL slot {bad} has no SWA slot (freed or never paired)")
+        return swa
+
+    def free_swa(self, swa_slots: Any) -> None:
+        """Free SWA slots on their own; their FULL slots stay allocated, unpaired."""
+        swa = as_slot_array(swa_slots, name="swa_slots")
+        if not swa.shape[0]:
+            return
+        self.swa.free(swa)  # atomic: raises before anything changes
+        full = self.swa_to_full[swa]
+        paired = full[full >= 0]
+        self.full_to_swa[paired] = -1
+        self.swa_to_full[swa] = -1
+
+    def free_full(self, full_slots: Any) -> None:
+        """Free FULL slots with whatever SWA side they still have (the combined free)."""
+        full = as_slot_array(full_slots, name="full_slots")
+        if not full.shape[0]:
+            return
+        swa = self.full_to_swa[full]
+        self.full.free(full)  # atomic: raises before anything changes
+        paired = swa[swa >= 0]
+        if paired.shape[0]:
+            self.swa.free(paired)
+            self.swa_to_full[paired] = -1
+        self.full_to_swa[full] = -1
+
+    def adopt(self, full_slots: Any, swa_slots: Any) -> None:
+        """Pair ``full_slots`` with ``swa_slots`` (allocated SWA slots that were paired with
+        other FULL slots, or with none): the tree recovered an SWA tombstone from a caller's
+        slots. The FULL slots must have no SWA side."""
+        full = as_slot_array(full_slots, name="full_slots")
+        swa = as_slot_array(swa_slots, name="swa_slots")
+        if full.shape != swa.shape:
+            raise InvalidInputError(f"{full.shape[0]} FULL slots but {swa.shape[0]} SWA slots")
+        if full.shape[0] and int(self.full_to_swa[full].max()) >= 0:
+            raise InvalidInputError("adopt: a FULL slot already has an SWA side")
+        old = self.swa_to_full[swa]
+        self.full_to_swa[old[old >= 0]] = -1
+        self.full_to_swa[full] = swa
+        self.swa_to_full[swa] = full
+
+    def apply_tree_frees(
+        self,
+        device_frees: Iterable[np.ndarray],
+        swa_frees: Iterable[np.ndarray],
+        swa_adopted: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    ) -> None:
+        """Apply a tree result: re-pair adopted SWA slots, free the SWA slots the tree gave up,
+        then the FULL slots (with any SWA side still paired: a FULL slot whose SWA slot the tree
+        reported separately is unpaired by then, so nothing is freed twice)."""
+        for full, swa in swa_adopted:
+            self.adopt(full, swa)
+        for swa in swa_frees:
+            self.free_swa(swa)
+        for full in device_frees:
+            self.free_full(full)
+
+    def check(self) -> None:
+        """The two maps mirror each other and only name allocated slots."""
+        full = np.flatnonzero(self.full_to_swa >= 0)
+        swa = self.full_to_swa[full]
+        if not np.array_equal(self.swa_to_full[swa], full):
+            raise AssertionError("full_to_swa and swa_to_full disagree")
+        if int((self.swa_to_full >= 0).sum()) != len(full):
+            raise AssertionError("swa_to_full names SWA slots full_to_swa does not")
+
+
+class MambaStatePool:
+    """``num_states`` recurrent states of ``state_shape`` in one tensor, one slot per state."""
+
+    def __init__(
+        self,
+        num_states: int,
+        state_shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        num_states = positive_int(num_states, "num_states")
+        shape = tuple(positive_int(d, "state_shape") for d in state_shape)
+        self.allocator = PageAllocator(num_states, 1)
+        self.states = torch.zeros((num_states, *shape), dtype=dtype, device=device)
+
+    @property
+    def available_size(self) -> int:
+        return self.allocator.available_size
+
+    @property
+    def used_size(self) -> int:
+        return self.allocator.used_size
+
+    def alloc(self, num: int) -> np.ndarray | None:
+        got: np.ndarray | None = self.allocator.alloc(num)
+        return got
+
+    def free(self, slots: Any) -> None:
+        self.allocator.free(slots)
+
+    def _allocated(self, slot: int, what: str) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
+            raise InvalidInputError(f"{what} must be an int slot, got {slot!r}")
+        if not 0 <= slot < self.allocator.total_size:
+            raise InvalidInputError(f"{what} {slot} out of range [0, {self.allocator.total_size})")
+        if not self.allocator._allocated[int(slot)]:
+            raise DoubleFreeError(f"{what} {slot} is not allocated")
+        return int(slot)
+
+    def copy_on_write(self, src: int) -> int | None:
+        """A fresh slot holding a copy of state ``src`` (None when the pool is full): the
+        request's private state after a match returned ``mamba_cow_slot``."""
+        s = self._allocated(src, "source state")
+        got = self.alloc(1)
+        if got is None:
+            return None
+        dst = int(got[0])
+        self.states[dst].copy_(self.states[s])
+        return dst
