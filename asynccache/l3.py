@@ -232,7 +232,9 @@ class StorageTier:
         if agree is not None:
             await agree.until(lambda: agree.lane_empty("storage"))
         elif self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+            # Shielded: cancelling the waiter must not cancel the writes (their pages would be
+            # lost while their host pins are released).
+            await asyncio.shield(asyncio.gather(*list(self._writes), return_exceptions=True))
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
     def start_prefetch(self, key: RadixKey, match: MatchResult) -> PrefetchOp | None:

@@ -232,3 +232,25 @@ async def test_closing_while_a_prefetch_request_waits(kit, make_cache, make_file
         assert (r.device, r.fetched, r.loaded) == (0, 0, 0)
         r = await kit.serve(c, s)
         assert (r.device, r.fetched, r.loaded) == (64, 0, 0)
+
+
+async def test_cancelled_drain_does_not_cancel_the_writes(kit, make_cache, make_file_backend) -> None:
+    """A waiter of ``storage.drain()`` that is cancelled leaves the writes running: every page
+    still lands in storage (found by the behaviour review of the buffer-only mode)."""
+    c = await make_cache()
+    slow = await make_file_backend(c, [FaultRule(FaultKind.DELAY, ops=frozenset({"write"}),
+                                                 delay_s=0.05)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=4))
+    s = kit.tokens(7, 32)
+    req = c.admit(s)
+    await kit.compute_rest(c, req)
+    c.cache_finished_req(req)
+    await asyncio.wait_for(c.flush(), kit.TIMEOUT)  # the D->H copy commits: the writes start
+    waiter = asyncio.ensure_future(c.storage.drain())
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(c.storage.drain(), kit.TIMEOUT)
+    assert all(kit.object_path(slow.inner, k).exists() for k in kit.page_keys(s))
+    kit.assert_at_rest(c)
