@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError
 from asynccache.retraction import RetractedKV
 from asynccache.sessions import SessionTracker, StreamingSession
 from asynccache.tree import LockReceipt, MatchResult, RadixKey, as_key
@@ -46,6 +46,8 @@ class CacheRequest:
     session_id: str | None = None
     session_generation: int | None = None
     retracted: RetractedKV | None = None  # KV parked in host memory by HierarchicalCache.retract
+    mamba_state: int | None = None  # hybrid: the request's own Mamba state slot
+    swa_evicted: int = 0  # hybrid: SWA slots of tokens below this were freed (out of window)
 
     @property
     def computed(self) -> int:
@@ -102,18 +104,30 @@ class RequestsMixin:
                 raise ConfigError("session_id needs CacheConfig(enable_sessions=True)")
             gen = self.sessions.ensure(session_id)
         key = as_key(tokens)
-        m = self.match_prefix(key)
+        mamba = self.hybrid is not None and self.hybrid.mamba_pool is not None
+        m = self.match_prefix(key, cow_mamba=True) if mamba else self.match_prefix(key)
         if rid is None:
             self._next_rid += 1
             rid = f"req-{self._next_rid}"
         receipt = None if self.config.disable else self.tree.lock(m.last_device_node)
         host = self.tree.lock_host(m.best_node) if m.host_hit_length else None
+        state = None
+        if mamba:  # the request's own state: a copy of the matched one, or a fresh one
+            cow = m.mamba_cow_slot
+            state = self.mamba_copy_on_write(cow) if cow is not None else self.alloc_mamba_state()
+            if state is None:
+                if receipt is not None:
+                    self.tree.unlock(receipt)
+                raise PoolExhaustedError(
+                    f"request {rid}: no Mamba state slot is free (all {self.config.mamba_states} "
+                    f"are held by requests or locked nodes)"
+                )
         return CacheRequest(
             rid=rid, key=key, slots=m.device_indices, prefix_len=m.device_prefix_len,
             last_node=m.last_device_node, best_node=m.best_node,
             host_hit_length=m.host_hit_length, receipt=receipt, host_receipt=host,
             pending_loads=m.pending_loads, priority=priority, session_id=session_id,
-            session_generation=gen,
+            session_generation=gen, mamba_state=state,
         )
 
     def _rematch(self: HierarchicalCache, req: CacheRequest) -> None:
@@ -213,6 +227,9 @@ class RequestsMixin:
         if self.config.disable or req.computed == req.prefix_len:
             return
         key = req.key[: req.computed]
+        if self.hybrid is not None:
+            self._cache_unfinished_hybrid(req, key)
+            return
         res = self.insert(key, req.slots, prev_prefix_len=req.prefix_len,
                           inserted_len=req.inserted_len, priority=req.priority)
         cached = res.cached_len
@@ -228,6 +245,48 @@ class RequestsMixin:
         req.inserted_len = cached
         req.last_node = res.last_node
 
+    def _cache_unfinished_hybrid(self: HierarchicalCache, req: CacheRequest, key: RadixKey) -> None:
+        """Hybrid ``cache_unfinished_req``: a checkpoint copy of the request's Mamba state goes
+        to the tree when the cached length is the computed length; the request keeps its own."""
+        hy = self.hybrid
+        assert hy is not None
+        checkpoint = None
+        if req.mamba_state is not None and req.computed % self.page_size == 0:
+            checkpoint = hy.copy_on_write(req.mamba_state)  # None when the pool is full: skip
+        res = self.insert(key, req.slots, prev_prefix_len=req.prefix_len,
+                          inserted_len=req.inserted_len, priority=req.priority,
+                          swa_evicted_seqlen=min(req.swa_evicted, req.computed),
+                          mamba_value=checkpoint)
+        cached = res.cached_len
+        tree_slots = self.tree.tail_slots(res.last_node, cached) if cached else EMPTY_SLOTS
+        assert tree_slots is not None and len(tree_slots) == cached
+        req.slots = np.concatenate([tree_slots, req.slots[cached:]])
+        # The request keeps its own state: no need to pin the tree's.
+        receipt = self.tree.lock(res.last_node, skip=("mamba",) if hy.mamba_pool else ())
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)
+        req.receipt = receipt
+        req.prefix_len = req.inserted_len = cached
+        req.last_node = res.last_node
+
+    def release_swa_window(self: HierarchicalCache, req: CacheRequest) -> int:
+        """Hybrid: free the SWA slots of ``req``'s own tokens that slid out of the window,
+        keeping a cushion of window + one page; returns how many were freed."""
+        self._check_open()
+        hy = self._hybrid_slots()
+        window = self.config.sliding_window
+        if not window:
+            raise InvalidInputError("release_swa_window: the cache has no SWA component")
+        ps = self.page_size
+        upto = (req.computed - window - ps) // ps * ps
+        start = max(req.swa_evicted, req.prefix_len)
+        if upto <= start:
+            return 0
+        assert hy.swa_map is not None
+        hy.free_swa(hy.swa_map.translate(req.slots[start:upto]))
+        req.swa_evicted = upto
+        return upto - start
+
     def cache_finished_req(self: HierarchicalCache, req: CacheRequest, *, insert: bool = True) -> None:
         """Cache ``req``'s KV (unless ``insert=False``, e.g. on abort), free the rest, unlock."""
         self._check_open()
@@ -236,12 +295,20 @@ class RequestsMixin:
         self.discard_retracted(req)
         own_from = req.prefix_len
         if insert and not self.config.disable and req.computed > 0:
+            extra: dict[str, Any] = {}
+            if self.hybrid is not None:
+                extra["swa_evicted_seqlen"] = min(req.swa_evicted, req.computed)
+                if req.mamba_state is not None and req.computed % self.page_size == 0:
+                    extra["mamba_value"], req.mamba_state = req.mamba_state, None  # to the tree
             res = self.insert(req.key[: req.computed], req.slots, prev_prefix_len=req.prefix_len,
-                              inserted_len=req.inserted_len, priority=req.priority)
+                              inserted_len=req.inserted_len, priority=req.priority, **extra)
             own_from = max(own_from, res.cached_len)
             if req.session_id is not None and self.sessions is not None:
                 self.sessions.register(req.session_id, req.session_generation, res.last_node)
         self.free_device(np.concatenate([req.slots[own_from:], req.spare]))
+        if req.mamba_state is not None:
+            self.free_mamba_state(req.mamba_state)
+            req.mamba_state = None
         self._release_pins(req)
         if self._buffer is not None:
             self._buffer.release_request(req)
