@@ -22,6 +22,7 @@ import torch
 from asynccache.errors import ConfigError, PoolExhaustedError
 from asynccache.l3 import BATCH_PAGES, PREFETCH_POLICIES
 from asynccache.logs import get_logger
+from asynccache.tasks import stop_and_wait
 from asynccache.tree import LockReceipt, RadixKey
 from transfers.handles import CopyHandle
 from transfers.pools import HostPool
@@ -251,16 +252,7 @@ class StagedReads:
         op.finished = True
         task = op.task
         assert task is not None
-        if not task.done():
-            task.cancel()
-        cancelled = False
-        while not task.done():
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError:
-                cancelled = True
-        if not task.cancelled() and task.exception() is not None:
-            _log.warning("buffer_prefetch_failed", error=repr(task.exception()))
+        cancelled = await stop_and_wait(task, "buffer_prefetch_failed")
         self._fetches.discard(op)
         done = op.completed_tokens if req is not None and not cancelled and not req.finished \
             and not self.closed else 0

@@ -24,6 +24,7 @@ import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.logs import get_logger
+from asynccache.tasks import stop_and_wait
 from asynccache.tree import LockReceipt, MatchResult, RadixKey
 
 if TYPE_CHECKING:
@@ -376,18 +377,9 @@ class StorageTier:
         cache = self.cache
         task = op.task
         assert task is not None
-        if not task.done():
-            task.cancel()
         # The backend never touches our buffers once its call returned or was cancelled. If our
         # caller is cancelled meanwhile, finish the release first, then let the cancel through.
-        cancelled = False
-        while not task.done():
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError:
-                cancelled = True
-        if not task.cancelled() and task.exception() is not None:
-            _log.warning("prefetch_failed", error=repr(task.exception()))
+        cancelled = await stop_and_wait(task, "prefetch_failed")
         self._prefetches.discard(op)
         if op in self._agreeing:
             self._agreeing.remove(op)
