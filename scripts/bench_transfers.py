@@ -283,11 +283,23 @@ class _StrategyBuffers:
             torch.index_select(src, 2, s_t, out=stage)
             dst.index_copy_(2, d_t, stage)
 
+        order = np.argsort(dp, kind="stable")
+        d_sorted, s_sorted = dp[order], sp[order]
+        cuts = np.flatnonzero(np.diff(d_sorted) != 1) + 1
+        dst_runs = [
+            (int(d[0]), len(d), torch.from_numpy(s.copy()))
+            for d, s in zip(np.split(d_sorted, cuts), np.split(s_sorted, cuts), strict=True)
+        ]
+
+        def index_select_into_runs() -> None:
+            for d0, k, idx in dst_runs:
+                torch.index_select(src, 2, idx, out=dst.narrow(2, d0, k))
+
         fns: dict[str, Callable[[], Any]] = {
             "torch_per_page_copy": per_page,
             "torch_staging_gather_then_index_copy": staged,
-            "torch_index_select_into_runs": lambda: plan._execute_torch(src, dst, 2),
-            "numpy_pages_chosen": lambda: plan.execute(src, dst, 2),
+            "torch_index_select_into_runs": index_select_into_runs,
+            "numpy_segments_chosen": lambda: plan.execute(src, dst, 2),
             "one_thread_memcpy": lambda: np.copyto(self.flat_d.numpy(), self.flat_s.numpy()),
         }
         best = dict.fromkeys(fns, 1e9)
@@ -297,7 +309,7 @@ class _StrategyBuffers:
                 best[name] = min(best[name], worker.submit(_timed, fn).result())
             main_copy = min(main_copy, _timed(lambda: self.flat_d.copy_(self.flat_s)))
         base = self.nbytes / main_copy / 1e9
-        row: dict[str, Any] = {"runs": len(plan.runs), "main_thread_copy_GBps": round(base, 2)}
+        row: dict[str, Any] = {"segments": len(plan.segments), "main_thread_copy_GBps": round(base, 2)}
         for name, t in best.items():
             gbps = self.nbytes / t / 1e9
             row[name] = {"GBps": round(gbps, 2), "ratio": round(gbps / base, 3)}
