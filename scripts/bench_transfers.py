@@ -48,6 +48,16 @@ TARGET_RATIO = 0.8
 TARGET_PAGE_BYTES = 256 << 10
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: CUDA is not available")
+    return device
+
+
 def best_of(fn: Callable[[], Any], reps: int) -> float:
     fn()  # warm-up
     times = []
@@ -71,10 +81,10 @@ class Baseline:
     worker thread -- the ceiling for one dedicated copy thread.
     """
 
-    def __init__(self, max_bytes: int, cuda: bool) -> None:
-        self.cuda = cuda
+    def __init__(self, max_bytes: int, device: torch.device) -> None:
+        self.cuda = cuda = device.type == "cuda"
         self.host = torch.ones(max_bytes, dtype=torch.uint8, pin_memory=cuda)
-        self.other = torch.zeros(max_bytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+        self.other = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
         self.host_np = self.host.numpy()
         self.other_np = None if cuda else self.other.numpy()
 
@@ -138,14 +148,15 @@ async def measure_case(
 
 
 async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cuda = torch.cuda.is_available()
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
     quick = args.quick
     models = ["qwen2.5-0.5b", "llama3-8b"] if quick else ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
     page_sizes = [16, 256] if quick else [16, 32, 64, 128, 256]
     patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
     layouts = ["layer_first", "page_first"]
     batch_bytes = (32 << 20) if quick else (48 << 20)
-    reps = 3
+    reps = args.reps if args.reps else (3 if quick else 5)
     rng = np.random.default_rng(0)
     max_batch = max(
         max(4, batch_bytes // KVShape(*MODELS[m]).bytes_per_page(ps))
@@ -153,7 +164,7 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
         for m in models
         for ps in page_sizes
     )
-    base = Baseline(max_batch, cuda)
+    base = Baseline(max_batch, device)
     helper = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="bench-one-thread")
     cases: list[dict[str, Any]] = []
     try:
@@ -163,7 +174,7 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                 page_bytes = shape.bytes_per_page(ps)
                 n = max(4, batch_bytes // page_bytes)
                 pool_pages = 3 * n
-                dev = DevicePool(shape, pool_pages * ps, ps)
+                dev = DevicePool(shape, pool_pages * ps, ps, device=device)
                 for layout in layouts:
                     host = HostPool(shape, pool_pages * ps, ps, layout=layout)  # type: ignore[arg-type]
                     async with CopyEngine(dev, host) as engine:
@@ -328,7 +339,14 @@ def main() -> None:
     parser.add_argument(
         "--strategies", action="store_true", help="also compare CPU copy strategies"
     )
+    parser.add_argument(
+        "--reps", type=int, default=0, help="timed copies per case, best taken (3 quick, 5 full)"
+    )
+    parser.add_argument(
+        "--device", default="auto", help="device pool: auto (CUDA if available), cpu, cuda[:N]"
+    )
     args = parser.parse_args()
+    cuda = resolve_device(args.device).type == "cuda"
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
     cases = asyncio.run(bench_cases(args))
@@ -339,12 +357,13 @@ def main() -> None:
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(),
+            "device": str(resolve_device(args.device)),
             "python": platform.python_version(),
         },
         "quick": args.quick,
         "loadavg_1m_at_start": round(load, 2),
         "baseline": "pinned host<->device copy_"
-        if torch.cuda.is_available()
+        if cuda
         else (
             "contiguous CPU copy_ (default intra-op threads, main thread); "
             "one_thread = single-threaded memcpy on a worker thread"
@@ -352,7 +371,7 @@ def main() -> None:
         "summary": summarize(cases),
         "cases": cases,
     }
-    if args.strategies and not torch.cuda.is_available():
+    if args.strategies and not cuda:
         result["strategies"] = bench_strategies(args.quick)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=1))
