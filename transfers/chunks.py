@@ -61,15 +61,17 @@ def whole_chunks(
 
 
 def layer_chunks(
-    n: int, num_layers: int, layer_page_bytes: int, *, group_bytes: int, parallel_bytes: int,
-    chunk_bytes: int, max_chunks: int,
+    n: int, num_layers: int, layer_page_bytes: int, *, group_bytes: int, max_groups: int,
+    parallel_bytes: int, chunk_bytes: int, max_chunks: int,
 ) -> list[Chunk]:
-    """Chunks of a layer-wise copy: layers in groups of at least ``group_bytes`` (one hand-off
-    to the loop per group), each group cut like a whole copy."""
+    """Chunks of a layer-wise copy: layers in groups of at least ``group_bytes`` and at most
+    ``max_groups`` groups (one hand-off to the loop per group), each group cut like a whole
+    copy."""
     if n == 0:
         return []
     per_layer = n * layer_page_bytes
-    g = max(1, min(num_layers, -(-group_bytes // per_layer)))
+    g = max(1, -(-group_bytes // per_layer), -(-num_layers // max_groups))
+    g = min(num_layers, g)
     out: list[Chunk] = []
     for a in range(0, num_layers, g):
         b = min(num_layers, a + g)

@@ -164,10 +164,11 @@ PARALLEL_BYTES = 1 << 20
 # group) that the two threads take in order: a late helper costs at most one chunk.
 CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
-# A layer-wise load completes layers in groups of at least this many bytes: one hand-off to
-# the loop per group instead of one per layer (each wakes the loop, which competes with the
-# copy threads for the cores).
+# A layer-wise load completes layers in groups of at least this many bytes, and in at most
+# MAX_LAYER_GROUPS groups: one hand-off to the loop per group instead of one per layer (each
+# wakes the loop, which competes with the copy threads for the cores).
 LAYER_GROUP_BYTES = 2 << 20
+MAX_LAYER_GROUPS = 4
 
 
 class DirectWorker(_WorkerBase):
@@ -219,7 +220,8 @@ class DirectWorker(_WorkerBase):
               "max_chunks": MAX_CHUNKS}
         if layerwise:
             return layer_chunks(n, self.num_layers, self._layer_page_bytes,
-                                group_bytes=LAYER_GROUP_BYTES, **kw)
+                                group_bytes=LAYER_GROUP_BYTES, max_groups=MAX_LAYER_GROUPS,
+                                **kw)
         return whole_chunks(n, self.num_layers, self._layer_page_bytes, **kw)
 
     def _copy(self, job: Job) -> None:

@@ -31,14 +31,18 @@ def test_whole_chunks_share_only_large_copies() -> None:
 
 def test_layer_chunks_group_small_layers_and_cut_large_groups() -> None:
     # a layer of 3 pages x 10 bytes = 30 bytes; groups of >= 70 bytes -> 3 layers per group
-    assert layer_chunks(3, 7, 10, group_bytes=70, **KW) == [
+    assert layer_chunks(3, 7, 10, group_bytes=70, max_groups=8, **KW) == [
         (0, 3, 0, 3), (3, 6, 0, 3), (6, 7, 0, 3)
     ]
+    # at most 2 groups: 4 + 3 layers though one layer would do; the 120-byte group is shared
+    assert layer_chunks(3, 7, 10, group_bytes=1, max_groups=2, **KW) == [
+        (0, 4, 0, 1), (0, 4, 1, 2), (0, 4, 2, 3), (4, 7, 0, 3)
+    ]
     # one layer of 10 pages x 12 bytes = 120 bytes per group: shared, cut in 3
-    assert layer_chunks(10, 2, 12, group_bytes=1, **KW) == [
+    assert layer_chunks(10, 2, 12, group_bytes=1, max_groups=8, **KW) == [
         (0, 1, 0, 3), (0, 1, 3, 6), (0, 1, 6, 10), (1, 2, 0, 3), (1, 2, 3, 6), (1, 2, 6, 10)
     ]
-    assert layer_chunks(0, 2, 12, group_bytes=1, **KW) == []
+    assert layer_chunks(0, 2, 12, group_bytes=1, max_groups=8, **KW) == []
 
 
 def test_shared_chunks_run_each_chunk_once_and_report_a_done_prefix() -> None:

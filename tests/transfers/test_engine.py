@@ -71,7 +71,7 @@ def shared_chunks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from transfers.plan import CopyPlan
 
     for name, value in (("PARALLEL_BYTES", 1), ("CHUNK_BYTES", 1), ("MAX_CHUNKS", 5),
-                        ("LAYER_GROUP_BYTES", 1)):
+                        ("LAYER_GROUP_BYTES", 1), ("MAX_LAYER_GROUPS", 64)):
         monkeypatch.setattr(workers, name, value)
     real = CopyPlan.copy_part
     helper_copied = threading.Event()
@@ -367,6 +367,7 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
         from transfers.plan import CopyPlan
 
         monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)
+        monkeypatch.setattr(workers, "MAX_LAYER_GROUPS", 64)
         real_part = CopyPlan.copy_part
 
         def flaky_part(self: CopyPlan, src: Any, dst: Any, layers: slice, lo: int, hi: int) -> None:
