@@ -202,9 +202,16 @@ async def _check_layer_order(mode: str) -> None:
             handle.layer(layers)
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_copies_complete_in_submission_order(mode: str) -> None:
+@pytest.mark.parametrize("mode", [*MODES, "direct-shared"])
+async def test_copies_complete_in_submission_order(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    if mode == "direct-shared":  # every copy cut into chunks that two threads share
+        request.getfixturevalue("shared_chunks")
+        mode = "direct"
     dev, host = _pools(seed=5)
+    # the copies overlap, so the final bytes are right only if they ran in submission order
+    model = {"dev": dev.page_view().clone(), "host": host.page_view().clone()}
     order: list[int] = []
     results: list[CopyResult] = []
     async with CopyEngine(dev, host, mode=mode, on_complete=results.append) as engine:  # type: ignore[arg-type]
@@ -214,10 +221,13 @@ async def test_copies_complete_in_submission_order(mode: str) -> None:
             hpages = np.array([i % 40, (i + 13) % 40])
             if i % 3 == 0:
                 h: Any = engine.submit_d2h(_slots(pages), _slots(hpages))
+                model["host"][:, :, hpages] = model["dev"][:, :, pages]
             elif i % 3 == 1:
                 h = engine.submit_h2d(_slots(hpages), _slots(pages))
+                model["dev"][:, :, pages] = model["host"][:, :, hpages]
             else:
                 h = engine.submit_h2d_layerwise(_slots(hpages), _slots(pages))
+                model["dev"][:, :, pages] = model["host"][:, :, hpages]
             h.add_done_callback(lambda _h, i=i: order.append(i))
             handles.append(h)
         assert engine.in_flight == 40
@@ -236,6 +246,7 @@ async def test_copies_complete_in_submission_order(mode: str) -> None:
         ) == (14, 13, 13)
         assert engine.stats["d2h"].bytes == 14 * per_copy
         assert engine.stats["h2d_layerwise"].tokens == 13 * 2 * PAGE
+        assert _same(dev.page_view(), model["dev"]) and _same(host.page_view(), model["host"])
 
 
 @pytest.fixture
