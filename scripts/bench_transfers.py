@@ -231,6 +231,8 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
             "median_ratio": round(statistics.median(c["ratio"] for c in big), 3),
             "worst_case": {k: worst[k] for k in ("model", "page_size", "layout", "op")},
             "meets_target": worst["ratio"] >= TARGET_RATIO,
+            "cases_below_target": sum(c["ratio"] < TARGET_RATIO for c in big),
+            "cases": len(big),
         }
         if all("ratio_one_thread" in c for c in big):
             entry["median_ratio_one_thread"] = round(
