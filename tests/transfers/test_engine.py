@@ -401,6 +401,15 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_aclose_waits_for_in_flight_copies_and_stops_threads(mode: str) -> None:
+    await _check_aclose(mode)
+
+
+async def test_aclose_with_copies_shared_by_two_threads(shared_chunks: list[str]) -> None:
+    await _check_aclose("direct")
+    assert {n.rsplit("-", 1)[1] for n in shared_chunks} == {"worker", "helper"}
+
+
+async def _check_aclose(mode: str) -> None:
     dev, host = _pools(seed=19)
     engine = CopyEngine(dev, host, mode=mode, name="asynccache-copy-close")  # type: ignore[arg-type]
     with pytest.raises(ClosedError, match="call start"):
