@@ -68,6 +68,12 @@ def best_of(fn: Callable[[], Any], reps: int) -> float:
     return min(times)
 
 
+def settle() -> None:
+    """Wait out torch's OpenMP threads, which spin for ~3-5 ms after a parallel ``copy_`` here
+    (a copy timed inside that window shares the cores with a spinning thread). Not timed."""
+    time.sleep(0.01)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -141,6 +147,7 @@ async def measure_case(
         await submit(src, dst)
         best["engine"] = min(best["engine"], time.perf_counter() - t)
         best["copy_"] = min(best["copy_"], base.copy_time(nbytes, op))
+        settle()  # the engine's next copy must not share the cores with spinning OpenMP threads
         if helper is not None:
             dt = await loop.run_in_executor(helper, base.one_thread_copy, nbytes)
             best["one_thread"] = min(best["one_thread"], dt)
@@ -321,6 +328,7 @@ class _StrategyBuffers:
             for name, fn in fns.items():
                 best[name] = min(best[name], worker.submit(_timed, fn).result())
             main_copy = min(main_copy, _timed(lambda: self.flat_d.copy_(self.flat_s)))
+            settle()
         base = self.nbytes / main_copy / 1e9
         row: dict[str, Any] = {"segments": len(plan.segments), "main_thread_copy_GBps": round(base, 2)}
         for name, t in best.items():
