@@ -7,7 +7,8 @@
   *issuer* thread gathers host pages into pinned staging, enqueues DMA + device gather/scatter
   on a dedicated copy stream behind the job's fence on the compute stream and records an event
   per batch / per layer; a *completer* thread synchronises those events in submission order,
-  finishes device -> host copies (staging -> host pages) and posts completions.
+  finishes device -> host copies (staging -> host pages) and posts completions. Large CPU
+  gathers / scatters are shared with a helper thread, as in the direct worker.
 
 Both post completions through the :class:`LoopBridge` (one thread hop per burst) and retire
 jobs in submission order. A failing job fails its own futures with :class:`TransferError`;
@@ -33,7 +34,7 @@ from asynccache.logs import get_logger
 from transfers.bridge import Completion, LoopBridge
 from transfers.chunks import Chunk, SharedChunks, layer_chunks, whole_chunks
 from transfers.handles import CopyResult
-from transfers.plan import as_numpy_bytes, identity_pages, make_plan
+from transfers.plan import CopyPlan, as_numpy_bytes, identity_pages, make_plan
 from transfers.pools import DevicePool, HostPool
 
 _log = get_logger("transfers.workers")
@@ -109,6 +110,45 @@ class _WorkerBase:
         for t in self.threads:
             t.start()
 
+    # ---------------------------------------------------------------- the helper thread
+    def _helper_thread(self) -> threading.Thread:
+        self._half: queue.SimpleQueue[SharedChunks | None] = queue.SimpleQueue()
+        return threading.Thread(target=self._run_helper, name=f"{self.name}-helper", daemon=True)
+
+    def _run_helper(self) -> None:
+        while True:
+            shared = self._half.get()
+            if shared is None:
+                return
+            if shared.enter():
+                try:
+                    shared.work()
+                finally:
+                    shared.leave()
+
+    def _stop_helper(self) -> None:
+        self._half.put(None)
+
+    def _copy_shared(self, plan: CopyPlan, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy ``plan`` between ``(L, 2, P, R)`` numpy byte views, all their layers, sharing
+        the chunks of a large copy with the helper thread."""
+        layers = int(src.shape[0])
+        layer_page_bytes = int(src.shape[1]) * int(src.shape[3])
+        chunks = whole_chunks(plan.num_pages, layers, layer_page_bytes,
+                              parallel_bytes=PARALLEL_BYTES, chunk_bytes=CHUNK_BYTES,
+                              max_chunks=MAX_CHUNKS)
+
+        def run(c: Chunk) -> None:
+            plan.copy_part(src, dst, slice(c[0], c[1]), c[2], c[3])
+
+        shared = SharedChunks(chunks, run)
+        if len(chunks) > 1:
+            self._half.put(shared)
+        shared.work()
+        shared.close()
+        if shared.error is not None:
+            raise shared.error
+
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
@@ -181,13 +221,12 @@ class DirectWorker(_WorkerBase):
 
     def __init__(self, device: DevicePool, host: HostPool, bridge: LoopBridge, name: str) -> None:
         super().__init__(device, host, bridge, name)
-        self._half: queue.SimpleQueue[SharedChunks | None] = queue.SimpleQueue()
         self._dev_np = as_numpy_bytes(device.page_view())
         self._host_np = as_numpy_bytes(host.page_view())
         self._layer_page_bytes = device.page_bytes // self.num_layers
         self.threads = [
             threading.Thread(target=self._run, name=f"{name}-worker", daemon=True),
-            threading.Thread(target=self._run_helper, name=f"{name}-helper", daemon=True),
+            self._helper_thread(),
         ]
 
     def _run(self) -> None:
@@ -202,18 +241,7 @@ class DirectWorker(_WorkerBase):
                 except BaseException as exc:  # never let the worker die with jobs queued
                     self._fail(item, exc)
         finally:
-            self._half.put(None)  # stop the helper
-
-    def _run_helper(self) -> None:
-        while True:
-            shared = self._half.get()
-            if shared is None:
-                return
-            if shared.enter():
-                try:
-                    shared.work()
-                finally:
-                    shared.leave()
+            self._stop_helper()
 
     def _chunks(self, n: int, layerwise: bool) -> list[Chunk]:
         kw = {"parallel_bytes": PARALLEL_BYTES, "chunk_bytes": CHUNK_BYTES,
@@ -273,9 +301,11 @@ class StagedWorker(_WorkerBase):
             torch.cuda.Stream(device=device.device) if self.cuda else None  # type: ignore[no-untyped-call]
         )
         self.issued: queue.SimpleQueue[_Issued | _Stop] = queue.SimpleQueue()
+        self._host_np = as_numpy_bytes(host.page_view())
         self.threads = [
             threading.Thread(target=self._issue_loop, name=f"{name}-issuer", daemon=True),
             threading.Thread(target=self._complete_loop, name=f"{name}-completer", daemon=True),
+            self._helper_thread(),  # shares large staging gathers / scatters (CPU memcpy)
         ]
 
     # ---------------------------------------------------------------- CUDA helpers
@@ -341,7 +371,8 @@ class StagedWorker(_WorkerBase):
                 _Issued(
                     job,
                     event,
-                    finish=lambda: to_host.execute(hstage, host.page_view(), 2),
+                    finish=lambda: self._copy_shared(to_host, as_numpy_bytes(hstage),
+                                                     self._host_np),
                     keep=(gstage, hstage, src_idx),
                 )
             )
@@ -353,7 +384,7 @@ class StagedWorker(_WorkerBase):
             dst_idx = self._to_device(job.dst_pages)
         if job.op == "h2d":
             hstage = self._staging((self.num_layers, 2, n, host.page_view().shape[3]))
-            gather.execute(host.page_view(), hstage, 2)
+            self._copy_shared(gather, self._host_np, as_numpy_bytes(hstage))
             with self._stream_ctx():
                 gstage = hstage.to(dev.device, non_blocking=self.cuda)
                 dev.page_view().index_copy_(2, dst_idx, gstage)
@@ -363,7 +394,7 @@ class StagedWorker(_WorkerBase):
         for layer in range(self.num_layers):
             src_layer = host.layer_page_view(layer)
             hstage = self._staging((2, n, src_layer.shape[2]))
-            gather.execute(src_layer, hstage, 1)
+            self._copy_shared(gather, as_numpy_bytes(src_layer)[None], as_numpy_bytes(hstage)[None])
             with self._stream_ctx():
                 gstage = hstage.to(dev.device, non_blocking=self.cuda)
                 dev.layer_page_view(layer).index_copy_(1, dst_idx, gstage)
@@ -379,6 +410,7 @@ class StagedWorker(_WorkerBase):
         while True:
             item = self.issued.get()
             if isinstance(item, _Stop):
+                self._stop_helper()
                 self.bridge.set_result(item.fut, None)
                 return
             job = item.job
