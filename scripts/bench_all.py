@@ -55,6 +55,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     cache = results.get("cache", {}).get("result")
     if cache:
         add("cache bytes/s vs raw copy", cache["ratio_to_raw_copy"], 0.7)
+        if "ratio_to_raw_copy_same_footprint" in cache:
+            add("cache bytes/s vs raw copy over the pools' footprint",
+                cache["ratio_to_raw_copy_same_footprint"], 0.7)
     replay = results.get("replay", {}).get("result")
     if replay:
         add("replay fraction of the infinite-cache bound",

@@ -1,21 +1,25 @@
 """Copy plans: how to move a list of pages between two page views with few copy calls.
 
 A plan sorts the (source page, destination page) pairs by destination and cuts them into
-*runs* of consecutive destination pages. A run whose sources are consecutive too is a single
-strided copy; any other run is copied page by page.
+*segments*: maximal stretches where the destination pages **and** the source pages are
+consecutive. A segment is one strided copy, whatever its length; pairs that line up with no
+neighbour are segments of one page. (Sorting by source would find the same segments: a segment
+is a set of pairs ``(s + i, d + i)``, adjacent in either order.)
 
 On CPU tensors the copies are numpy assignments on byte views: single-threaded memcpy-speed
-loops that release the GIL, issued from the engine's worker thread. Measured on the 2-core box
-(``scripts/bench_transfers.py --strategies``), this beats the torch alternatives *when issued
-from a worker thread*: ``index_select(out=)`` and per-page ``copy_`` open an OpenMP parallel
-region per call, and a second OpenMP team (the worker's, next to the main thread's) pays a
-fork/join cost that halves their throughput; "gather into contiguous staging, then
-``index_copy_``" pays two passes plus a slow scatter. Large contiguous runs go through torch
-``copy_`` (one parallel region amortised over many MiB). See ``docs/transfers.md``.
+loops that release the GIL, so two threads can run two parts of one plan at once
+(:meth:`CopyPlan.copy_part` copies the pairs at positions ``[lo, hi)`` of the sorted order, for
+a range of layers). Measured on the 2-core box (``scripts/bench_transfers.py --strategies``),
+this beats the torch alternatives *when issued from worker threads*: ``index_select(out=)`` and
+per-page ``copy_`` open an OpenMP parallel region per call, and a second OpenMP team (the
+worker's, next to the main thread's) pays a fork/join cost that halves their throughput;
+"gather into contiguous staging, then ``index_copy_``" pays two passes plus a slow scatter.
+See ``docs/transfers.md``.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,60 +28,60 @@ import torch
 
 from asynccache.errors import InvalidInputError
 
-# A contiguous run at least this large goes through torch copy_ (intra-op threads).
-TORCH_RUN_BYTES = 8 << 20
-
 
 @dataclass(frozen=True, slots=True)
-class Run:
-    """``length`` destination pages from ``dst_start``; sources from ``src_start`` or ``sources``."""
+class Segment:
+    """``length`` pages: source ``src_start + i`` -> destination ``dst_start + i``."""
 
     dst_start: int
-    length: int
     src_start: int
-    sources: tuple[int, ...] | None  # None: src_start .. src_start + length - 1
+    length: int
 
 
-def _as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
+def as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's bytes (the last dimension in bytes; bf16 included)."""
     return t.view(torch.uint8).numpy()
 
 
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
+    """Segments in destination order; ``starts[i]`` is the position of segment ``i``'s first pair."""
+
     num_pages: int
-    runs: tuple[Run, ...]
+    segments: tuple[Segment, ...]
+    starts: tuple[int, ...]
 
     def execute(self, src: torch.Tensor, dst: torch.Tensor, dim: int) -> None:
         """Copy along page dimension ``dim`` of two same-shaped page views (last dim stride 1)."""
-        if not self.runs:
+        if not self.segments:
             return
-        if src.device.type != "cpu" or dst.device.type != "cpu":
-            self._execute_torch(src, dst, dim)
-            return
-        s_np, d_np = _as_numpy_bytes(src), _as_numpy_bytes(dst)
-        page_bytes = src.select(dim, 0).numel() * src.element_size()
         lead: tuple[Any, ...] = (slice(None),) * dim
-        for run in self.runs:
-            d0, k = run.dst_start, run.length
-            if run.sources is None:
-                if k * page_bytes >= TORCH_RUN_BYTES:
-                    dst.narrow(dim, d0, k).copy_(src.narrow(dim, run.src_start, k))
-                else:
-                    s0 = run.src_start
-                    d_np[(*lead, slice(d0, d0 + k))] = s_np[(*lead, slice(s0, s0 + k))]
-            else:
-                for j, s in enumerate(run.sources):
-                    d_np[(*lead, d0 + j)] = s_np[(*lead, s)]
+        if src.device.type != "cpu" or dst.device.type != "cpu":
+            for seg in self.segments:
+                dst.narrow(dim, seg.dst_start, seg.length).copy_(
+                    src.narrow(dim, seg.src_start, seg.length)
+                )
+            return
+        self._copy(as_numpy_bytes(src), as_numpy_bytes(dst), lead, 0, self.num_pages)
 
-    def _execute_torch(self, src: torch.Tensor, dst: torch.Tensor, dim: int) -> None:
-        for run in self.runs:
-            out = dst.narrow(dim, run.dst_start, run.length)
-            if run.sources is None:
-                out.copy_(src.narrow(dim, run.src_start, run.length))
-            else:
-                idx = torch.tensor(run.sources, dtype=torch.int64, device=src.device)
-                torch.index_select(src, dim, idx, out=out)
+    def copy_part(
+        self, src: np.ndarray, dst: np.ndarray, layers: slice, lo: int, hi: int
+    ) -> None:
+        """Copy the pairs at sorted positions ``[lo, hi)`` for ``layers`` of two numpy byte
+        views shaped ``(L, 2, P, R)`` (the page dimension is 2)."""
+        self._copy(src, dst, (layers, slice(None)), lo, hi)
+
+    def _copy(self, s_np: np.ndarray, d_np: np.ndarray, lead: tuple[Any, ...],
+              lo: int, hi: int) -> None:
+        starts, segs = self.starts, self.segments
+        k = bisect.bisect_right(starts, lo) - 1
+        while k < len(segs) and starts[k] < hi:
+            seg, first = segs[k], starts[k]
+            a = max(lo, first) - first
+            b = min(hi, first + seg.length) - first
+            d0, s0 = seg.dst_start + a, seg.src_start + a
+            d_np[(*lead, slice(d0, d0 + b - a))] = s_np[(*lead, slice(s0, s0 + b - a))]
+            k += 1
 
 
 def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
@@ -89,9 +93,9 @@ def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
     if int(src_pages.shape[0]) != n:
         raise InvalidInputError(f"source has {src_pages.shape[0]} pages but destination has {n}")
     if n == 0:
-        return CopyPlan(0, ())
+        return CopyPlan(0, (), ())
     if n == 1:
-        return CopyPlan(1, (Run(int(dst_pages[0]), 1, int(src_pages[0]), None),))
+        return CopyPlan(1, (Segment(int(dst_pages[0]), int(src_pages[0]), 1),), (0,))
     step = np.diff(dst_pages)
     if (step > 0).all():
         d, s = dst_pages, src_pages
@@ -102,20 +106,15 @@ def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
         if not step.all():
             dup = int(d[int(np.flatnonzero(step == 0)[0])])
             raise InvalidInputError(f"destination page {dup} appears twice in one copy")
-    cuts = np.flatnonzero(step != 1) + 1
-    starts = np.concatenate(([0], cuts)).tolist()
-    ends = np.concatenate((cuts, [n])).tolist()
-    # breaks[i] = number of source discontinuities among pairs (0,1) .. (i-1,i)
-    breaks = np.concatenate(([0], np.cumsum(np.diff(s) != 1))).tolist()
-    d_list = d.tolist()
-    s_list = s.tolist()
-    runs = []
-    for a, b in zip(starts, ends, strict=True):
-        if breaks[b - 1] == breaks[a]:
-            runs.append(Run(d_list[a], b - a, s_list[a], None))
-        else:
-            runs.append(Run(d_list[a], b - a, s_list[a], tuple(s_list[a:b])))
-    return CopyPlan(n, tuple(runs))
+    cuts = np.flatnonzero((step != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    segments = tuple(
+        Segment(dd, ss, ln)
+        for dd, ss, ln in zip(d[starts].tolist(), s[starts].tolist(), lengths.tolist(),
+                              strict=True)
+    )
+    return CopyPlan(n, segments, tuple(starts.tolist()))
 
 
 def identity_pages(n: int) -> np.ndarray:

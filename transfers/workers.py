@@ -1,12 +1,14 @@
 """The threads that execute copies for :class:`transfers.engine.CopyEngine`.
 
-* :class:`DirectWorker` (CPU pools): one thread runs each job's copy plan straight from
-  source pages into destination pages (``index_select(out=)`` per destination run).
+* :class:`DirectWorker` (CPU pools): a worker thread (and, for large copies, a helper) copies
+  each job's plan straight from source pages into destination pages (numpy slice assignments
+  on byte views, one per segment of pages consecutive on both sides).
 * :class:`StagedWorker` (CUDA; also runs on CPU, where it exercises the same pipeline): an
   *issuer* thread gathers host pages into pinned staging, enqueues DMA + device gather/scatter
   on a dedicated copy stream behind the job's fence on the compute stream and records an event
   per batch / per layer; a *completer* thread synchronises those events in submission order,
-  finishes device -> host copies (staging -> host pages) and posts completions.
+  finishes device -> host copies (staging -> host pages) and posts completions. Large CPU
+  gathers / scatters are shared with a helper thread, as in the direct worker.
 
 Both post completions through the :class:`LoopBridge` (one thread hop per burst) and retire
 jobs in submission order. A failing job fails its own futures with :class:`TransferError`;
@@ -30,8 +32,9 @@ import torch
 from asynccache.errors import TransferError
 from asynccache.logs import get_logger
 from transfers.bridge import Completion, LoopBridge
+from transfers.chunks import Chunk, SharedChunks, layer_chunks, whole_chunks
 from transfers.handles import CopyResult
-from transfers.plan import identity_pages, make_plan
+from transfers.plan import CopyPlan, as_numpy_bytes, identity_pages, make_plan
 from transfers.pools import DevicePool, HostPool
 
 _log = get_logger("transfers.workers")
@@ -107,6 +110,45 @@ class _WorkerBase:
         for t in self.threads:
             t.start()
 
+    # ---------------------------------------------------------------- the helper thread
+    def _helper_thread(self) -> threading.Thread:
+        self._half: queue.SimpleQueue[SharedChunks | None] = queue.SimpleQueue()
+        return threading.Thread(target=self._run_helper, name=f"{self.name}-helper", daemon=True)
+
+    def _run_helper(self) -> None:
+        while True:
+            shared = self._half.get()
+            if shared is None:
+                return
+            if shared.enter():
+                try:
+                    shared.work()
+                finally:
+                    shared.leave()
+
+    def _stop_helper(self) -> None:
+        self._half.put(None)
+
+    def _copy_shared(self, plan: CopyPlan, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy ``plan`` between ``(L, 2, P, R)`` numpy byte views, all their layers, sharing
+        the chunks of a large copy with the helper thread."""
+        layers = int(src.shape[0])
+        layer_page_bytes = int(src.shape[1]) * int(src.shape[3])
+        chunks = whole_chunks(plan.num_pages, layers, layer_page_bytes,
+                              parallel_bytes=PARALLEL_BYTES, chunk_bytes=CHUNK_BYTES,
+                              max_chunks=MAX_CHUNKS)
+
+        def run(c: Chunk) -> None:
+            plan.copy_part(src, dst, slice(c[0], c[1]), c[2], c[3])
+
+        shared = SharedChunks(chunks, run)
+        if len(chunks) > 1:
+            self._half.put(shared)
+        shared.work()
+        shared.close()
+        if shared.error is not None:
+            raise shared.error
+
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
@@ -154,21 +196,37 @@ class _WorkerBase:
         _log.warning("copy_failed", op=job.op, tokens=job.num_tokens, error=repr(exc))
 
 
-# A copy moving at least this many bytes is split over the worker and its helper thread: one
+# A copy (or a layer group) of at least this many bytes is shared with the helper thread: one
 # thread's memcpy reaches about half of what two reach here (measured 14.6 vs 25.2 GB/s on
 # cache-resident 32 MiB buffers; numpy assignments release the GIL).
 PARALLEL_BYTES = 1 << 20
+# Shared copies are cut into chunks of about this size (at most MAX_CHUNKS per copy or layer
+# group) that the two threads take in order: a late helper costs at most one chunk.
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 8
+# A layer-wise load completes layers in groups of at least this many bytes, and in at most
+# MAX_LAYER_GROUPS groups: one hand-off to the loop per group instead of one per layer (each
+# wakes the loop, which competes with the copy threads for the cores).
+LAYER_GROUP_BYTES = 2 << 20
+MAX_LAYER_GROUPS = 4
 
 
 class DirectWorker(_WorkerBase):
-    """CPU pools: a worker thread (plus one helper for large copies) copies page to page."""
+    """CPU pools: a worker thread (plus a helper for large copies) copies page to page.
+
+    Each job is planned into segments (:func:`make_plan`) and cut into chunks
+    (:mod:`transfers.chunks`); the worker and the helper take chunks in order. A layer-wise
+    load posts each completed layer group as soon as every chunk up to it is done.
+    """
 
     def __init__(self, device: DevicePool, host: HostPool, bridge: LoopBridge, name: str) -> None:
         super().__init__(device, host, bridge, name)
-        self._half: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._dev_np = as_numpy_bytes(device.page_view())
+        self._host_np = as_numpy_bytes(host.page_view())
+        self._layer_page_bytes = device.page_bytes // self.num_layers
         self.threads = [
             threading.Thread(target=self._run, name=f"{name}-worker", daemon=True),
-            threading.Thread(target=self._run_helper, name=f"{name}-helper", daemon=True),
+            self._helper_thread(),
         ]
 
     def _run(self) -> None:
@@ -183,65 +241,53 @@ class DirectWorker(_WorkerBase):
                 except BaseException as exc:  # never let the worker die with jobs queued
                     self._fail(item, exc)
         finally:
-            self._half.put(None)  # stop the helper
+            self._stop_helper()
 
-    def _run_helper(self) -> None:
-        while True:
-            task = self._half.get()
-            if task is None:
-                return
-            fn, done = task
-            try:
-                fn()
-            except BaseException as exc:
-                done.append(exc)
-            finally:
-                done.append(None)
-                done_event = done[0]
-                done_event.set()
-
-    def _plans(self, job: Job, page_bytes: int) -> list[Any]:
-        n = int(job.src_pages.shape[0])
-        if n < 2 or n * page_bytes < PARALLEL_BYTES:
-            return [make_plan(job.src_pages, job.dst_pages)]
-        h = n // 2
-        return [make_plan(job.src_pages[:h], job.dst_pages[:h]),
-                make_plan(job.src_pages[h:], job.dst_pages[h:])]
-
-    def _execute(self, plans: list[Any], src: torch.Tensor, dst: torch.Tensor, dim: int) -> None:
-        if len(plans) == 1:
-            plans[0].execute(src, dst, dim)
-            return
-        event = threading.Event()
-        done: list[Any] = [event]
-        self._half.put((functools.partial(plans[0].execute, src, dst, dim), done))
-        plans[1].execute(src, dst, dim)
-        event.wait()
-        errors = [e for e in done[1:] if e is not None]
-        if errors:
-            raise errors[0]
+    def _chunks(self, n: int, layerwise: bool) -> list[Chunk]:
+        kw = {"parallel_bytes": PARALLEL_BYTES, "chunk_bytes": CHUNK_BYTES,
+              "max_chunks": MAX_CHUNKS}
+        if layerwise:
+            return layer_chunks(n, self.num_layers, self._layer_page_bytes,
+                                group_bytes=LAYER_GROUP_BYTES, max_groups=MAX_LAYER_GROUPS,
+                                **kw)
+        return whole_chunks(n, self.num_layers, self._layer_page_bytes, **kw)
 
     def _copy(self, job: Job) -> None:
         job.started = job.mark = start = time.perf_counter()
-        dev, host = self.device, self.host
-        plans = self._plans(job, dev.page_bytes)
-        if job.op == "d2h":
-            self._execute(plans, dev.page_view(), host.page_view(), 2)
-        elif job.op == "h2d":
-            self._execute(plans, host.page_view(), dev.page_view(), 2)
-        else:
-            assert job.layer_futs is not None
-            last = self.num_layers - 1
-            for layer in range(self.num_layers):
-                self._execute(plans, host.layer_page_view(layer), dev.layer_page_view(layer), 1)
-                res = self._layer_done(job, layer)
-                if layer < last:
-                    self.bridge.set_result(job.layer_futs[layer], res)
-                else:  # the last layer and the whole job ride one hop
-                    total = self._result(job, time.perf_counter() - start)
-                    self._finish(job, total, None, [(job.layer_futs[layer], res, None)])
-            return
-        self._finish(job, self._result(job, time.perf_counter() - start), None, [])
+        plan = make_plan(job.src_pages, job.dst_pages)
+        src, dst = (self._dev_np, self._host_np) if job.op == "d2h" else (self._host_np, self._dev_np)
+        layerwise = job.layer_futs is not None
+
+        def run(c: Chunk) -> None:
+            plan.copy_part(src, dst, slice(c[0], c[1]), c[2], c[3])
+
+        shared = SharedChunks(
+            self._chunks(plan.num_pages, layerwise), run,
+            functools.partial(self._post_layers, job) if layerwise else None,
+        )
+        if len(shared.chunks) > 1:
+            self._half.put(shared)
+        shared.work()
+        shared.close()
+        if shared.error is not None:
+            raise shared.error
+        items: list[Completion] = []
+        if job.layer_futs is not None:  # the layers not posted yet ride with the job
+            items = [
+                (job.layer_futs[layer], self._layer_done(job, layer), None)
+                for layer in range(job.layers_done, self.num_layers)
+            ]
+        self._finish(job, self._result(job, time.perf_counter() - start), None, items)
+
+    def _post_layers(self, job: Job, shared: SharedChunks) -> None:
+        """Post the layers completed so far, except the last (it rides with the job)."""
+        assert job.layer_futs is not None
+        upto = min(shared.completed_layers(self.num_layers), self.num_layers - 1)
+        if upto > job.layers_done:
+            self.bridge.complete_many(
+                [(job.layer_futs[layer], self._layer_done(job, layer), None)
+                 for layer in range(job.layers_done, upto)]
+            )
 
 
 class StagedWorker(_WorkerBase):
@@ -255,9 +301,11 @@ class StagedWorker(_WorkerBase):
             torch.cuda.Stream(device=device.device) if self.cuda else None  # type: ignore[no-untyped-call]
         )
         self.issued: queue.SimpleQueue[_Issued | _Stop] = queue.SimpleQueue()
+        self._host_np = as_numpy_bytes(host.page_view())
         self.threads = [
             threading.Thread(target=self._issue_loop, name=f"{name}-issuer", daemon=True),
             threading.Thread(target=self._complete_loop, name=f"{name}-completer", daemon=True),
+            self._helper_thread(),  # shares large staging gathers / scatters (CPU memcpy)
         ]
 
     # ---------------------------------------------------------------- CUDA helpers
@@ -323,7 +371,8 @@ class StagedWorker(_WorkerBase):
                 _Issued(
                     job,
                     event,
-                    finish=lambda: to_host.execute(hstage, host.page_view(), 2),
+                    finish=lambda: self._copy_shared(to_host, as_numpy_bytes(hstage),
+                                                     self._host_np),
                     keep=(gstage, hstage, src_idx),
                 )
             )
@@ -335,7 +384,7 @@ class StagedWorker(_WorkerBase):
             dst_idx = self._to_device(job.dst_pages)
         if job.op == "h2d":
             hstage = self._staging((self.num_layers, 2, n, host.page_view().shape[3]))
-            gather.execute(host.page_view(), hstage, 2)
+            self._copy_shared(gather, self._host_np, as_numpy_bytes(hstage))
             with self._stream_ctx():
                 gstage = hstage.to(dev.device, non_blocking=self.cuda)
                 dev.page_view().index_copy_(2, dst_idx, gstage)
@@ -345,7 +394,7 @@ class StagedWorker(_WorkerBase):
         for layer in range(self.num_layers):
             src_layer = host.layer_page_view(layer)
             hstage = self._staging((2, n, src_layer.shape[2]))
-            gather.execute(src_layer, hstage, 1)
+            self._copy_shared(gather, as_numpy_bytes(src_layer)[None], as_numpy_bytes(hstage)[None])
             with self._stream_ctx():
                 gstage = hstage.to(dev.device, non_blocking=self.cuda)
                 dev.layer_page_view(layer).index_copy_(1, dst_idx, gstage)
@@ -361,6 +410,7 @@ class StagedWorker(_WorkerBase):
         while True:
             item = self.issued.get()
             if isinstance(item, _Stop):
+                self._stop_helper()
                 self.bridge.set_result(item.fut, None)
                 return
             job = item.job

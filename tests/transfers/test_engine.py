@@ -59,6 +59,51 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 async def test_copies_are_bit_exact_for_random_page_sets(
     mode: str, layout: str, dtype: str
 ) -> None:
+    await _check_random_page_sets(mode, layout, dtype)
+
+
+@pytest.fixture
+def shared_chunks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every direct copy is cut into several chunks shared with the helper thread, one layer
+    per layer group; the worker waits before its first chunk until the helper copied one, so
+    both threads really take part. Returns the names of the threads that copied chunks."""
+    import transfers.workers as workers
+    from transfers.plan import CopyPlan
+
+    for name, value in (("PARALLEL_BYTES", 1), ("CHUNK_BYTES", 1), ("MAX_CHUNKS", 5),
+                        ("LAYER_GROUP_BYTES", 1), ("MAX_LAYER_GROUPS", 64)):
+        monkeypatch.setattr(workers, name, value)
+    real = CopyPlan.copy_part
+    helper_copied = threading.Event()
+    names: list[str] = []
+
+    def copy_part(self: CopyPlan, src: Any, dst: Any, layers: slice, lo: int, hi: int) -> None:
+        me = threading.current_thread().name
+        if not me.endswith("-helper") and not helper_copied.wait(timeout=10):
+            raise RuntimeError("the helper never took a chunk")
+        real(self, src, dst, layers, lo, hi)
+        names.append(me)
+        if me.endswith("-helper"):
+            helper_copied.set()
+
+    monkeypatch.setattr(CopyPlan, "copy_part", copy_part)
+    return names
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+async def test_copies_shared_by_two_threads_are_bit_exact(
+    mode: str, layout: str, dtype: str, shared_chunks: list[str]
+) -> None:
+    await _check_random_page_sets(mode, layout, dtype)
+    # direct: the worker and its helper; staged: the issuer's gathers and the completer's
+    # scatters, each shared with the helper
+    threads = {"direct": {"worker", "helper"}, "staged": {"issuer", "completer", "helper"}}
+    assert {n.rsplit("-", 1)[1] for n in shared_chunks} == threads[mode]
+
+
+async def _check_random_page_sets(mode: str, layout: str, dtype: str) -> None:
     dev, host = _pools(dtype, layout, seed=hash((mode, layout, dtype)) % 1000)
     rng = np.random.default_rng(42)
     async with CopyEngine(dev, host, mode=mode) as engine:  # type: ignore[arg-type]
@@ -123,6 +168,15 @@ def _slots_of(before: torch.Tensor, pool: HostPool, pages: np.ndarray) -> torch.
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_layerwise_load_delivers_every_layer_in_order(mode: str) -> None:
+    await _check_layer_order(mode)
+
+
+async def test_layerwise_load_in_order_with_shared_chunks(shared_chunks: list[str]) -> None:
+    await _check_layer_order("direct")
+    assert {n.rsplit("-", 1)[1] for n in shared_chunks} == {"worker", "helper"}
+
+
+async def _check_layer_order(mode: str) -> None:
     layers = 6
     dev, host = _pools("bf16", "page_first", layers=layers, seed=3)
     h_src = _slots(np.array([31, 2, 17, 5, 6, 39, 0, 11]))
@@ -152,9 +206,16 @@ async def test_layerwise_load_delivers_every_layer_in_order(mode: str) -> None:
             handle.layer(layers)
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_copies_complete_in_submission_order(mode: str) -> None:
+@pytest.mark.parametrize("mode", [*MODES, "direct-shared"])
+async def test_copies_complete_in_submission_order(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    if mode == "direct-shared":  # every copy cut into chunks that two threads share
+        request.getfixturevalue("shared_chunks")
+        mode = "direct"
     dev, host = _pools(seed=5)
+    # the copies overlap, so the final bytes are right only if they ran in submission order
+    model = {"dev": dev.page_view().clone(), "host": host.page_view().clone()}
     order: list[int] = []
     results: list[CopyResult] = []
     async with CopyEngine(dev, host, mode=mode, on_complete=results.append) as engine:  # type: ignore[arg-type]
@@ -164,10 +225,13 @@ async def test_copies_complete_in_submission_order(mode: str) -> None:
             hpages = np.array([i % 40, (i + 13) % 40])
             if i % 3 == 0:
                 h: Any = engine.submit_d2h(_slots(pages), _slots(hpages))
+                model["host"][:, :, hpages] = model["dev"][:, :, pages]
             elif i % 3 == 1:
                 h = engine.submit_h2d(_slots(hpages), _slots(pages))
+                model["dev"][:, :, pages] = model["host"][:, :, hpages]
             else:
                 h = engine.submit_h2d_layerwise(_slots(hpages), _slots(pages))
+                model["dev"][:, :, pages] = model["host"][:, :, hpages]
             h.add_done_callback(lambda _h, i=i: order.append(i))
             handles.append(h)
         assert engine.in_flight == 40
@@ -186,6 +250,12 @@ async def test_copies_complete_in_submission_order(mode: str) -> None:
         ) == (14, 13, 13)
         assert engine.stats["d2h"].bytes == 14 * per_copy
         assert engine.stats["h2d_layerwise"].tokens == 13 * 2 * PAGE
+        if mode == "direct":
+            # Direct copies also take effect in submission order. (Staged ones need not: the
+            # issuer gathers an H->D from host pages before the completer has scattered an
+            # earlier D->H into them; callers await a D->H before loading its pages back.)
+            assert _same(dev.page_view(), model["dev"])
+            assert _same(host.page_view(), model["host"])
 
 
 @pytest.fixture
@@ -303,14 +373,29 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev, host = _pools(layers=4, seed=17)
-    real = DevicePool.layer_page_view
+    if mode == "staged":  # the staged pipeline takes one layer view per layer
+        real = DevicePool.layer_page_view
 
-    def flaky(self: DevicePool, layer: int) -> torch.Tensor:
-        if layer == 2:
-            raise RuntimeError("layer 2 exploded")
-        return real(self, layer)
+        def flaky(self: DevicePool, layer: int) -> torch.Tensor:
+            if layer == 2:
+                raise RuntimeError("layer 2 exploded")
+            return real(self, layer)
 
-    monkeypatch.setattr(DevicePool, "layer_page_view", flaky)
+        monkeypatch.setattr(DevicePool, "layer_page_view", flaky)
+    else:  # the direct worker copies chunks of layer groups: one layer per group here
+        import transfers.workers as workers
+        from transfers.plan import CopyPlan
+
+        monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)
+        monkeypatch.setattr(workers, "MAX_LAYER_GROUPS", 64)
+        real_part = CopyPlan.copy_part
+
+        def flaky_part(self: CopyPlan, src: Any, dst: Any, layers: slice, lo: int, hi: int) -> None:
+            if layers.start == 2:
+                raise RuntimeError("layer 2 exploded")
+            real_part(self, src, dst, layers, lo, hi)
+
+        monkeypatch.setattr(CopyPlan, "copy_part", flaky_part)
     h_src, d_dst = _slots(np.array([4, 9])), _slots(np.array([0, 1]))
     async with CopyEngine(dev, host, mode=mode) as engine:  # type: ignore[arg-type]
         handle = engine.submit_h2d_layerwise(h_src, d_dst)
@@ -325,6 +410,15 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_aclose_waits_for_in_flight_copies_and_stops_threads(mode: str) -> None:
+    await _check_aclose(mode)
+
+
+async def test_aclose_with_copies_shared_by_two_threads(shared_chunks: list[str]) -> None:
+    await _check_aclose("direct")
+    assert {n.rsplit("-", 1)[1] for n in shared_chunks} == {"worker", "helper"}
+
+
+async def _check_aclose(mode: str) -> None:
     dev, host = _pools(seed=19)
     engine = CopyEngine(dev, host, mode=mode, name="asynccache-copy-close")  # type: ignore[arg-type]
     with pytest.raises(ClosedError, match="call start"):

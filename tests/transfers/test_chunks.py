@@ -1,0 +1,94 @@
+"""Chunking a copy for two threads: exact chunk layouts and the shared hand-out."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from transfers.chunks import SharedChunks, layer_chunks, split_block, whole_chunks
+
+KW = {"parallel_bytes": 100, "chunk_bytes": 40, "max_chunks": 4}
+
+
+def test_split_block_cuts_positions_first_then_layers() -> None:
+    assert split_block((0, 3), 10, 4) == [(0, 3, 0, 2), (0, 3, 2, 5), (0, 3, 5, 7), (0, 3, 7, 10)]
+    # 2 pages for 4 parts: each page on its own, layers cut in two
+    assert split_block((0, 3), 2, 4) == [(0, 1, 0, 1), (0, 1, 1, 2), (1, 3, 0, 1), (1, 3, 1, 2)]
+    assert split_block((5, 6), 1, 4) == [(5, 6, 0, 1)]
+    assert split_block((0, 2), 3, 1) == [(0, 2, 0, 3)]
+
+
+def test_whole_chunks_share_only_large_copies() -> None:
+    # 2 pages x 3 layers x 10 bytes = 60 bytes < parallel_bytes: one chunk
+    assert whole_chunks(2, 3, 10, **KW) == [(0, 3, 0, 2)]
+    # 8 pages x 3 layers x 10 bytes = 240 bytes: 240 // 40 = 6 -> at most 4 chunks
+    assert whole_chunks(8, 3, 10, **KW) == [(0, 3, 0, 2), (0, 3, 2, 4), (0, 3, 4, 6), (0, 3, 6, 8)]
+    # 120 bytes: 120 // 40 = 3 chunks
+    assert whole_chunks(4, 3, 10, **KW) == [(0, 3, 0, 1), (0, 3, 1, 2), (0, 3, 2, 4)]
+    assert whole_chunks(0, 3, 10, **KW) == []
+
+
+def test_layer_chunks_group_small_layers_and_cut_large_groups() -> None:
+    # a layer of 3 pages x 10 bytes = 30 bytes; groups of >= 70 bytes -> 3 layers per group
+    assert layer_chunks(3, 7, 10, group_bytes=70, max_groups=8, **KW) == [
+        (0, 3, 0, 3), (3, 6, 0, 3), (6, 7, 0, 3)
+    ]
+    # at most 2 groups: 4 + 3 layers though one layer would do; the 120-byte group is shared
+    assert layer_chunks(3, 7, 10, group_bytes=1, max_groups=2, **KW) == [
+        (0, 4, 0, 1), (0, 4, 1, 2), (0, 4, 2, 3), (4, 7, 0, 3)
+    ]
+    # one layer of 10 pages x 12 bytes = 120 bytes per group: shared, cut in 3
+    assert layer_chunks(10, 2, 12, group_bytes=1, max_groups=8, **KW) == [
+        (0, 1, 0, 3), (0, 1, 3, 6), (0, 1, 6, 10), (1, 2, 0, 3), (1, 2, 3, 6), (1, 2, 6, 10)
+    ]
+    assert layer_chunks(0, 2, 12, group_bytes=1, max_groups=8, **KW) == []
+
+
+def test_shared_chunks_run_each_chunk_once_and_report_a_done_prefix() -> None:
+    chunks = [(layer, layer + 1, 0, 1) for layer in range(50)]
+    ran: list[int] = []
+    prefixes: list[int] = []
+
+    def run(c: tuple[int, int, int, int]) -> None:
+        ran.append(c[0])
+
+    def helper_side() -> None:
+        if shared.enter():
+            shared.work()
+            shared.leave()
+
+    shared = SharedChunks(chunks, run, lambda s: prefixes.append(s.completed_layers(50)))
+    helper = threading.Thread(target=helper_side)
+    helper.start()
+    shared.work()
+    shared.close()
+    helper.join()
+    assert sorted(ran) == list(range(50))
+    assert prefixes == sorted(prefixes) and prefixes[-1] == 50  # only ever grows, ends complete
+    assert shared.error is None
+
+
+def test_a_failing_chunk_stops_the_hand_out() -> None:
+    ran: list[int] = []
+
+    def run(c: tuple[int, int, int, int]) -> None:
+        if c[0] == 2:
+            raise RuntimeError("chunk 2")
+        ran.append(c[0])
+
+    shared = SharedChunks([(i, i + 1, 0, 1) for i in range(6)], run)
+    shared.work()
+    shared.close()
+    assert ran == [0, 1] and shared.prefix == 2
+    with pytest.raises(RuntimeError, match="chunk 2"):
+        raise shared.error  # type: ignore[misc]
+
+
+def test_a_late_helper_finds_the_list_closed_and_copies_nothing() -> None:
+    ran: list[str] = []
+    shared = SharedChunks([(0, 1, 0, 1), (0, 1, 1, 2)], lambda c: ran.append("w"))
+    shared.work()
+    shared.close()  # the helper never entered: nothing to wait for
+    assert not shared.enter()
+    assert ran == ["w", "w"]
