@@ -96,6 +96,7 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     finished: bool = False
     staging: list[torch.Tensor] = field(default_factory=list)
+    reserved_tokens: int = 0  # counted against the prefetch capacity until released
     # multi-rank (see asynccache/agreement.py): the agreed phase and figures
     phase: str = "query"  # query -> transfer -> stopped (or done: revoked)
     local_hit: int = -1  # pages this rank found (-1: query still running)
@@ -256,6 +257,7 @@ class StorageTier:
         pin = cache.tree.lock_host(match.best_node)
         op = PrefetchOp(key=key, start=start, requested_tokens=n, keys=keys, pin=pin,
                         started=time.perf_counter())
+        op.reserved_tokens = n
         self._occupied += n
         self._prefetches.add(op)
         outcomes.labels(outcome="issued").inc()
@@ -291,8 +293,12 @@ class StorageTier:
         op.hit_tokens = hit * ps
         metrics.storage_hit_tokens.inc(hit * ps)
         metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
+        # Only the found pages stay reserved against the prefetch capacity (the reference keeps
+        # the whole request reserved until the end, which starves concurrent prefetches).
+        self._reserve(op, hit * ps)
         if hit * ps < max(self.policy.prefetch_threshold, ps):
             op.outcome = "revoked_insufficient"
+            self._reserve(op, 0)
             return 0
         # Host memory for the hit; under pressure a shorter prefix that still clears the bar.
         want = hit
@@ -304,10 +310,17 @@ class StorageTier:
             host = cache._alloc_host(want * ps)
         if host is None:
             op.outcome = "revoked_no_host_memory"
+            self._reserve(op, 0)
             return 0
         cache._host_inflight += len(host)
         op.host_slots = host
+        self._reserve(op, want * ps)
         return want
+
+    def _reserve(self, op: PrefetchOp, tokens: int) -> None:
+        """Lower ``op``'s reservation against the prefetch capacity to ``tokens``."""
+        self._occupied -= op.reserved_tokens - tokens
+        op.reserved_tokens = tokens
 
     async def _read(self, op: PrefetchOp, want: int) -> None:
         """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows."""
@@ -383,7 +396,7 @@ class StorageTier:
         self._prefetches.discard(op)
         if op in self._agreeing:
             self._agreeing.remove(op)
-        self._occupied -= op.requested_tokens
+        self._reserve(op, 0)
         taken = 0
         host = op.host_slots
         if host is not None:

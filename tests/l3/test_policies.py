@@ -277,6 +277,30 @@ async def test_rate_limit_by_host_occupancy(kit, make_cache, make_file_backend) 
         assert (r.host, r.loaded, r.fetched) == (len(s), len(s), 0)
 
 
+async def test_pages_not_found_stop_counting_against_the_limit(kit, make_cache,
+                                                             make_file_backend) -> None:
+    """Only the pages the query found stay reserved: a prompt of 160 tokens of which storage
+    holds 32 reserves 160 until its query returns, then 32, so the next prefetch is admitted
+    (the reference keeps all 160 reserved until the end and declines it)."""
+    held, other = kit.tokens(16, 160), kit.tokens(17, 64)
+    await _store(kit, make_cache, make_file_backend, [held[:32], other])
+    c = await make_cache(host_tokens=256)  # limit 128 tokens
+    c.attach_storage(await make_file_backend(c), StoragePolicy(prefetch_threshold=4))
+    tier = c.storage
+    op = c.start_prefetch(held, c.match_prefix(held))
+    assert op is not None and tier._occupied == 160
+    assert c.start_prefetch(other, c.match_prefix(other)) is None  # 160 >= 128
+    await _until(lambda: op.reserved_tokens < 160, "the query of the first prefetch")
+    assert tier._occupied == op.reserved_tokens == 32
+    op2 = c.start_prefetch(other, c.match_prefix(other))
+    assert op2 is not None and tier._occupied == 96
+    assert await tier.finish_prefetch(op, "wait_complete") == 32
+    assert await tier.finish_prefetch(op2, "wait_complete") == 64
+    assert tier._occupied == 0
+    assert kit.outcomes(c) == {"issued": 2, "declined_rate_limited": 1, "completed": 2}
+    kit.assert_at_rest(c)
+
+
 async def test_rate_limit_admits_a_large_prefetch_when_nothing_is_in_flight(
         kit, make_cache, make_file_backend) -> None:
     """Regression: the limit was applied to occupancy *plus* the new prefetch, so a prompt
