@@ -250,15 +250,13 @@ class StorageTier:
         if n <= 0 or n < max(self.policy.prefetch_threshold, ps):
             outcomes.labels(outcome="declined_too_short").inc()
             return None
-        if self._occupied >= self._capacity_limit:  # the reference's rule: full, not "would be"
+        if self._occupied >= self._capacity_limit:  # full (pages being read fill the capacity)
             outcomes.labels(outcome="declined_rate_limited").inc()
             return None
         keys = cache.tree.chain_keys(match.best_node, key, start)
         pin = cache.tree.lock_host(match.best_node)
         op = PrefetchOp(key=key, start=start, requested_tokens=n, keys=keys, pin=pin,
                         started=time.perf_counter())
-        op.reserved_tokens = n
-        self._occupied += n
         self._prefetches.add(op)
         outcomes.labels(outcome="issued").inc()
         if cache._agree is not None:
@@ -293,24 +291,28 @@ class StorageTier:
         op.hit_tokens = hit * ps
         metrics.storage_hit_tokens.inc(hit * ps)
         metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
-        # Only the found pages stay reserved against the prefetch capacity (the reference keeps
-        # the whole request reserved until the end, which starves concurrent prefetches).
-        self._reserve(op, hit * ps)
-        if hit * ps < max(self.policy.prefetch_threshold, ps):
+        bar = max(self.policy.prefetch_threshold, ps)
+        if hit * ps < bar:
             op.outcome = "revoked_insufficient"
-            self._reserve(op, 0)
+            return 0
+        # Only pages found and about to be read count against the prefetch capacity, and never
+        # beyond it unless this is the only prefetch reading (the reference reserves every
+        # requested token from the start, found or not: it declines concurrent prefetches that
+        # would fit, and overshoots with the last one it admits).
+        room = (self._capacity_limit - self._occupied) // ps
+        want = hit if self._occupied == 0 else min(hit, room)
+        if want * ps < bar:
+            op.outcome = "revoked_rate_limited"
             return 0
         # Host memory for the hit; under pressure a shorter prefix that still clears the bar.
-        want = hit
         host = cache._alloc_host(want * ps)
         while host is None and want > 1:
             want = min(want - 1, cache.host_pool.allocator.available_size // ps)  # type: ignore[union-attr]
-            if want * ps < max(self.policy.prefetch_threshold, ps):
+            if want * ps < bar:
                 break
             host = cache._alloc_host(want * ps)
         if host is None:
             op.outcome = "revoked_no_host_memory"
-            self._reserve(op, 0)
             return 0
         cache._host_inflight += len(host)
         op.host_slots = host

@@ -119,7 +119,7 @@ def outcomes(cache: HierarchicalCache) -> dict[str, int]:
     """Non-zero prefetch outcome counters."""
     out = {}
     for o in ("issued", "declined_too_short", "declined_rate_limited", "revoked_insufficient",
-              "revoked_no_host_memory", "completed", "partial", "aborted"):
+              "revoked_rate_limited", "revoked_no_host_memory", "completed", "partial", "aborted"):
         v = int(counter(cache, "asynccache_prefetch_outcomes", outcome=o))
         if v:
             out[o] = v

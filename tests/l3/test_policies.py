@@ -250,54 +250,61 @@ async def test_revoked_when_storage_holds_too_little(kit, make_cache, make_file_
 
 
 async def test_rate_limit_by_host_occupancy(kit, make_cache, make_file_backend) -> None:
-    """Host pool of 256 tokens, half of it for prefetches (limit 128). As in the reference, a
-    prefetch is declined while the occupancy of those in flight is already at the limit."""
+    """Host pool of 256 tokens, half of it for prefetches (limit 128). Pages found and being
+    read count against the limit: a prefetch is declined while they fill it, a second reader
+    gets only the room left, and a prompt storage mostly lacks does not hold capacity."""
     x, y, z = kit.tokens(10, 96), kit.tokens(11, 64), kit.tokens(12, 16)
-    await _store(kit, make_cache, make_file_backend, [x, y, z])
+    missing = kit.tokens(13, 400)
+    await _store(kit, make_cache, make_file_backend, [x, y, z, missing[:32]])
     c = await make_cache(host_tokens=256)
-    c.attach_storage(await make_file_backend(c), StoragePolicy(prefetch_threshold=4))
+    slow = await make_file_backend(c, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}),
+                                                 delay_s=0.05)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=4))
     tier = c.storage
+    big = c.start_prefetch(missing, c.match_prefix(missing))  # 400 asked, 32 found
     op1 = c.start_prefetch(x, c.match_prefix(x))
-    assert op1 is not None and tier._occupied == 96
-    op2 = c.start_prefetch(y, c.match_prefix(y))  # 96 < 128: admitted (occupancy 160)
-    assert op2 is not None and tier._occupied == 160
-    assert c.start_prefetch(z, c.match_prefix(z)) is None  # 160 >= 128
-    assert kit.outcomes(c) == {"issued": 2, "declined_rate_limited": 1}
+    assert big is not None and op1 is not None and tier._occupied == 0  # nothing read yet
+    await _until(lambda: big.reserved_tokens and op1.reserved_tokens, "two hit queries")
+    assert (big.reserved_tokens, op1.reserved_tokens, tier._occupied) == (32, 96, 128)
+    assert c.start_prefetch(z, c.match_prefix(z)) is None  # 128 >= 128: full
+    assert await tier.finish_prefetch(big, "wait_complete") == 32
+    assert tier._occupied == 96
+    op2 = c.start_prefetch(y, c.match_prefix(y))  # admitted: 96 < 128, but only 32 fit
+    assert op2 is not None
+    await _until(lambda: op2.reserved_tokens, "the third hit query")
+    assert op2.reserved_tokens == 32 and tier._occupied == 128
     assert await tier.finish_prefetch(op1, "wait_complete") == 96
-    assert tier._occupied == 64
-    op3 = c.start_prefetch(z, c.match_prefix(z))  # 64 < 128
-    assert op3 is not None
-    assert await tier.finish_prefetch(op2, "wait_complete") == 64
-    assert await tier.finish_prefetch(op3, "wait_complete") == 16
+    assert await tier.finish_prefetch(op2, "wait_complete") == 32
     assert tier._occupied == 0
-    assert kit.outcomes(c) == {"issued": 3, "declined_rate_limited": 1, "completed": 3}
+    op3 = c.start_prefetch(z, c.match_prefix(z))
+    assert op3 is not None and await tier.finish_prefetch(op3, "wait_complete") == 16
+    assert kit.outcomes(c) == {"issued": 4, "declined_rate_limited": 1, "completed": 4}
     kit.assert_at_rest(c)
-    for s in (x, y, z):  # what was fetched is correct
-        r = await kit.serve(c, s)
-        assert (r.host, r.loaded, r.fetched) == (len(s), len(s), 0)
+    for s, cached in ((x, 96), (y, 32), (z, 16), (missing, 32)):  # what was fetched is correct
+        r = await kit.serve(c, s)  # (serve verifies every token it loads, bit for bit)
+        assert r.host == cached
 
 
-async def test_pages_not_found_stop_counting_against_the_limit(kit, make_cache,
-                                                             make_file_backend) -> None:
-    """Only the pages the query found stay reserved: a prompt of 160 tokens of which storage
-    holds 32 reserves 160 until its query returns, then 32, so the next prefetch is admitted
-    (the reference keeps all 160 reserved until the end and declines it)."""
-    held, other = kit.tokens(16, 160), kit.tokens(17, 64)
-    await _store(kit, make_cache, make_file_backend, [held[:32], other])
-    c = await make_cache(host_tokens=256)  # limit 128 tokens
-    c.attach_storage(await make_file_backend(c), StoragePolicy(prefetch_threshold=4))
+async def test_a_reader_that_would_not_clear_the_bar_is_revoked(kit, make_cache,
+                                                              make_file_backend) -> None:
+    """Limit 128 with 120 being read: a second prefetch gets room for 8 tokens, under its
+    threshold of 16, so it is revoked as rate limited and holds nothing."""
+    a, b = kit.tokens(18, 120), kit.tokens(19, 64)
+    await _store(kit, make_cache, make_file_backend, [a, b])
+    c = await make_cache(host_tokens=256)
+    slow = await make_file_backend(c, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}),
+                                                 delay_s=0.05)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=16))
     tier = c.storage
-    op = c.start_prefetch(held, c.match_prefix(held))
-    assert op is not None and tier._occupied == 160
-    assert c.start_prefetch(other, c.match_prefix(other)) is None  # 160 >= 128
-    await _until(lambda: op.reserved_tokens < 160, "the query of the first prefetch")
-    assert tier._occupied == op.reserved_tokens == 32
-    op2 = c.start_prefetch(other, c.match_prefix(other))
-    assert op2 is not None and tier._occupied == 96
-    assert await tier.finish_prefetch(op, "wait_complete") == 32
-    assert await tier.finish_prefetch(op2, "wait_complete") == 64
-    assert tier._occupied == 0
-    assert kit.outcomes(c) == {"issued": 2, "declined_rate_limited": 1, "completed": 2}
+    op1 = c.start_prefetch(a, c.match_prefix(a))
+    await _until(lambda: op1.reserved_tokens == 120, "the first hit query")
+    op2 = c.start_prefetch(b, c.match_prefix(b))
+    assert op2 is not None
+    await _until(lambda: op2.task.done(), "the second prefetch")
+    assert op2.reserved_tokens == 0 and tier._occupied == 120
+    assert await tier.finish_prefetch(op2, "wait_complete") == 0
+    assert await tier.finish_prefetch(op1, "wait_complete") == 120
+    assert kit.outcomes(c) == {"issued": 2, "revoked_rate_limited": 1, "completed": 1}
     kit.assert_at_rest(c)
 
 
