@@ -123,6 +123,26 @@ class StorageAttachmentMixin:
             return None
         return self._storage.start_prefetch(as_key(key), match)
 
+    def begin_prefetch(self: HierarchicalCache, req: CacheRequest) -> bool:
+        """Start fetching ``req``'s uncached pages from storage now (when it arrives), so that
+        :meth:`prefetch_request` at scheduling time stops the fetch per its policy and takes
+        what arrived meanwhile (``best_effort`` then means something). Returns whether a fetch
+        is running. Cache host mode on one rank only (else False: use ``prefetch_request``)."""
+        self._check_open()
+        if req.prefetch is not None:
+            return True
+        if (self._storage is None or self._agree is not None or self.config.disable
+                or req.finished or req.computed != req.prefix_len or req.pending_loads):
+            return False
+        req.prefetch = self._storage.start_prefetch(req.key, self._match_of(req))
+        return req.prefetch is not None
+
+    def _drop_prefetch(self: HierarchicalCache, req: CacheRequest) -> None:
+        """``req`` ends without finishing the fetch it began: release it in the background."""
+        op, req.prefetch = req.prefetch, None
+        if op is not None and self._storage is not None:
+            self._storage.abort_soon(op)
+
     async def prefetch_request(self: HierarchicalCache, req: CacheRequest, *, policy: str | None = None) -> int:
         """Fetch ``req``'s uncached pages from storage into host memory (before it computes).
 
@@ -140,6 +160,12 @@ class StorageAttachmentMixin:
             self._rematch(req)
             return await self._buffer.prefetch_request(req, policy)
         assert self._storage is not None
+        op, req.prefetch = req.prefetch, None
+        if op is not None:  # begun at arrival: stop it now, per the policy
+            got = await self._storage.finish_prefetch(op, policy)
+            if got:
+                self._rematch(req)
+            return got
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
         self._rematch(req)  # other requests may have cached more of the prompt since admit

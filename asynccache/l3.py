@@ -119,6 +119,7 @@ class StorageTier:
         self._prefetches: set[PrefetchOp] = set()
         self._agreeing: list[PrefetchOp] = []  # multi-rank: prefetches in start order
         self._occupied = 0
+        self._aborts: set[asyncio.Task[None]] = set()  # releases of prefetches nobody finished
         host = cache.host_pool
         self._zero_copy = host.layout == "page_first"
         self._page_bytes = host.page_bytes
@@ -385,6 +386,12 @@ class StorageTier:
         if not op.finished:
             await self._release(op, insert=False)
 
+    def abort_soon(self, op: PrefetchOp) -> None:
+        """Release ``op`` in the background (its request ended without finishing it)."""
+        task = asyncio.get_running_loop().create_task(self.abort_prefetch(op))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
     async def _release(self, op: PrefetchOp, *, insert: bool) -> int:
         if op.finished:  # already released (e.g. by close() while its requester waited)
             return 0
@@ -431,6 +438,8 @@ class StorageTier:
         """Abort prefetches and wait for writes (called by the cache before it frees memory)."""
         for op in list(self._prefetches):
             await self._release(op, insert=False)
+        if self._aborts:
+            await asyncio.gather(*list(self._aborts), return_exceptions=True)
         await self.drain()
 
     # ------------------------------------------------------------------ multi-rank prefetch

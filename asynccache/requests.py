@@ -16,6 +16,7 @@ from asynccache.tree.results import EMPTY_SLOTS
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
+    from asynccache.l3 import PrefetchOp
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class CacheRequest:
     retracted: RetractedKV | None = None  # KV parked in host memory by HierarchicalCache.retract
     mamba_state: int | None = None  # hybrid: the request's own Mamba state slot
     swa_evicted: int = 0  # hybrid: SWA slots of tokens below this were freed (out of window)
+    prefetch: PrefetchOp | None = None  # started by HierarchicalCache.begin_prefetch
 
     @property
     def computed(self) -> int:
@@ -293,6 +295,7 @@ class RequestsMixin:
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
         self.discard_retracted(req)
+        self._drop_prefetch(req)
         own_from = req.prefix_len
         if insert and not self.config.disable and req.computed > 0:
             extra: dict[str, Any] = {}

@@ -73,6 +73,7 @@ class RetractionMixin:
         backup = RetractedKV(req.rid, req.computed, host)
         if self._buffer is not None:  # type: ignore[attr-defined]
             self._buffer.release_request(req)  # type: ignore[attr-defined]
+        self._drop_prefetch(req)  # type: ignore[attr-defined]
         self._release_pins(req)  # type: ignore[attr-defined]
         own = np.concatenate([req.slots[req.prefix_len :], req.spare])
         self.free_device(own)  # type: ignore[attr-defined]

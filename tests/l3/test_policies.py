@@ -385,3 +385,66 @@ async def test_prefetch_request_does_not_refetch_what_the_tree_has(kit, make_cac
         assert kit.counter(c, "asynccache_prefetched_tokens") == 64
     finally:
         c.abort_req(stale)
+
+
+# -- a fetch begun at arrival -------------------------------------------------------------------
+
+
+async def test_begun_at_arrival_best_effort_takes_what_arrived(kit, make_cache,
+                                                               make_file_backend) -> None:
+    """``begin_prefetch`` when the request arrives, ``prefetch_request`` when it is scheduled:
+    best_effort then takes everything that arrived in between (called at once it gets 0)."""
+    s = kit.tokens(20, 64)
+    await _store(kit, make_cache, make_file_backend, [s])
+    c = await make_cache()
+    c.attach_storage(await make_file_backend(c), StoragePolicy(prefetch_threshold=16))
+    req = c.admit(s)
+    assert c.begin_prefetch(req) is True and c.begin_prefetch(req) is True  # idempotent
+    op = req.prefetch
+    await _until(lambda: op.task.done(), "the fetch")  # the scheduler is busy elsewhere
+    assert await c.prefetch_request(req, policy="best_effort") == 64
+    assert req.prefetch is None and req.host_hit_length == 64
+    assert await c.load_back_request(req) == 64
+    kit.assert_kv(c, s, req.slots, "prefetched at arrival")
+    c.cache_finished_req(req)
+    assert kit.outcomes(c) == {"issued": 1, "completed": 1}
+    kit.assert_at_rest(c)
+
+
+async def test_a_request_ending_before_its_fetch_releases_it(kit, make_cache,
+                                                             make_file_backend) -> None:
+    s = kit.tokens(21, 64)
+    await _store(kit, make_cache, make_file_backend, [s])
+    c = await make_cache()
+    slow = await make_file_backend(c, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}),
+                                                 delay_s=0.05)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=16))
+    req = c.admit(s)
+    assert c.begin_prefetch(req)
+    c.abort_req(req)  # e.g. the client went away while the fetch was running
+    assert req.prefetch is None
+    await _until(lambda: not c.storage._prefetches and not c.storage._aborts, "the release")
+    assert kit.outcomes(c) == {"issued": 1, "aborted": 1}
+    kit.assert_at_rest(c)
+    # Nothing attached, or a request that already computed: nothing to begin.
+    other = c.admit(kit.tokens(22, 64))
+    new = await c.extend(other, 4)
+    c.write_kv(new, kit.expected(c, kit.tokens(22, 64), 0, 4))
+    assert c.begin_prefetch(other) is False
+    c.abort_req(other)
+
+
+async def test_detach_waits_for_background_releases(kit, make_cache, make_file_backend) -> None:
+    s = kit.tokens(23, 64)
+    await _store(kit, make_cache, make_file_backend, [s])
+    c = await make_cache()
+    slow = await make_file_backend(c, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}),
+                                                 delay_s=0.05)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=16))
+    req = c.admit(s)
+    assert c.begin_prefetch(req)
+    c.abort_req(req)
+    tier = c.storage
+    assert await c.detach_storage() is True  # right away: the release is still running
+    assert not tier._aborts and not tier._prefetches
+    kit.assert_at_rest(c)
