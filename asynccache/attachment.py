@@ -152,7 +152,8 @@ class StorageAttachmentMixin:
         self._check_open()
         if (self._storage is None and self._buffer is None) or self.config.disable:
             return 0
-        if req.finished or req.computed != req.prefix_len:
+        self._check_active(req)
+        if req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: prefetch_request must come before it computes tokens"
             )

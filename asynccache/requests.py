@@ -146,6 +146,13 @@ class RequestsMixin:
         req.host_hit_length = m.host_hit_length
         req.pending_loads = m.pending_loads
 
+    @staticmethod
+    def _check_active(req: CacheRequest) -> None:
+        if req.finished:
+            raise InvalidInputError(f"request {req.rid} is already finished")
+        if req.retracted is not None:
+            raise InvalidInputError(f"request {req.rid} is retracted: restore it first")
+
     def _release_pins(self: HierarchicalCache, req: CacheRequest) -> None:
         if req.receipt is not None:
             self.tree.unlock(req.receipt)
@@ -162,7 +169,8 @@ class RequestsMixin:
         grew by; ``req.slots`` / ``req.prefix_len`` follow. The host hit stays pinned until then.
         """
         self._check_open()
-        if req.finished or req.computed != req.prefix_len:
+        self._check_active(req)
+        if req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: load_back_request must come before it computes tokens"
             )
@@ -213,6 +221,7 @@ class RequestsMixin:
         """
         if num_tokens < 0:
             raise InvalidInputError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._check_active(req)
         spare = req.spare
         if num_tokens <= len(spare):
             new, req.spare = spare[:num_tokens], spare[num_tokens:]
@@ -226,6 +235,7 @@ class RequestsMixin:
     def cache_unfinished_req(self: HierarchicalCache, req: CacheRequest) -> None:
         """Cache what ``req`` computed so far and keep running: its slots now point at the tree's."""
         self._check_open()
+        self._check_active(req)
         if self.config.disable or req.computed == req.prefix_len:
             return
         key = req.key[: req.computed]

@@ -25,6 +25,7 @@ from asynccache.logs import get_logger
 from asynccache.tree.results import EMPTY_SLOTS
 
 if TYPE_CHECKING:
+    from asynccache.cache import HierarchicalCache
     from asynccache.requests import CacheRequest
 
 _log = get_logger("retraction")
@@ -43,9 +44,7 @@ class RetractedKV:
 class RetractionMixin:
     """``retract`` / ``restore`` / ``discard_retracted`` of the cache facade."""
 
-    config: Any
-
-    async def retract(self, req: CacheRequest) -> RetractedKV:
+    async def retract(self: HierarchicalCache, req: CacheRequest) -> RetractedKV:
         """Copy ``req``'s KV to host and free its device slots and locks.
 
         Raises :class:`PoolExhaustedError` when host memory cannot hold it even after evicting
@@ -55,36 +54,37 @@ class RetractionMixin:
         if req.retracted is not None:
             raise InvalidInputError(f"request {req.rid} is already retracted")
         if req.pending_loads:
-            await self.wait_loads(req.pending_loads)  # type: ignore[attr-defined]
+            await self.wait_loads(req.pending_loads)
         slots = np.concatenate([req.slots, req.spare])
-        host = self.take_host(len(slots)) if len(slots) else EMPTY_SLOTS  # type: ignore[attr-defined]
+        host = self.take_host(len(slots)) if len(slots) else EMPTY_SLOTS
         if host is None:
             raise PoolExhaustedError(
                 f"cannot retract request {req.rid}: {len(slots)} host slots needed, "
-                f"{self.host_pool.allocator.available_size} free after host eviction"  # type: ignore[attr-defined]
+                f"{self.host_pool.allocator.available_size} free after host eviction"
             )
         if len(slots):
             try:
-                await self._copy(self.engine_submit_d2h(slots, host),  # type: ignore[attr-defined]
-                                 on_cancel=lambda: self.free_host(host))  # type: ignore[attr-defined]
+                await self._copy(self.engine_submit_d2h(slots, host),
+                                 on_cancel=lambda: self.free_host(host))
             except Exception:
-                self.free_host(host)  # type: ignore[attr-defined]
+                self.free_host(host)
                 raise
         backup = RetractedKV(req.rid, req.computed, host)
-        if self._buffer is not None:  # type: ignore[attr-defined]
-            self._buffer.release_request(req)  # type: ignore[attr-defined]
-        self._drop_prefetch(req)  # type: ignore[attr-defined]
-        self._release_pins(req)  # type: ignore[attr-defined]
+        if self._buffer is not None:
+            self._buffer.release_request(req)
+        self._drop_prefetch(req)
+        self._release_pins(req)
         own = np.concatenate([req.slots[req.prefix_len :], req.spare])
-        self.free_device(own)  # type: ignore[attr-defined]
+        self.free_device(own)
         req.slots = req.spare = EMPTY_SLOTS
         req.prefix_len = req.host_hit_length = 0
+        req.last_node = req.best_node = self.tree.root_id
         req.pending_loads = ()
         req.retracted = backup
         _log.info("retracted", rid=req.rid, tokens=backup.num_tokens)
         return backup
 
-    async def restore(self, req: CacheRequest) -> None:
+    async def restore(self: HierarchicalCache, req: CacheRequest) -> None:
         """Copy ``req``'s retracted KV into fresh device slots; the request continues from there.
 
         The restored slots all belong to the request (a later ``cache_finished_req`` inserts
@@ -97,28 +97,28 @@ class RetractionMixin:
         backup.state = "restoring"
         n = len(backup.host_slots)
         try:
-            slots = await self.alloc_device(n) if n else EMPTY_SLOTS  # type: ignore[attr-defined]
+            slots = await self.alloc_device(n) if n else EMPTY_SLOTS
         except BaseException:
             backup.state = "held"
             raise
         if n:
             try:
-                await self._copy(self.engine_submit_h2d(backup.host_slots, slots),  # type: ignore[attr-defined]
-                                 on_cancel=lambda: self.free_device(slots))  # type: ignore[attr-defined]
+                await self._copy(self.engine_submit_h2d(backup.host_slots, slots),
+                                 on_cancel=lambda: self.free_device(slots))
             except BaseException as exc:
                 backup.state = "held"
                 if not isinstance(exc, asyncio.CancelledError):
-                    self.free_device(slots)  # type: ignore[attr-defined]
+                    self.free_device(slots)
                 raise
-        self.free_host(backup.host_slots)  # type: ignore[attr-defined]
+        self.free_host(backup.host_slots)
         backup.state = "restored"
         req.retracted = None
         req.slots, req.spare = slots[: backup.num_tokens], slots[backup.num_tokens :]
         req.prefix_len = 0
-        req.last_node = req.best_node = self.tree.root_id  # type: ignore[attr-defined]
+        req.last_node = req.best_node = self.tree.root_id
         _log.info("restored", rid=req.rid, tokens=backup.num_tokens)
 
-    def discard_retracted(self, req: CacheRequest) -> None:
+    def discard_retracted(self: HierarchicalCache, req: CacheRequest) -> None:
         """Drop ``req``'s retracted KV (the request will recompute or is being aborted)."""
         backup = req.retracted
         if backup is None:
@@ -127,17 +127,17 @@ class RetractionMixin:
             raise InvalidInputError(f"request {req.rid} is being restored; await it first")
         req.retracted = None
         backup.state = "discarded"
-        self.free_host(backup.host_slots)  # type: ignore[attr-defined]
+        self.free_host(backup.host_slots)
 
     # ------------------------------------------------------------------ helpers
-    def _check_retraction(self, req: CacheRequest) -> None:
-        self._check_open()  # type: ignore[attr-defined]
+    def _check_retraction(self: HierarchicalCache, req: CacheRequest) -> None:
+        self._check_open()
         if not self.config.retraction_backup:
             raise ConfigError("retraction needs CacheConfig(retraction_backup=True)")
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
 
-    async def _copy(self, handle: Any, *, on_cancel: Callable[[], None]) -> None:
+    async def _copy(self: HierarchicalCache, handle: Any, *, on_cancel: Callable[[], None]) -> None:
         """Await a copy (raising :class:`TransferError` if it failed).
 
         If the awaiter is cancelled, ``on_cancel`` runs once the copy has landed (never while

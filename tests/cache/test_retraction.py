@@ -169,3 +169,20 @@ async def test_cancelled_restore_keeps_the_backup(make_cache, kit, k):
         await cache.restore(req)
     model.check(cache, TOKENS, req.slots, "restored KV")
     cache.abort_req(req)
+
+
+async def test_a_retracted_request_refuses_work_until_restored(make_cache, kit):
+    cache = await make_cache(retraction_backup=True, device_tokens=64, host_tokens=64)
+    model = kit.KVModel.of(cache)
+    req = await _running(cache, model)
+    await cache.retract(req)
+    for call in (lambda: cache.extend(req, 4), lambda: cache.load_back_request(req)):
+        with pytest.raises(InvalidInputError, match="retracted: restore it first"):
+            await call()
+    with pytest.raises(InvalidInputError, match="retracted: restore it first"):
+        cache.cache_unfinished_req(req)
+    cache.sanity_check()
+    await cache.restore(req)
+    new = await cache.extend(req, 4)
+    cache.write_kv(new, model.expected(TOKENS, 26, 30))
+    cache.cache_finished_req(req)
