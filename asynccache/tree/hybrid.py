@@ -8,7 +8,6 @@ flight.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -48,19 +47,44 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
 
 def touch_aux(tree: TreeBase, node: Node) -> None:
     """Refresh each component's LRU for a match or insert ending at ``node`` (stamps only; the
-    queues re-file lazily)."""
-    for c in tree._aux:
-        nodes = c.touched(node)
-        if not nodes:
-            continue
-        base = tree._clock
-        k = len(nodes)
-        idx = c.index
-        for i, n in enumerate(nodes):  # deepest first: ancestors end up slightly older
+    queues re-file lazily). Inline versions of ``SWAComponent.touched`` (the nodes holding SWA
+    within window + one page above ``node``, deepest first: ancestors end up slightly older)
+    and ``MambaComponent.touched`` (the node itself, if it holds a state)."""
+    if node.parent is None:
+        return
+    clock = tree._clock
+    swa = tree._swa
+    if swa is not None:
+        si = swa.index
+        limit = swa.window + swa.page_size
+        span = 0
+        hit: list[CompData] = []
+        n: Node | None = node
+        while span < limit:
+            assert n is not None
             aux = n.aux
             assert aux is not None
-            aux[idx].stamp = base + k - i
-        tree._clock = base + k
+            d = aux[si]
+            if d.value is not None:
+                hit.append(d)
+            span += len(n.key) >> 2
+            n = n.parent
+            if n is None or n.parent is None:
+                break
+        k = len(hit)
+        for d in hit:
+            d.stamp = clock + k
+            k -= 1
+        clock += len(hit)
+    mamba = tree._mamba
+    if mamba is not None:
+        aux = node.aux
+        assert aux is not None
+        d = aux[mamba.index]
+        if d.value is not None:
+            clock += 1
+            d.stamp = clock
+    tree._clock = clock
 
 
 def new_aux(tree: TreeBase) -> list[CompData]:
@@ -165,6 +189,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
 
 # ---------------------------------------------------------------------------- insert
 def _slot(value: Any, what: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise InvalidInputError(f"{what} must be one state slot, got {value.numel()} values")
@@ -238,6 +264,9 @@ def insert(
     floor: int,
     state: int | None,
 ) -> InsertResult:
+    """The walk inlines the per-node work (tick, page match, duplicate checks) that the
+    FULL-only insert does through helpers: a hybrid insert walks more nodes (the cap-split)
+    and pays for the SWA slots on each, so every call saved per node counts."""
     data = key.data
     pb = tree._pb
     ps = tree.page_size
@@ -246,44 +275,56 @@ def insert(
     ns = key.namespace
     swa = tree._swa
     mamba = tree._mamba
-    floor_a = _ceil_page(floor, ps)
-    si = swa.index if swa is not None else -1
-    recover_from = max(floor_a, n_tok - swa.window_span) if swa is not None else n_tok
+    floor_a = -(-floor // ps) * ps
     res = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
     frees = res.device_frees
     swa_frees: list[np.ndarray] = []
-    mamba_frees: list[np.ndarray] = []
+    si = -1
+    recover_from = n_tok
     if swa is not None:
+        si = swa.index
+        recover_from = max(floor_a, n_tok - swa.window_span)
         res.component_frees["swa"] = swa_frees
+    mamba_frees: list[np.ndarray] = []
     if mamba is not None:
         res.component_frees["mamba"] = mamba_frees
     node = tree._root
+    children = node.children
     off = 0
+    clock = tree._clock
+    touch_rq = tree._touch_requeues
+    hit_rq = tree._hit_requeues
+    prio_rq = tree._prio_requeues
+    ck = tree._child_key(node, data[:pb], ns)
     while off < end:
-        child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
+        child = children.get(ck)
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        ckey = child.key
+        nb = len(ckey)
+        if nb > end - off or not data.startswith(ckey, off):
+            nb = tree._match_bytes(ckey, data, off, end)
+            if nb < len(ckey):
+                child = tree._split(child, nb)
         pos = off >> 2
         hi = pos + (nb >> 2)
-        child.last_access = tree._tick()
-        requeue = tree._touch_requeues
+        clock += 1
+        child.last_access = clock
+        requeue = touch_rq
         if priority > child.priority:
-            child.priority = int(priority)
-            requeue = requeue or tree._prio_requeues
+            child.priority = priority
+            requeue = requeue or prio_rq
         if hi > inserted_len:
             child.hit_count += 1
-            requeue = requeue or tree._hit_requeues
-        lo = max(pos, prev_prefix_len)
+            requeue = requeue or hit_rq
+        lo = pos if pos > prev_prefix_len else prev_prefix_len
         if hi > lo:
-            dup = slots[lo:hi]
             own = child.value
             assert own is not None
-            own = own[lo - pos :]
-            if dup[0] != own[0] or not np.array_equal(dup, own):
-                frees.append(dup)
+            k = lo - pos
+            # A caller handing back the tree's own slots is not a duplicate.
+            if slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:]):
+                frees.append(slots[lo:hi])
             if swa_slots is not None:
                 aux = child.aux
                 assert aux is not None and swa is not None
@@ -294,20 +335,27 @@ def insert(
                 else:  # the common case, inline: the caller's SWA slots here are duplicates
                     s_lo = lo if lo > floor else floor
                     if s_lo < hi:
-                        mine = swa_slots[s_lo:hi]
-                        theirs = live[s_lo - pos :]
-                        if mine[0] != theirs[0] or not np.array_equal(mine, theirs):
-                            swa_frees.append(mine)
+                        k = s_lo - pos
+                        if swa_slots[s_lo] != live[k] or not np.array_equal(
+                            swa_slots[s_lo:hi], live[k:]
+                        ):
+                            swa_frees.append(swa_slots[s_lo:hi])
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
+        children = child.children
         off += nb
+        ck = data[off : off + pb]
+    tree._clock = clock
     res.prefix_len = off >> 2
-    if off < end:
+    fresh = off < end
+    if fresh:
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
                             floor, floor_a, swa_frees)
     if mamba is not None and node.parent is not None:
-        d = mamba.data(node)
+        aux = node.aux
+        assert aux is not None
+        d = aux[mamba.index]
         if d.value is not None:
             res.mamba_exist = True
             if state is not None and int(d.value[0]) != state:
@@ -316,7 +364,14 @@ def insert(
             one = np.array([state], dtype=np.int64)
             one.flags.writeable = False
             d.value = one
-            refresh_aux(tree, node)
+            if fresh:
+                # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
+                # counted): the state becomes evictable and joins the Mamba LRU.
+                d.acct = 1
+                mamba.evictable += 1
+                mamba.queue.push(node)
+            else:
+                refresh_aux(tree, node)
     touch_aux(tree, node)
     res.last_node = node.id
     return res
@@ -376,8 +431,10 @@ def _commit_tail(
     the live part cap-split so that the leaf holds exactly one page-aligned window."""
     swa = tree._swa
     cuts = [start]
+    live = None
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
+        assert swa.index == 0  # the aux lists below put SWA first
         live_from = max(start, floor_a)
         if start < live_from < n_tok:
             cuts.append(live_from)
@@ -386,50 +443,68 @@ def _commit_tail(
             cuts.append(cap)
         s_lo = max(start, floor)
         s_hi = min(floor_a, n_tok)
-        if swa_slots is not None and s_lo < s_hi:
-            swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
+        if swa_slots is not None:
+            if s_lo < s_hi:
+                swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
+            if floor_a < n_tok:
+                live = frozen(swa_slots[start:n_tok])
     cuts.append(n_tok)
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    node = parent
     full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
-    live = None
-    if swa is not None and swa_slots is not None and floor_a < n_tok:
-        live = frozen(swa_slots[start:n_tok])
-    swa_i = swa.index if swa is not None else -1
-    n_aux = len(tree._aux)
+    two = len(tree._aux) == 2
+    nodes = tree._nodes
+    ids = tree._ids
     tick = tree._clock
     created = []
-    for a, b in itertools.pairwise(cuts):
-        leaf = Node(next(tree._ids), node, data[a * 4 : b * 4], ns)
-        tree._nodes[leaf.id] = leaf
+    node = parent
+    ck = tree._child_key(parent, data[start * 4 : start * 4 + pb], ns)
+    a = start
+    for b in cuts[1:]:
+        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
+        nodes[leaf.id] = leaf
         leaf.value = full[a - start : b - start]
         tick += 1
         leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
         leaf.priority = priority
-        aux = [CompData(), CompData()] if n_aux == 2 else [CompData()]
         if live is not None and a >= floor_a:
             assert swa is not None
-            d = aux[swa_i]
-            d.value = live[a - start : b - start]
+            d = CompData(live[a - start : b - start])
             d.acct = 1  # counted (and queued) as evictable just below
             swa.evictable += b - a
-        leaf.aux = aux
-        node.children[tree._child_key(node, data[a * 4 : a * 4 + pb], ns)] = leaf
+            leaf.aux = [d, CompData()] if two else [d]
+        else:
+            leaf.aux = [CompData(), CompData()] if two else [CompData()]
+        node.children[ck] = leaf
         node.dchildren += 1
         created.append(leaf)
         node = leaf
+        a = b
+        ck = data[a * 4 : a * 4 + pb]
     tree._clock = tick
-    tree._refresh(parent)
+    if parent.dchildren == 1:
+        # Its first device child: it may stop being an evictable leaf. (With device children
+        # already, a new one changes none of its queue conditions.)
+        tree._refresh(parent)
+    eager = tree._eager_hashes
+    events = tree._events is not None
+    sq = swa.queue if swa is not None else None
     for leaf in created:
-        if tree._eager_hashes:
+        if eager:
             tree._digests(leaf)
-        tree._emit_stored(leaf, Medium.GPU)
-        tree._refresh(leaf)
-        if swa is not None and swa.data(leaf).acct:
-            swa.queue.push(leaf)
+        if events:
+            tree._emit_stored(leaf, Medium.GPU)
+        # tree._refresh of a new device leaf: unlocked, no host copy, nothing in flight.
+        leaf.acct = 1
+        if sq is not None:
+            aux = leaf.aux
+            assert aux is not None
+            if aux[0].acct:
+                sq.push(leaf)
+    tree._evictable += n_tok - start
+    tree._queues[DLEAF].push(node)
     return node
 
 
