@@ -56,21 +56,22 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
     swa = tree._swa
     if swa is not None:
         si = swa.index
-        limit = swa.window + swa.page_size
+        limit = (swa.window + swa.page_size) * 4  # in key bytes
         span = 0
         hit: list[CompData] = []
-        n: Node | None = node
-        while span < limit:
-            assert n is not None
+        n = node
+        while True:
             aux = n.aux
             assert aux is not None
             d = aux[si]
             if d.value is not None:
                 hit.append(d)
-            span += len(n.key) >> 2
-            n = n.parent
-            if n is None or n.parent is None:
+            span += len(n.key)
+            parent = n.parent
+            assert parent is not None
+            if span >= limit or parent.parent is None:
                 break
+            n = parent
         k = len(hit)
         for d in hit:
             d.stamp = clock + k
@@ -108,19 +109,22 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
     live = _INF  # SWA-live tokens since the last SWA tombstone
     swa_bound = mamba_bound = 0  # deepest boundary (bytes) each component accepts
     root = tree._root
-    node = root
     best = root
     best_count = 0
     off = 0
     path: list[Node] = []
     children = root.children
+    ck = tree._child_key(root, data[:pb], ns)
     while off < end:
-        child = children.get(tree._child_key(node, data[off : off + pb], ns))
+        child = children.get(ck)
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        ckey = child.key
+        nb = len(ckey)
+        if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
+            nb = tree._match_bytes(ckey, data, off, end)
+            if nb < len(ckey):
+                child = tree._split(child, nb)
         path.append(child)
         off += nb
         aux = child.aux
@@ -144,8 +148,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         if ok:
             best = child
             best_count = len(path)
-        node = child
         children = child.children
+        ck = data[off : off + pb]
     if path:
         base = tree._clock
         for i, n in enumerate(path):
@@ -552,24 +556,53 @@ def _tombstone(tree: TreeBase, n: Node, trigger: Component, res: EvictResult) ->
 
 def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     """Delete the unlocked leaf ``n`` with all its components, then every ancestor that became
-    an unlocked leaf and is a tombstone of some component (it can never end a match)."""
+    an unlocked leaf and is a tombstone of some component (it can never end a match).
+
+    The component part is ``_free_aux`` + ``Component.refresh`` inlined for a value that goes
+    away: uncount it and leave the component's LRU."""
     root = tree._root
+    comps = tree._aux
+    swa = tree._swa
+    frees = res.component_frees
+    events = tree._events is not None
     while True:
         parent = n.parent
         assert parent is not None and not n.children and n.lock_ref == 0
-        for q in tree._queues:
-            q.discard(n)
+        qe = n.qe
+        if qe[0] is not None or qe[1] is not None or qe[2] is not None:
+            for q in tree._queues:
+                q.discard(n)
         value = n.value
         assert value is not None
-        tree._emit_removed(n, Medium.GPU)
+        if events:
+            tree._emit_removed(n, Medium.GPU)
         res.device_frees.append(value)
         res.num_evicted += len(value)
         n.value = None
         tree._account(n)
-        for c in tree._aux:
-            if c.data(n).value is not None:
-                _free_aux(c, n, res)
-            c.refresh(n, False)
+        aux = n.aux
+        assert aux is not None
+        for c in comps:
+            d = aux[c.index]
+            v = d.value
+            if v is not None:
+                assert d.lock_ref == 0
+                d.value = None
+                frees[c.name].append(v)
+                if c is swa:  # SWA counts tokens, Mamba states
+                    res.swa_num_evicted += len(v)
+                else:
+                    res.mamba_num_evicted += 1
+            acct = d.acct
+            if acct:
+                k = c.units(n)
+                if acct == 1:
+                    c.evictable -= k
+                else:
+                    c.protected -= k
+                d.acct = 0
+            if d.qe is not None:
+                c.queue.discard(n)
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)
