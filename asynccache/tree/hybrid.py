@@ -366,7 +366,7 @@ def insert(
                 mamba_frees.append(np.array([state], dtype=np.int64))
         elif state is not None:
             one = np.array([state], dtype=np.int64)
-            one.flags.writeable = False
+            one.setflags(write=False)  # cheaper than one.flags.writeable = False
             d.value = one
             if fresh:
                 # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
@@ -451,7 +451,8 @@ def _commit_tail(
             if s_lo < s_hi:
                 swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
             if floor_a < n_tok:
-                live = frozen(swa_slots[start:n_tok])
+                live = swa_slots[start:n_tok].copy()  # frozen(), as below
+                live.setflags(write=False)
     cuts.append(n_tok)
     data = key.data
     pb = tree._pb
@@ -523,6 +524,8 @@ def evict(tree: TreeBase, num_tokens: int, swa_num_tokens: int, mamba_num: int) 
         if n is None:
             break
         _delete_leaf(tree, n, res)
+    if not (swa_num_tokens or mamba_num):
+        return res
     for c in tree._aux:
         target = swa_num_tokens if c.name == "swa" else mamba_num
         while (res.swa_num_evicted if c.name == "swa" else res.mamba_num_evicted) < target:
@@ -595,14 +598,15 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
                     res.mamba_num_evicted += 1
             acct = d.acct
             if acct:
-                k = c.units(n)
+                k = len(n.key) >> 2 if c is swa else 1  # c.units(n)
                 if acct == 1:
                     c.evictable -= k
                 else:
                     c.protected -= k
                 d.acct = 0
-            if d.qe is not None:
-                c.queue.discard(n)
+            if d.qe is not None:  # c.queue.discard(n), inline
+                d.qe = None
+                c.queue._live -= 1
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)
