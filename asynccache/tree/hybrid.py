@@ -462,7 +462,8 @@ def _commit_tail(
     nodes = tree._nodes
     ids = tree._ids
     tick = tree._clock
-    created = []
+    eager = tree._eager_hashes
+    events = tree._events is not None
     node = parent
     ck = tree._child_key(parent, data[start * 4 : start * 4 + pb], ns)
     a = start
@@ -474,17 +475,22 @@ def _commit_tail(
         leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
         leaf.priority = priority
+        leaf.acct = 1  # tree._refresh of a new device leaf: unlocked, no host copy, not in flight
+        node.children[ck] = leaf
+        node.dchildren += 1
+        if eager:
+            tree._digests(leaf)
+        if events:
+            tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
             d = CompData(live[a - start : b - start])
-            d.acct = 1  # counted (and queued) as evictable just below
+            d.acct = 1  # counted and queued as evictable
             swa.evictable += b - a
             leaf.aux = [d, CompData()] if two else [d]
+            swa.queue.push(leaf)
         else:
             leaf.aux = [CompData(), CompData()] if two else [CompData()]
-        node.children[ck] = leaf
-        node.dchildren += 1
-        created.append(leaf)
         node = leaf
         a = b
         ck = data[a * 4 : a * 4 + pb]
@@ -493,21 +499,6 @@ def _commit_tail(
         # Its first device child: it may stop being an evictable leaf. (With device children
         # already, a new one changes none of its queue conditions.)
         tree._refresh(parent)
-    eager = tree._eager_hashes
-    events = tree._events is not None
-    sq = swa.queue if swa is not None else None
-    for leaf in created:
-        if eager:
-            tree._digests(leaf)
-        if events:
-            tree._emit_stored(leaf, Medium.GPU)
-        # tree._refresh of a new device leaf: unlocked, no host copy, nothing in flight.
-        leaf.acct = 1
-        if sq is not None:
-            aux = leaf.aux
-            assert aux is not None
-            if aux[0].acct:
-                sq.push(leaf)
     tree._evictable += n_tok - start
     tree._queues[DLEAF].push(node)
     return node
