@@ -552,12 +552,13 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     """Delete the unlocked leaf ``n`` with all its components, then every ancestor that became
     an unlocked leaf and is a tombstone of some component (it can never end a match).
 
-    The component part is ``_free_aux`` + ``Component.refresh`` inlined for a value that goes
-    away: uncount it and leave the component's LRU."""
+    The component part is ``_free_aux`` + ``Component.refresh`` inlined, per component, for a
+    value that goes away: uncount it and leave the component's LRU."""
     root = tree._root
-    comps = tree._aux
     swa = tree._swa
-    frees = res.component_frees
+    mamba = tree._mamba
+    swa_frees = res.component_frees["swa"] if swa is not None else []
+    mamba_frees = res.component_frees["mamba"] if mamba is not None else []
     events = tree._events is not None
     while True:
         parent = n.parent
@@ -576,28 +577,40 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         tree._account(n)
         aux = n.aux
         assert aux is not None
-        for c in comps:
-            d = aux[c.index]
+        if swa is not None:
+            d = aux[swa.index]
             v = d.value
             if v is not None:
                 assert d.lock_ref == 0
                 d.value = None
-                frees[c.name].append(v)
-                if c is swa:  # SWA counts tokens, Mamba states
-                    res.swa_num_evicted += len(v)
+                swa_frees.append(v)
+                res.swa_num_evicted += len(v)
+            if d.acct:
+                if d.acct == 1:
+                    swa.evictable -= len(n.key) >> 2
                 else:
-                    res.mamba_num_evicted += 1
-            acct = d.acct
-            if acct:
-                k = len(n.key) >> 2 if c is swa else 1  # c.units(n)
-                if acct == 1:
-                    c.evictable -= k
-                else:
-                    c.protected -= k
+                    swa.protected -= len(n.key) >> 2
                 d.acct = 0
-            if d.qe is not None:  # c.queue.discard(n), inline
+            if d.qe is not None:  # swa.queue.discard(n), inline
                 d.qe = None
-                c.queue._live -= 1
+                swa.queue._live -= 1
+        if mamba is not None:
+            d = aux[mamba.index]
+            v = d.value
+            if v is not None:
+                assert d.lock_ref == 0
+                d.value = None
+                mamba_frees.append(v)
+                res.mamba_num_evicted += 1
+            if d.acct:
+                if d.acct == 1:
+                    mamba.evictable -= 1
+                else:
+                    mamba.protected -= 1
+                d.acct = 0
+            if d.qe is not None:
+                d.qe = None
+                mamba.queue._live -= 1
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)
