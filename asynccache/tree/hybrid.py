@@ -285,10 +285,15 @@ def insert(
     swa_frees: list[np.ndarray] = []
     si = -1
     recover_from = n_tok
+    # The LRU refresh of touch_aux, gathered on the way down: the SWA data of the path nodes
+    # ending past ``near`` (within window + page of the end, where the insert ends), top first.
+    near = end
+    swa_near: list[CompData] = []
     if swa is not None:
         si = swa.index
         recover_from = max(floor_a, n_tok - swa.window_span)
         res.component_frees["swa"] = swa_frees
+        near = end - (swa.window + ps) * 4
     mamba_frees: list[np.ndarray] = []
     if mamba is not None:
         res.component_frees["mamba"] = mamba_frees
@@ -350,12 +355,16 @@ def insert(
         children = child.children
         off += nb
         ck = data[off : off + pb]
+        if off > near:
+            aux = child.aux
+            assert aux is not None
+            swa_near.append(aux[si])
     tree._clock = clock
     res.prefix_len = off >> 2
     fresh = off < end
     if fresh:
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees)
+                            floor, floor_a, swa_frees, near, swa_near)
     if mamba is not None and node.parent is not None:
         aux = node.aux
         assert aux is not None
@@ -376,7 +385,21 @@ def insert(
                 mamba.queue.push(node)
             else:
                 refresh_aux(tree, node)
-    touch_aux(tree, node)
+    if node.parent is not None:
+        # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
+        clock = tree._clock
+        for sd in swa_near:
+            if sd.value is not None:
+                clock += 1
+                sd.stamp = clock
+        if mamba is not None:
+            aux = node.aux
+            assert aux is not None
+            md = aux[mamba.index]
+            if md.value is not None:
+                clock += 1
+                md.stamp = clock
+        tree._clock = clock
     res.last_node = node.id
     return res
 
@@ -430,9 +453,12 @@ def _commit_tail(
     floor: int,
     floor_a: int,
     swa_frees: list[np.ndarray],
+    near: int,
+    swa_near: list[CompData],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
-    the live part cap-split so that the leaf holds exactly one page-aligned window."""
+    the live part cap-split so that the leaf holds exactly one page-aligned window. New SWA
+    data ending past ``near`` goes to ``swa_near`` (see insert)."""
     swa = tree._swa
     cuts = [start]
     live = None
@@ -489,6 +515,8 @@ def _commit_tail(
             swa.evictable += b - a
             leaf.aux = [d, CompData()] if two else [d]
             swa.queue.push(leaf)
+            if b * 4 > near:
+                swa_near.append(d)
         else:
             leaf.aux = [CompData(), CompData()] if two else [CompData()]
         node = leaf
