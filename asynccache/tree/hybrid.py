@@ -341,14 +341,15 @@ def insert(
                 if live is None:
                     _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
                                  swa_frees, res.swa_adopted)
-                else:  # the common case, inline: the caller's SWA slots here are duplicates
-                    s_lo = lo if lo > floor else floor
-                    if s_lo < hi:
-                        k = s_lo - pos
-                        if swa_slots[s_lo] != live[k] or not np.array_equal(
-                            swa_slots[s_lo:hi], live[k:]
-                        ):
-                            swa_frees.append(swa_slots[s_lo:hi])
+                elif floor <= lo:  # the common case, inline: the caller's SWA slots are dups
+                    if swa_slots[lo] != live[k] or not np.array_equal(swa_slots[lo:hi], live[k:]):
+                        swa_frees.append(swa_slots[lo:hi])
+                elif floor < hi:  # below the floor the caller has no SWA slots any more
+                    k = floor - pos
+                    if swa_slots[floor] != live[k] or not np.array_equal(
+                        swa_slots[floor:hi], live[k:]
+                    ):
+                        swa_frees.append(swa_slots[floor:hi])
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
@@ -465,14 +466,14 @@ def _commit_tail(
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
         assert swa.index == 0  # the aux lists below put SWA first
-        live_from = max(start, floor_a)
+        live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
             cuts.append(live_from)
         cap = n_tok - swa.window_span
         if cap > live_from:
             cuts.append(cap)
-        s_lo = max(start, floor)
-        s_hi = min(floor_a, n_tok)
+        s_lo = floor if floor > start else start
+        s_hi = floor_a if floor_a < n_tok else n_tok
         if swa_slots is not None:
             if s_lo < s_hi:
                 swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
@@ -483,7 +484,8 @@ def _commit_tail(
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
+    full = slots[start:n_tok].copy()  # frozen(): one copy; the segments are read-only views
+    full.setflags(write=False)
     two = len(tree._aux) == 2
     nodes = tree._nodes
     ids = tree._ids
@@ -491,7 +493,9 @@ def _commit_tail(
     eager = tree._eager_hashes
     events = tree._events is not None
     node = parent
-    ck = tree._child_key(parent, data[start * 4 : start * 4 + pb], ns)
+    ck = data[start * 4 : start * 4 + pb]
+    if parent is tree._root:
+        ck = tree._child_key(parent, ck, ns)
     a = start
     for b in cuts[1:]:
         leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
