@@ -8,7 +8,6 @@ flight.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -48,19 +47,45 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
 
 def touch_aux(tree: TreeBase, node: Node) -> None:
     """Refresh each component's LRU for a match or insert ending at ``node`` (stamps only; the
-    queues re-file lazily)."""
-    for c in tree._aux:
-        nodes = c.touched(node)
-        if not nodes:
-            continue
-        base = tree._clock
-        k = len(nodes)
-        idx = c.index
-        for i, n in enumerate(nodes):  # deepest first: ancestors end up slightly older
+    queues re-file lazily). Inline versions of ``SWAComponent.touched`` (the nodes holding SWA
+    within window + one page above ``node``, deepest first: ancestors end up slightly older)
+    and ``MambaComponent.touched`` (the node itself, if it holds a state)."""
+    if node.parent is None:
+        return
+    clock = tree._clock
+    swa = tree._swa
+    if swa is not None:
+        si = swa.index
+        limit = (swa.window + swa.page_size) * 4  # in key bytes
+        span = 0
+        hit: list[CompData] = []
+        n = node
+        while True:
             aux = n.aux
             assert aux is not None
-            aux[idx].stamp = base + k - i
-        tree._clock = base + k
+            d = aux[si]
+            if d.value is not None:
+                hit.append(d)
+            span += len(n.key)
+            parent = n.parent
+            assert parent is not None
+            if span >= limit or parent.parent is None:
+                break
+            n = parent
+        k = len(hit)
+        for d in hit:
+            d.stamp = clock + k
+            k -= 1
+        clock += len(hit)
+    mamba = tree._mamba
+    if mamba is not None:
+        aux = node.aux
+        assert aux is not None
+        d = aux[mamba.index]
+        if d.value is not None:
+            clock += 1
+            d.stamp = clock
+    tree._clock = clock
 
 
 def new_aux(tree: TreeBase) -> list[CompData]:
@@ -84,19 +109,22 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
     live = _INF  # SWA-live tokens since the last SWA tombstone
     swa_bound = mamba_bound = 0  # deepest boundary (bytes) each component accepts
     root = tree._root
-    node = root
     best = root
     best_count = 0
     off = 0
     path: list[Node] = []
     children = root.children
+    ck = tree._child_key(root, data[:pb], ns)
     while off < end:
-        child = children.get(tree._child_key(node, data[off : off + pb], ns))
+        child = children.get(ck)
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        ckey = child.key
+        nb = len(ckey)
+        if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
+            nb = tree._match_bytes(ckey, data, off, end)
+            if nb < len(ckey):
+                child = tree._split(child, nb)
         path.append(child)
         off += nb
         aux = child.aux
@@ -120,8 +148,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         if ok:
             best = child
             best_count = len(path)
-        node = child
         children = child.children
+        ck = data[off : off + pb]
     if path:
         base = tree._clock
         for i, n in enumerate(path):
@@ -165,6 +193,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
 
 # ---------------------------------------------------------------------------- insert
 def _slot(value: Any, what: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise InvalidInputError(f"{what} must be one state slot, got {value.numel()} values")
@@ -238,6 +268,9 @@ def insert(
     floor: int,
     state: int | None,
 ) -> InsertResult:
+    """The walk inlines the per-node work (tick, page match, duplicate checks) that the
+    FULL-only insert does through helpers: a hybrid insert walks more nodes (the cap-split)
+    and pays for the SWA slots on each, so every call saved per node counts."""
     data = key.data
     pb = tree._pb
     ps = tree.page_size
@@ -246,44 +279,61 @@ def insert(
     ns = key.namespace
     swa = tree._swa
     mamba = tree._mamba
-    floor_a = _ceil_page(floor, ps)
-    si = swa.index if swa is not None else -1
-    recover_from = max(floor_a, n_tok - swa.window_span) if swa is not None else n_tok
+    floor_a = -(-floor // ps) * ps
     res = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
     frees = res.device_frees
     swa_frees: list[np.ndarray] = []
-    mamba_frees: list[np.ndarray] = []
+    si = -1
+    recover_from = n_tok
+    # The LRU refresh of touch_aux, gathered on the way down: the SWA data of the path nodes
+    # ending past ``near`` (within window + page of the end, where the insert ends), top first.
+    near = end
+    swa_near: list[CompData] = []
     if swa is not None:
+        si = swa.index
+        recover_from = max(floor_a, n_tok - swa.window_span)
         res.component_frees["swa"] = swa_frees
+        near = end - (swa.window + ps) * 4
+    mamba_frees: list[np.ndarray] = []
     if mamba is not None:
         res.component_frees["mamba"] = mamba_frees
     node = tree._root
+    children = node.children
     off = 0
+    clock = tree._clock
+    touch_rq = tree._touch_requeues
+    hit_rq = tree._hit_requeues
+    prio_rq = tree._prio_requeues
+    ck = tree._child_key(node, data[:pb], ns)
     while off < end:
-        child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
+        child = children.get(ck)
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        ckey = child.key
+        nb = len(ckey)
+        if nb > end - off or not data.startswith(ckey, off):
+            nb = tree._match_bytes(ckey, data, off, end)
+            if nb < len(ckey):
+                child = tree._split(child, nb)
         pos = off >> 2
         hi = pos + (nb >> 2)
-        child.last_access = tree._tick()
-        requeue = tree._touch_requeues
+        clock += 1
+        child.last_access = clock
+        requeue = touch_rq
         if priority > child.priority:
-            child.priority = int(priority)
-            requeue = requeue or tree._prio_requeues
+            child.priority = priority
+            requeue = requeue or prio_rq
         if hi > inserted_len:
             child.hit_count += 1
-            requeue = requeue or tree._hit_requeues
-        lo = max(pos, prev_prefix_len)
+            requeue = requeue or hit_rq
+        lo = pos if pos > prev_prefix_len else prev_prefix_len
         if hi > lo:
-            dup = slots[lo:hi]
             own = child.value
             assert own is not None
-            own = own[lo - pos :]
-            if dup[0] != own[0] or not np.array_equal(dup, own):
-                frees.append(dup)
+            k = lo - pos
+            # A caller handing back the tree's own slots is not a duplicate.
+            if slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:]):
+                frees.append(slots[lo:hi])
             if swa_slots is not None:
                 aux = child.aux
                 assert aux is not None and swa is not None
@@ -291,33 +341,66 @@ def insert(
                 if live is None:
                     _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
                                  swa_frees, res.swa_adopted)
-                else:  # the common case, inline: the caller's SWA slots here are duplicates
-                    s_lo = lo if lo > floor else floor
-                    if s_lo < hi:
-                        mine = swa_slots[s_lo:hi]
-                        theirs = live[s_lo - pos :]
-                        if mine[0] != theirs[0] or not np.array_equal(mine, theirs):
-                            swa_frees.append(mine)
+                elif floor <= lo:  # the common case, inline: the caller's SWA slots are dups
+                    if swa_slots[lo] != live[k] or not np.array_equal(swa_slots[lo:hi], live[k:]):
+                        swa_frees.append(swa_slots[lo:hi])
+                elif floor < hi:  # below the floor the caller has no SWA slots any more
+                    k = floor - pos
+                    if swa_slots[floor] != live[k] or not np.array_equal(
+                        swa_slots[floor:hi], live[k:]
+                    ):
+                        swa_frees.append(swa_slots[floor:hi])
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
+        children = child.children
         off += nb
+        ck = data[off : off + pb]
+        if off > near:
+            aux = child.aux
+            assert aux is not None
+            swa_near.append(aux[si])
+    tree._clock = clock
     res.prefix_len = off >> 2
-    if off < end:
+    fresh = off < end
+    if fresh:
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees)
+                            floor, floor_a, swa_frees, near, swa_near)
     if mamba is not None and node.parent is not None:
-        d = mamba.data(node)
+        aux = node.aux
+        assert aux is not None
+        d = aux[mamba.index]
         if d.value is not None:
             res.mamba_exist = True
             if state is not None and int(d.value[0]) != state:
                 mamba_frees.append(np.array([state], dtype=np.int64))
         elif state is not None:
             one = np.array([state], dtype=np.int64)
-            one.flags.writeable = False
+            one.setflags(write=False)  # cheaper than one.flags.writeable = False
             d.value = one
-            refresh_aux(tree, node)
-    touch_aux(tree, node)
+            if fresh:
+                # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
+                # counted): the state becomes evictable and joins the Mamba LRU.
+                d.acct = 1
+                mamba.evictable += 1
+                mamba.queue.push(node)
+            else:
+                refresh_aux(tree, node)
+    if node.parent is not None:
+        # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
+        clock = tree._clock
+        for sd in swa_near:
+            if sd.value is not None:
+                clock += 1
+                sd.stamp = clock
+        if mamba is not None:
+            aux = node.aux
+            assert aux is not None
+            md = aux[mamba.index]
+            if md.value is not None:
+                clock += 1
+                md.stamp = clock
+        tree._clock = clock
     res.last_node = node.id
     return res
 
@@ -371,65 +454,85 @@ def _commit_tail(
     floor: int,
     floor_a: int,
     swa_frees: list[np.ndarray],
+    near: int,
+    swa_near: list[CompData],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
-    the live part cap-split so that the leaf holds exactly one page-aligned window."""
+    the live part cap-split so that the leaf holds exactly one page-aligned window. New SWA
+    data ending past ``near`` goes to ``swa_near`` (see insert)."""
     swa = tree._swa
     cuts = [start]
+    live = None
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
-        live_from = max(start, floor_a)
+        assert swa.index == 0  # the aux lists below put SWA first
+        live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
             cuts.append(live_from)
         cap = n_tok - swa.window_span
         if cap > live_from:
             cuts.append(cap)
-        s_lo = max(start, floor)
-        s_hi = min(floor_a, n_tok)
-        if swa_slots is not None and s_lo < s_hi:
-            swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
+        s_lo = floor if floor > start else start
+        s_hi = floor_a if floor_a < n_tok else n_tok
+        if swa_slots is not None:
+            if s_lo < s_hi:
+                swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
+            if floor_a < n_tok:
+                live = swa_slots[start:n_tok].copy()  # frozen(), as below
+                live.setflags(write=False)
     cuts.append(n_tok)
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    node = parent
-    full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
-    live = None
-    if swa is not None and swa_slots is not None and floor_a < n_tok:
-        live = frozen(swa_slots[start:n_tok])
-    swa_i = swa.index if swa is not None else -1
-    n_aux = len(tree._aux)
+    full = slots[start:n_tok].copy()  # frozen(): one copy; the segments are read-only views
+    full.setflags(write=False)
+    two = len(tree._aux) == 2
+    nodes = tree._nodes
+    ids = tree._ids
     tick = tree._clock
-    created = []
-    for a, b in itertools.pairwise(cuts):
-        leaf = Node(next(tree._ids), node, data[a * 4 : b * 4], ns)
-        tree._nodes[leaf.id] = leaf
+    eager = tree._eager_hashes
+    events = tree._events is not None
+    node = parent
+    ck = data[start * 4 : start * 4 + pb]
+    if parent is tree._root:
+        ck = tree._child_key(parent, ck, ns)
+    a = start
+    for b in cuts[1:]:
+        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
+        nodes[leaf.id] = leaf
         leaf.value = full[a - start : b - start]
         tick += 1
         leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
         leaf.priority = priority
-        aux = [CompData(), CompData()] if n_aux == 2 else [CompData()]
+        leaf.acct = 1  # tree._refresh of a new device leaf: unlocked, no host copy, not in flight
+        node.children[ck] = leaf
+        node.dchildren += 1
+        if eager:
+            tree._digests(leaf)
+        if events:
+            tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
-            d = aux[swa_i]
-            d.value = live[a - start : b - start]
-            d.acct = 1  # counted (and queued) as evictable just below
+            d = CompData(live[a - start : b - start])
+            d.acct = 1  # counted and queued as evictable
             swa.evictable += b - a
-        leaf.aux = aux
-        node.children[tree._child_key(node, data[a * 4 : a * 4 + pb], ns)] = leaf
-        node.dchildren += 1
-        created.append(leaf)
-        node = leaf
-    tree._clock = tick
-    tree._refresh(parent)
-    for leaf in created:
-        if tree._eager_hashes:
-            tree._digests(leaf)
-        tree._emit_stored(leaf, Medium.GPU)
-        tree._refresh(leaf)
-        if swa is not None and swa.data(leaf).acct:
+            leaf.aux = [d, CompData()] if two else [d]
             swa.queue.push(leaf)
+            if b * 4 > near:
+                swa_near.append(d)
+        else:
+            leaf.aux = [CompData(), CompData()] if two else [CompData()]
+        node = leaf
+        a = b
+        ck = data[a * 4 : a * 4 + pb]
+    tree._clock = tick
+    if parent.dchildren == 1:
+        # Its first device child: it may stop being an evictable leaf. (With device children
+        # already, a new one changes none of its queue conditions.)
+        tree._refresh(parent)
+    tree._evictable += n_tok - start
+    tree._queues[DLEAF].push(node)
     return node
 
 
@@ -444,6 +547,8 @@ def evict(tree: TreeBase, num_tokens: int, swa_num_tokens: int, mamba_num: int) 
         if n is None:
             break
         _delete_leaf(tree, n, res)
+    if not (swa_num_tokens or mamba_num):
+        return res
     for c in tree._aux:
         target = swa_num_tokens if c.name == "swa" else mamba_num
         while (res.swa_num_evicted if c.name == "swa" else res.mamba_num_evicted) < target:
@@ -477,24 +582,67 @@ def _tombstone(tree: TreeBase, n: Node, trigger: Component, res: EvictResult) ->
 
 def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     """Delete the unlocked leaf ``n`` with all its components, then every ancestor that became
-    an unlocked leaf and is a tombstone of some component (it can never end a match)."""
+    an unlocked leaf and is a tombstone of some component (it can never end a match).
+
+    The component part is ``_free_aux`` + ``Component.refresh`` inlined, per component, for a
+    value that goes away: uncount it and leave the component's LRU."""
     root = tree._root
+    swa = tree._swa
+    mamba = tree._mamba
+    swa_frees = res.component_frees["swa"] if swa is not None else []
+    mamba_frees = res.component_frees["mamba"] if mamba is not None else []
+    events = tree._events is not None
     while True:
         parent = n.parent
         assert parent is not None and not n.children and n.lock_ref == 0
-        for q in tree._queues:
-            q.discard(n)
+        qe = n.qe
+        if qe[0] is not None or qe[1] is not None or qe[2] is not None:
+            for q in tree._queues:
+                q.discard(n)
         value = n.value
         assert value is not None
-        tree._emit_removed(n, Medium.GPU)
+        if events:
+            tree._emit_removed(n, Medium.GPU)
         res.device_frees.append(value)
         res.num_evicted += len(value)
         n.value = None
         tree._account(n)
-        for c in tree._aux:
-            if c.data(n).value is not None:
-                _free_aux(c, n, res)
-            c.refresh(n, False)
+        aux = n.aux
+        assert aux is not None
+        if swa is not None:
+            d = aux[swa.index]
+            v = d.value
+            if v is not None:
+                assert d.lock_ref == 0
+                d.value = None
+                swa_frees.append(v)
+                res.swa_num_evicted += len(v)
+            if d.acct:
+                if d.acct == 1:
+                    swa.evictable -= len(n.key) >> 2
+                else:
+                    swa.protected -= len(n.key) >> 2
+                d.acct = 0
+            if d.qe is not None:  # swa.queue.discard(n), inline
+                d.qe = None
+                swa.queue._live -= 1
+        if mamba is not None:
+            d = aux[mamba.index]
+            v = d.value
+            if v is not None:
+                assert d.lock_ref == 0
+                d.value = None
+                mamba_frees.append(v)
+                res.mamba_num_evicted += 1
+            if d.acct:
+                if d.acct == 1:
+                    mamba.evictable -= 1
+                else:
+                    mamba.protected -= 1
+                d.acct = 0
+            if d.qe is not None:
+                d.qe = None
+                mamba.queue._live -= 1
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)
