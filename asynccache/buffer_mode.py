@@ -41,7 +41,8 @@ from asynccache.tree import LockReceipt
 from transfers.handles import CopyHandle
 
 if TYPE_CHECKING:
-    from asynccache.cache import CacheRequest, HierarchicalCache
+    from asynccache.cache import HierarchicalCache
+    from asynccache.requests import CacheRequest
 
 _log = get_logger("buffer_mode")
 

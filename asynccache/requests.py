@@ -79,9 +79,12 @@ class RequestsMixin:
         self._check_open()
         if session_id in self._streams:
             raise InvalidInputError(f"streaming session {session_id!r} is already open")
-        s = StreamingSession(self, session_id, lambda s: self._streams.pop(s.session_id, None))
+        s = StreamingSession(self, session_id, lambda s: self._forget_stream(s.session_id))
         self._streams[session_id] = s
         return s
+
+    def _forget_stream(self: HierarchicalCache, session_id: str) -> None:
+        self._streams.pop(session_id, None)
 
     @property
     def streaming_held_tokens(self: HierarchicalCache) -> int:

@@ -58,6 +58,7 @@ class RetractionMixin:
         slots = np.concatenate([req.slots, req.spare])
         host = self.take_host(len(slots)) if len(slots) else EMPTY_SLOTS
         if host is None:
+            assert self.host_pool is not None
             raise PoolExhaustedError(
                 f"cannot retract request {req.rid}: {len(slots)} host slots needed, "
                 f"{self.host_pool.allocator.available_size} free after host eviction"

@@ -22,7 +22,8 @@ from asynccache.errors import InvalidInputError
 from asynccache.tree import RadixKey, RadixTree, SessionRef, as_key
 
 if TYPE_CHECKING:
-    from asynccache.cache import CacheRequest, HierarchicalCache
+    from asynccache.cache import HierarchicalCache
+    from asynccache.requests import CacheRequest
 
 CLOSED_IDS_LIMIT = 8192
 

@@ -19,7 +19,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from asynccache.cache import CacheRequest, HierarchicalCache
+    from asynccache.cache import HierarchicalCache
+    from asynccache.requests import CacheRequest
     from asynccache.tree import RadixKey
     from transfers.pools import KVShape
 
