@@ -3,6 +3,7 @@ subtree deletion and host eviction."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
+from asynccache.tree import hybrid_host
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -233,6 +235,10 @@ class HostTier(TreeBase):
         n.pending = op_id
         self._inc(n)
         self._refresh(n)
+        if n.aux is not None:
+            parts = hybrid_host.backup_parts(self, n, self._pending[op_id])
+            return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value,
+                                 write_back=write_back, component_slots=parts)
         return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value, write_back=write_back)
 
     def _pop_op(self, op_id: int, kind: str) -> _PendingOp:
@@ -242,11 +248,14 @@ class HostTier(TreeBase):
         del self._pending[op_id]
         return op
 
-    def commit_backup(self, op_id: int, host_slots: Any) -> list[int]:
+    def commit_backup(
+        self, op_id: int, host_slots: Any, component_host_slots: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """The D->H copy of backup ``op_id`` landed in ``host_slots``: record the host copy.
 
         Returns the ids of the nodes now backed up: the original node and any prefix fragments
-        split off it while the copy was in flight, root first.
+        split off it while the copy was in flight, root first. Hybrid trees: the request's
+        ``component_slots`` landed in ``component_host_slots`` (same keys and lengths).
         """
         self._check_owner()
         op = self._pending.get(op_id)
@@ -256,6 +265,11 @@ class HostTier(TreeBase):
         need = sum(f.ntok for f in op.fragments)
         if len(slots) != need:
             raise InvalidInputError(f"backup {op_id} needs {need} host slots, got {len(slots)}")
+        aux_stored = None
+        if op.aux is not None:
+            aux_stored = hybrid_host.check_backup_slots(op, component_host_slots)
+        elif component_host_slots:
+            raise InvalidInputError("component_host_slots given for a FULL-only backup")
         del self._pending[op_id]
         stored = frozen(slots)
         pos = 0
@@ -266,6 +280,8 @@ class HostTier(TreeBase):
             f.pending = 0
             self._host_size += k
             self._emit_stored(f, Medium.CPU_PINNED)
+        if aux_stored is not None:
+            hybrid_host.attach_backup(self, op, aux_stored)
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
@@ -280,6 +296,9 @@ class HostTier(TreeBase):
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
+        if op.aux is not None:
+            for f in op.fragments:
+                hybrid_host.refresh_aux(self, f)
 
     def host_chain(self, node_id: int) -> list[int]:
         """Ids of the host-only nodes from below the last device ancestor down to ``node_id``."""
@@ -291,14 +310,38 @@ class HostTier(TreeBase):
             n = n.parent
         return chain[::-1]
 
-    def start_load_back(self, node_id: int, device_slots: Any) -> LoadBackTicket:
+    def load_back_sizes(self, node_id: int) -> dict[str, int]:
+        """Device slots a load-back anchored at ``node_id`` needs, per part: ``"full"`` tokens
+        and, in hybrid trees, ``"swa"`` tokens and ``"mamba"`` states."""
+        node = self._node(node_id)
+        if self._aux:
+            return hybrid_host.load_back_sizes(self, node)
+        need = 0
+        while node is not self._root and node.value is None:
+            need += node.ntok
+            assert node.parent is not None
+            node = node.parent
+        return {"full": need}
+
+    def start_load_back(
+        self, node_id: int, device_slots: Any, component_slots: Mapping[str, Any] | None = None
+    ) -> LoadBackTicket:
         """Give the host-only path ending at ``node_id`` the device slots ``device_slots``.
 
         The nodes count as on device at once (marked pending and pinned); copy the ticket's
         ``host_slots`` to its ``device_slots``, then ``commit_load_back``.
+
+        Hybrid trees load what makes ``node_id`` device-valid: FULL KV of the host-only
+        nodes, SWA of the nodes below the last device-valid ancestor whose SWA is only on host,
+        and the anchor's Mamba state; ``component_slots`` gives the device slots of each
+        component (sizes from :meth:`load_back_sizes`).
         """
         self._check_owner()
         node = self._node(node_id)
+        if self._aux:
+            return hybrid_host.start_load_back(self, node, device_slots, component_slots)
+        if component_slots:
+            raise InvalidInputError("component_slots given to a FULL-only tree")
         chain: list[Node] = []
         n = node
         while n is not self._root and n.value is None:
@@ -347,6 +390,9 @@ class HostTier(TreeBase):
         """The H->D copy of ``op_id`` completed: the KV may be read; release its pins."""
         self._check_owner()
         op = self._pop_op(op_id, "load")
+        if op.aux is not None:
+            hybrid_host.commit_load_back(self, op)
+            return
         for f in op.fragments:
             f.pending = 0
             self._emit_stored(f, Medium.GPU)
@@ -363,6 +409,8 @@ class HostTier(TreeBase):
         """
         self._check_owner()
         op = self._pop_op(op_id, "load")
+        if op.aux is not None:
+            return hybrid_host.abort_load_back(self, op)
         for f in op.fragments:
             f.pending = 0
         self._dec(op.fragments[-1])
@@ -394,8 +442,6 @@ class HostTier(TreeBase):
         self._check_owner()
         n = self._node(node_id)
         res = EvictResult()
-        if self._aux:
-            raise InvalidInputError("drop: hybrid trees have no write-back tier")
         if (
             n is self._root
             or n.value is None
@@ -405,6 +451,8 @@ class HostTier(TreeBase):
             or n.host_lock_ref
         ):
             return res
+        if self._aux:
+            return hybrid_host.drop(self, n)
         self._delete_subtree(n, res)
         return res
 
@@ -472,6 +520,8 @@ class HostTier(TreeBase):
                 res.num_evicted += n.ntok
                 self._host_size -= n.ntok
                 n.host_value = None
+                if n.aux is not None:
+                    hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
                 if slot == HLEAF:
                     parent = n.parent
                     assert parent is not None
