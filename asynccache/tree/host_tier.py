@@ -12,7 +12,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
-from asynccache.tree import hybrid_host
+from asynccache.tree import hybrid, hybrid_host
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -298,7 +298,7 @@ class HostTier(TreeBase):
             self._refresh(f)
         if op.aux is not None:
             for f in op.fragments:
-                hybrid_host.refresh_aux(self, f)
+                hybrid.refresh_aux(self, f)
 
     def host_chain(self, node_id: int) -> list[int]:
         """Ids of the host-only nodes from below the last device ancestor down to ``node_id``."""
