@@ -246,3 +246,33 @@ async def test_reinsert_over_host_only_nodes_serves_the_new_kv(make_cache: Any, 
     if hy.swa_map is not None:
         got = hy.swa_pool.read_slots(hy.swa_map.translate(m.device_indices[len(longer) - 4 :]))
         assert torch.equal(got, want_swa)
+
+
+async def test_a_request_loads_its_hybrid_host_hit_back(make_cache: Any) -> None:
+    cache, want = await cache_and_write(make_cache, "full+swa+mamba")
+    cache.evict(len(TOKENS))
+    zero_device(cache)
+    req = cache.admit([*TOKENS, 1])
+    assert (req.prefix_len, req.host_hit_length) == (0, len(TOKENS))
+    assert await cache.load_back_request(req) == len(TOKENS)
+    assert req.prefix_len == len(TOKENS)
+    cache.sanity_check()
+    assert_same(served(cache, req.slots), want)
+    cache.abort_req(req)
+    cache.sanity_check()
+    assert cache.tree.held_locks == 0
+
+
+async def test_storage_is_refused_for_hybrid_models(make_cache: Any, tmp_path: Any) -> None:
+    from asynccache.errors import ConfigError
+    from storage.file import FileBackend
+
+    cache = await make_cache(**{**BASE, **COMBOS["full+swa"]})
+    backend = FileBackend(tmp_path, cache.storage_layout())
+    await backend.start()
+    try:
+        with pytest.raises(ConfigError, match="storage \\(L3\\) for hybrid models"):
+            cache.attach_storage(backend)
+        assert cache.storage is None
+    finally:
+        await backend.aclose()
