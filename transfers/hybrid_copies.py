@@ -107,6 +107,8 @@ class StateCopier:
                 rows = src.states.index_select(0, torch.from_numpy(s).to(src.states.device))
                 dst.states.index_copy_(0, torch.from_numpy(d).to(dst.states.device),
                                        rows.to(dst.states.device, non_blocking=False))
+                if dst.states.device.type == "cuda":  # the scatter is queued: wait for it
+                    torch.cuda.current_stream(dst.states.device).synchronize()
             return CopyResult(op, int(s.shape[0]), nbytes, began - submitted,
                               time.perf_counter() - began)
 
