@@ -276,3 +276,30 @@ async def test_storage_is_refused_for_hybrid_models(make_cache: Any, tmp_path: A
         assert cache.storage is None
     finally:
         await backend.aclose()
+
+
+async def test_write_back_without_component_host_room_drops_the_victim(make_cache: Any) -> None:
+    cache = await make_cache(**{**BASE, **COMBOS["full+swa+mamba"], "write_policy": "write_back",
+                                "mamba_host_states": 1})
+    hy = cache.hybrid
+    for i, base in enumerate((100, 200)):  # two sequences, each ending in a state
+        toks = list(range(base, base + 6))
+        slots = cache.try_alloc_device(6)
+        cache.insert(toks, slots, mamba_value=cache.alloc_mamba_state())
+        assert i == 0 or cache.host_size == 0
+    cache.sanity_check()
+    # Each is cap-split into 2 + 4 tokens, the state on the 4-token leaf. Both leaves need a
+    # host state for their write-back; the host state pool holds one. The second is dropped
+    # (with its stateless parent, which could never end a match); the first sequence goes to
+    # host whole.
+    assert await cache.evict_async(12) == 12
+    await cache.flush()
+    cache.sanity_check()
+    assert cache.metrics.hybrid_skipped.labels(op="backup")._value.get() == 1
+    assert cache.metrics.dropped_tokens.labels(reason="host_pressure")._value.get() == 6
+    assert (cache.host_size, hy.tier.swa_host.allocator.used_size,
+            hy.tier.mamba_host.used_size) == (6, 6, 1)
+    assert cache.device_pool.allocator.used_size == 0
+    m = cache.match_prefix(list(range(100, 106)))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 6)
+    assert cache.match_prefix(list(range(200, 206))).full_kv_hit_length == 0
