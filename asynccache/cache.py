@@ -450,6 +450,13 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         need = self._round_up(num_tokens)
         if self.hybrid is not None:
             got = self.try_alloc_device(need)
+            for _ in range(64):
+                # Write-back copies (and write-through ones) pin their victims until they land.
+                in_flight = list(self._inflight.values())
+                if got is not None or not in_flight:
+                    break
+                await self._settle(in_flight)
+                got = self.try_alloc_device(need)
             if got is None:
                 raise PoolExhaustedError(
                     f"cannot allocate {need} device slots (FULL, SWA free: "

@@ -62,11 +62,14 @@ async def cache_and_write(make_cache: Any, combo: str, **kw: Any) -> tuple[Any, 
     return cache, want
 
 
-def served(cache: Any, device_indices: np.ndarray) -> dict[str, Any]:
+def served(cache: Any, device_indices: np.ndarray, swa_tail: int = 0) -> dict[str, Any]:
+    """The KV the cache serves for TOKENS; ``swa_tail``: only the SWA of the last tokens (the
+    rest was out of the window and evicted)."""
     hy = cache.hybrid
     out: dict[str, Any] = {"full": cache.device_pool.read_slots(device_indices)}
     if hy.swa_map is not None:
-        out["swa"] = hy.swa_pool.read_slots(hy.swa_map.translate(device_indices))
+        swa_idx = device_indices[len(device_indices) - swa_tail :] if swa_tail else device_indices
+        out["swa"] = hy.swa_pool.read_slots(hy.swa_map.translate(swa_idx))
     if hy.mamba_pool is not None:
         m = cache.match_prefix(TOKENS, cow_mamba=True)
         assert m.device_prefix_len == len(TOKENS)
@@ -303,3 +306,21 @@ async def test_write_back_without_component_host_room_drops_the_victim(make_cach
     m = cache.match_prefix(list(range(100, 106)))
     assert (m.device_prefix_len, m.host_hit_length) == (0, 6)
     assert cache.match_prefix(list(range(200, 206))).full_kv_hit_length == 0
+
+
+async def test_alloc_device_waits_for_hybrid_write_backs(make_cache: Any) -> None:
+    cache, want = await cache_and_write(make_cache, "full+swa+mamba", write_policy="write_back",
+                                        device_tokens=12, swa_tokens=12)
+    assert cache.device_pool.allocator.available_size == 0
+    slots = await cache.alloc_device(12)  # the whole prefix goes to host first
+    cache.sanity_check()
+    assert cache.host_size == len(TOKENS)
+    cache.free_device(slots)
+    zero_device(cache)
+    lb = await cache.load_back(cache.match_prefix(TOKENS))
+    assert lb is not None
+    # Making SWA room tombstoned the SWA of the first 8 tokens (out of the window) before
+    # their write-back: only the last window has SWA on host, and it is what comes back.
+    want["swa"] = want["swa"][:, :, len(TOKENS) - 4 :]
+    assert_same(served(cache, lb.device_indices, swa_tail=4), want)
+    cache.release_load(lb)
