@@ -12,7 +12,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
-from asynccache.tree import hybrid, hybrid_host
+from asynccache.tree import hybrid, hybrid_host, hybrid_prefetch
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -32,7 +32,15 @@ from asynccache.tree.results import (
 class HostTier(TreeBase):
     """Host-tier operations of the tree (mixed into :class:`~asynccache.tree.tree.RadixTree`)."""
 
-    def insert_host(self, key: RadixKey | Any, start: int, host_slots: Any) -> InsertResult:
+    def insert_host(
+        self,
+        key: RadixKey | Any,
+        start: int,
+        host_slots: Any,
+        *,
+        swa_host_slots: Any = None,
+        mamba_host_slot: int | None = None,
+    ) -> InsertResult:
         """Record host copies (e.g. pages prefetched from storage) of ``key[start:]``.
 
         ``host_slots`` holds one host slot per token of ``key[start:start + len(host_slots)]``
@@ -40,10 +48,19 @@ class HostTier(TreeBase):
         in ``InsertResult.device_frees`` (they are *host* slots here). A device node without a
         host copy adopts the slots as its backup; the rest becomes host-only nodes. ``last_node``
         is the node ending at the end of the inserted span.
+
+        Hybrid trees (see :mod:`asynccache.tree.hybrid_prefetch`): ``swa_host_slots`` gives one
+        SWA host slot per token of the span, -1 where none was fetched (the fetched ones a
+        page-aligned suffix); ``mamba_host_slot`` the state after the span. Duplicates come
+        back in ``component_frees``.
         """
         self._check_owner()
-        if self._aux:
-            raise InvalidInputError("insert_host: hybrid trees have no host tier")
+        if (swa_host_slots is not None and self._swa is None) or (
+            mamba_host_slot is not None and self._mamba is None
+        ):
+            raise InvalidInputError(
+                f"component host slots given, but the tree's components are {self.components}"
+            )
         key = as_key(key)
         slots = as_slots(host_slots, "host_slots")
         start = _check_count("start", start)
@@ -56,11 +73,29 @@ class HostTier(TreeBase):
         data = key.data
         pb = self._pb
         end = end_tok * 4
+        swa = None
+        if swa_host_slots is not None:
+            swa = as_slots(swa_host_slots, "swa_host_slots")
+            live = np.flatnonzero(swa >= 0)
+            if len(swa) != len(slots) or (
+                len(live) and (live[-1] != len(swa) - 1 or len(live) != len(swa) - live[0]
+                               or live[0] % self.page_size)
+            ):
+                raise InvalidInputError(
+                    f"swa_host_slots must give {len(slots)} slots, -1 before a page-aligned "
+                    "suffix of fetched ones"
+                )
+        if mamba_host_slot is not None:
+            mamba_host_slot = _check_count("mamba_host_slot", mamba_host_slot)
+            if not len(slots):
+                raise InvalidInputError("mamba_host_slot needs a non-empty span")
         if self._cached_bytes(key, end) < start * 4:
             raise InvalidInputError(
                 f"the tree holds only {self._cached_bytes(key, end) >> 2} tokens of the key; a "
                 f"host span starting at {start} would leave a gap"
             )
+        if self._aux:
+            return hybrid_prefetch.insert_host(self, key, start, slots, swa, mamba_host_slot)
         ns = key.namespace
         root = self._root
         node = root

@@ -306,3 +306,50 @@ def test_drop_deletes_a_hybrid_leaf_with_its_host_subtree() -> None:
             L(e.component_host_frees), e.dropped_host_tokens) == (
         [[1, 2]], [[40, 41]], {"swa": [[11, 12]]}, {"swa": [[50, 51]]}, 2)
     assert t.node_count == 0
+
+
+# ---------------------------------------------------------------- host inserts (prefetch)
+def test_insert_host_records_fetched_pages_window_and_state() -> None:
+    t = RadixTree(page_size=2, sliding_window=4, mamba=True, host_enabled=True)
+    key = list(range(12))
+    r = t.insert_host(key, 0, np.arange(500, 512), swa_host_slots=[-1] * 8 + [600, 601, 602, 603],
+                      mamba_host_slot=9)
+    t.sanity_check()
+    assert (r.prefix_len, r.cached_len, L(r.device_frees), L(r.component_frees)) == (
+        0, 12, [], {"swa": [], "mamba": []})
+    assert comp(t, list(range(8)), "swa") == (None, None)
+    assert comp(t, key, "swa") == (None, [600, 601, 602, 603])
+    assert comp(t, key, "mamba") == (None, [9])
+    assert r.last_node == node_at(t, key).id
+    m = t.match_prefix(key)
+    assert (m.device_prefix_len, m.best_node, m.host_hit_length) == (0, r.last_node, 12)
+    assert t.load_back_sizes(r.last_node) == {"full": 12, "swa": 4, "mamba": 1}
+    tk = t.start_load_back(r.last_node, np.arange(12), {"swa": [40, 41, 42, 43], "mamba": [2]})
+    t.commit_load_back(tk.op_id)
+    t.sanity_check()
+    assert t.match_prefix(key).device_prefix_len == 12
+    # The same pages again: every slot is a duplicate.
+    again = t.insert_host(key, 0, np.arange(700, 712), swa_host_slots=[-1] * 8 + [1, 2, 3, 4],
+                          mamba_host_slot=5)
+    t.sanity_check()
+    assert (L(again.device_frees), L(again.component_frees)) == (
+        [list(range(700, 708)), list(range(708, 712))], {"swa": [[1, 2, 3, 4]], "mamba": [[5]]})
+
+
+def test_insert_host_backs_up_device_nodes_and_extends_them() -> None:
+    t = RadixTree(page_size=2, sliding_window=4, mamba=True, host_enabled=True)
+    t.insert([0, 1, 2, 3], [0, 1, 2, 3], swa_value=[10, 11, 12, 13], mamba_value=1)
+    r = t.insert_host(list(range(8)), 0, np.arange(500, 508),
+                      swa_host_slots=np.arange(600, 608), mamba_host_slot=9)
+    t.sanity_check()
+    assert (r.prefix_len, L(r.device_frees), L(r.component_frees)) == (
+        4, [], {"swa": [], "mamba": []})
+    assert comp(t, [0, 1, 2, 3], "swa") == ([10, 11, 12, 13], [600, 601, 602, 603])
+    assert comp(t, [0, 1, 2, 3], "mamba") == ([1], None)
+    assert comp(t, list(range(8)), "swa") == (None, [604, 605, 606, 607])
+    assert comp(t, list(range(8)), "mamba") == (None, [9])
+    assert t.host_size == 8
+    with pytest.raises(InvalidInputError, match="page-aligned suffix"):
+        t.insert_host(list(range(10)), 8, [1, 2], swa_host_slots=[3, -1])
+    with pytest.raises(InvalidInputError, match="component host slots given"):
+        RadixTree(host_enabled=True).insert_host([1], 0, [1], mamba_host_slot=2)

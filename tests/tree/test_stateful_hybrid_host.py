@@ -131,6 +131,41 @@ class HostHybridMachine(RuleBasedStateMachine):
         if end:
             self.history.append(toks[:end])
 
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def insert_host(self, data: st.DataObject) -> None:
+        """Pages fetched from storage: FULL pages, the last window's SWA pages, the state."""
+        toks = self.history[data.draw(st.integers(0, len(self.history) - 1), label="key")]
+        toks = toks + tuple(data.draw(st.lists(st.integers(0, 2), max_size=2 * self.ps),
+                                      label="more"))
+        toks = toks[: len(toks) - len(toks) % self.ps]
+        hit = self.tree.match_prefix(list(toks)).full_kv_hit_length
+        start = data.draw(st.integers(0, hit // self.ps), label="start") * self.ps
+        n = len(toks) - start
+        if n <= 0:
+            return
+        host = self._take("hfull", n)
+        for i, h in enumerate(host.tolist()):
+            self.content["hfull"][h] = toks[: start + i + 1]
+        kw: dict[str, Any] = {}
+        if self.SWA:
+            w = min(n, data.draw(st.integers(0, n // self.ps), label="swa") * self.ps)
+            swa = np.full(n, -1, dtype=np.int64)
+            swa[n - w :] = self._take("hswa", w)
+            for i in range(n - w, n):
+                self.content["hswa"][int(swa[i])] = toks[: start + i + 1]
+            kw["swa_host_slots"] = swa
+        if self.MAMBA and data.draw(st.booleans(), label="state"):
+            (state,) = self._take("hmamba", 1).tolist()
+            self.content["hmamba"][state] = toks
+            kw["mamba_host_slot"] = state
+        r = self.tree.insert_host(list(toks), start, host, **kw)
+        event("insert_host")
+        self._give_back("hfull", r.device_frees)
+        for name, arrays in r.component_frees.items():
+            self._give_back(HOST[name], arrays)
+        self.history.append(toks)
+
     @precondition(lambda self: self.backups)
     @rule(i=st.integers(0, 50), ok=st.booleans())
     def finish_backup(self, i: int, ok: bool) -> None:
