@@ -66,10 +66,10 @@ class StorageAttachmentMixin:
             else:
                 tier.policy = policy
             return
-        if self.hybrid is not None:
+        if self.hybrid is not None and self._agree is not None:
             raise ConfigError(
-                "storage (L3) for hybrid models (SWA / Mamba components) is not implemented: "
-                f"sliding_window={self.config.sliding_window}, "
+                "storage (L3) for hybrid models (SWA / Mamba components) runs on a single rank "
+                f"only: sliding_window={self.config.sliding_window}, "
                 f"mamba_states={self.config.mamba_states}"
             )
         layout = getattr(backend, "layout", None)

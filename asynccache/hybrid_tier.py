@@ -94,6 +94,23 @@ class HybridTier:
         assert self.mamba_host is not None
         return self.mamba_host.available_size
 
+    def take_host(self, name: str, n: int,
+                  evict_host: Callable[[int], Any]) -> np.ndarray | None:
+        """``n`` host slots of a component owned by an operation (a prefetch) until
+        :meth:`give_host`; evicts host copies when short."""
+        slots = self._host_alloc(name, n)
+        if slots is None:
+            evict_host(n - self.host_available(name))
+            slots = self._host_alloc(name, n)
+        if slots is not None:
+            self.inflight[name] += len(slots)
+        return slots
+
+    def give_host(self, name: str, slots: np.ndarray, *, free: bool) -> None:
+        self.inflight[name] -= len(slots)
+        if free:
+            self._host_free(name, slots)
+
     def alloc_backup(self, req: BackupRequest,
                      evict_host: Callable[[int], Any]) -> dict[str, np.ndarray] | None:
         """Host slots for the component values of ``req`` (evicting host copies if short);

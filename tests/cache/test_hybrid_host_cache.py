@@ -266,18 +266,108 @@ async def test_a_request_loads_its_hybrid_host_hit_back(make_cache: Any) -> None
     assert cache.tree.held_locks == 0
 
 
-async def test_storage_is_refused_for_hybrid_models(make_cache: Any, tmp_path: Any) -> None:
-    from asynccache.errors import ConfigError
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+async def test_storage_round_trip_carries_swa_pages_and_states(
+    make_cache: Any, combo: str, tmp_path: Any
+) -> None:
+    from asynccache.l3 import StoragePolicy
     from storage.file import FileBackend
 
-    cache = await make_cache(**{**BASE, **COMBOS["full+swa"]})
+    cache = await make_cache(**{**BASE, **COMBOS[combo], "host_tokens": 32})
     backend = FileBackend(tmp_path, cache.storage_layout())
     await backend.start()
     try:
-        with pytest.raises(ConfigError, match="storage \\(L3\\) for hybrid models"):
-            cache.attach_storage(backend)
-        assert cache.storage is None
+        cache.attach_storage(backend, StoragePolicy(prefetch_threshold=2,
+                                                    prefetch_policy="wait_complete"))
+        randomize(cache, 5)
+        hy = cache.hybrid
+        slots = cache.try_alloc_device(len(TOKENS))
+        state = cache.alloc_mamba_state() if hy.mamba_pool is not None else None
+        want: dict[str, Any] = {"full": cache.device_pool.read_slots(slots).clone()}
+        if hy.swa_map is not None:  # what comes back from storage: the last window
+            tail = slots[len(TOKENS) - 4 :]
+            want["swa"] = hy.swa_pool.read_slots(hy.swa_map.translate(tail)).clone()
+        if state is not None:
+            want["mamba"] = hy.mamba_pool.states[state].clone()
+        cache.insert(TOKENS, slots, mamba_value=state)
+        await cache.flush()
+        await cache.storage.drain()
+        keys = cache.tree.page_hashes(cache.match_prefix(TOKENS).last_device_node)
+        names = [*keys]
+        if hy.swa_map is not None:
+            names += [f"{k}.swa" for k in keys]
+        if hy.mamba_pool is not None:
+            names.append(f"{keys[-1]}.mamba")
+        assert await backend.exists_prefix(names) == len(names)
+        # Drop every device and host copy: only storage has the prefix now.
+        cache.evict(len(TOKENS))
+        cache.evict_host(len(TOKENS))
+        cache.sanity_check()
+        assert (cache.tree.node_count, cache.host_size) == (0, 0)
+        zero_device(cache)
+        cache.host_pool.kv.zero_()
+        req = cache.admit([*TOKENS, 1])
+        assert req.prefix_len + req.host_hit_length == 0
+        assert await cache.prefetch_request(req) == len(TOKENS)
+        cache.sanity_check()
+        assert await cache.load_back_request(req) == len(TOKENS)
+        cache.sanity_check()
+        assert_same(served(cache, req.slots, swa_tail=4), want)
+        cache.abort_req(req)
+        cache.sanity_check()
+        # A state missing from storage makes the next prefetch insert nothing (all or nothing).
+        if hy.mamba_pool is not None:
+            await backend.delete([f"{keys[-1]}.mamba"])
+            cache.evict(len(TOKENS))
+            cache.evict_host(len(TOKENS))
+            req = cache.admit([*TOKENS, 1])
+            assert await cache.prefetch_request(req) == 0
+            cache.sanity_check()
+            assert cache.host_size == 0
+            cache.abort_req(req)
     finally:
+        await cache.aclose()
+        await backend.aclose()
+
+
+async def test_cancelling_a_hybrid_prefetch_at_every_await_point_leaks_nothing(
+    make_cache: Any, tmp_path: Any
+) -> None:
+    from asynccache.l3 import StoragePolicy
+    from storage.file import FileBackend
+
+    cache = await make_cache(**{**BASE, **COMBOS["full+swa+mamba"], "host_tokens": 32})
+    backend = FileBackend(tmp_path, cache.storage_layout())
+    await backend.start()
+    try:
+        cache.attach_storage(backend, StoragePolicy(prefetch_threshold=2,
+                                                    prefetch_policy="wait_complete"))
+        slots = cache.try_alloc_device(len(TOKENS))
+        cache.insert(TOKENS, slots, mamba_value=cache.alloc_mamba_state())
+        await cache.flush()
+        await cache.storage.drain()
+        tier = cache.hybrid.tier
+        outcomes = set()
+        for k in range(40):
+            cache.evict(len(TOKENS))
+            cache.evict_host(len(TOKENS))
+            req = cache.admit([*TOKENS, 1])
+            task = asyncio.ensure_future(cache.prefetch_request(req))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                outcomes.add(await task)
+            except asyncio.CancelledError:
+                outcomes.add("cancelled")
+            cache.abort_req(req)
+            await cache.storage.drain()
+            cache.sanity_check()
+            assert tier.inflight == {"swa": 0, "mamba": 0}
+            assert cache.tree.held_locks == 0
+        assert outcomes == {"cancelled", len(TOKENS)}
+    finally:
+        await cache.aclose()
         await backend.aclose()
 
 
