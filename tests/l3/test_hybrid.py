@@ -39,7 +39,7 @@ async def _round_trip(make_cache: Any, open_backend: Any, combo: str) -> None:
     a.attach_storage(await open_backend(a), POLICY)
     g = torch.Generator().manual_seed(3)
     hy = a.hybrid
-    for t in (a.device_pool.kv, *( [hy.swa_pool.kv] if hy.swa_pool is not None else []),
+    for t in (a.device_pool.kv, *([hy.swa_pool.kv] if hy.swa_pool is not None else []),
               *([hy.mamba_pool.states] if hy.mamba_pool is not None else [])):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     slots = a.try_alloc_device(len(TOKENS))
