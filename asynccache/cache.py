@@ -77,6 +77,9 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         if self._agree is not None and config.host_mode == "buffer_only":
             raise ConfigError("host_mode='buffer_only' runs on a single rank only (no agreement "
                               "of its staging and intents across ranks yet)")
+        if self._agree is not None and config.hybrid and config.host_enabled:
+            raise ConfigError("a host tier with SWA / Mamba components runs on a single rank "
+                              "only (its copies are not exercised under rank agreement yet)")
         self.config = config
         self.page_size = config.page_size
         self.shape = KVShape(config.num_layers, config.num_heads, config.head_dim,
