@@ -54,6 +54,7 @@ from asynccache.tree import (
 )
 from asynccache.tree.results import EMPTY_SLOTS
 from transfers.handles import CopyHandle, LayerwiseHandle
+from transfers.hybrid_copies import GroupHandle
 from transfers.pools import DevicePool, HostPool, KVShape
 
 _log = get_logger("cache")
@@ -76,6 +77,9 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         if self._agree is not None and config.host_mode == "buffer_only":
             raise ConfigError("host_mode='buffer_only' runs on a single rank only (no agreement "
                               "of its staging and intents across ranks yet)")
+        if self._agree is not None and config.hybrid and config.host_enabled:
+            raise ConfigError("a host tier with SWA / Mamba components runs on a single rank "
+                              "only (its copies are not exercised under rank agreement yet)")
         self.config = config
         self.page_size = config.page_size
         self.shape = KVShape(config.num_layers, config.num_heads, config.head_dim,
@@ -120,6 +124,11 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._streams: dict[str, StreamingSession] = {}
         # Hybrid models: the SWA pool and slot map, the Mamba state pool (None: FULL only).
         self.hybrid = HybridSlots(config, self.device_pool) if config.hybrid else None
+        if self.hybrid is not None and self.host_pool is not None:
+            from asynccache.hybrid_tier import HybridTier
+
+            self.hybrid.tier = HybridTier(config, self.hybrid, self.host_pool.num_slots,
+                                          pin=self.host_pool.kv.is_pinned())
         self.metrics = metrics if metrics is not None else CacheMetrics()
         if self.host_pool is not None:
             self.metrics.host_total_tokens.set(self.host_pool.num_slots)
@@ -168,6 +177,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
 
             self._engine = CopyEngine(self.device_pool, self.host_pool, name="asynccache-copy")
             await self._engine.start()
+            if self.hybrid is not None and self.hybrid.tier is not None:
+                await self.hybrid.tier.start()
         self._state = "running"
         return self
 
@@ -196,9 +207,14 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                 await self._buffer.close()
             if self._engine is not None:
                 await self._engine.aclose()
+            if self.hybrid is not None and self.hybrid.tier is not None:
+                await self.hybrid.tier.aclose()
         finally:
             if self.hybrid is not None:
-                self.hybrid.release_tree(self.tree)
+                left = self.hybrid.release_tree(self.tree)
+                if self.host_pool is not None:
+                    for slots in left:
+                        self.host_pool.allocator.free(slots)
             device, host = self.tree.reset() if not self.tree.pending_ops else ([], [])
             for slots in device:
                 self.device_pool.allocator.free(slots)
@@ -341,6 +357,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                                component_evicted_seqlens=evicted, mamba_value=mamba_value)
         hy.apply_insert(res, mamba_value)
         self._outstanding -= max(0, res.cached_len - prev_prefix_len)
+        if res.backups:
+            self._start_backups(res.backups)
         return res
 
     def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
@@ -435,6 +453,13 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         need = self._round_up(num_tokens)
         if self.hybrid is not None:
             got = self.try_alloc_device(need)
+            for _ in range(64):
+                # Write-back copies (and write-through ones) pin their victims until they land.
+                in_flight = list(self._inflight.values())
+                if got is not None or not in_flight:
+                    break
+                await self._settle(in_flight)
+                got = self.try_alloc_device(need)
             if got is None:
                 raise PoolExhaustedError(
                     f"cannot allocate {need} device slots (FULL, SWA free: "
@@ -580,6 +605,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             assert self.host_pool is not None
             for slots in res.host_frees:
                 self.host_pool.allocator.free(slots)
+        if res.component_host_frees and self.hybrid is not None and self.hybrid.tier is not None:
+            self.hybrid.tier.free_host(res.component_host_frees)
         return res.num_evicted
 
     # ------------------------------------------------------------------ backups (D -> H)
@@ -587,22 +614,37 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         """Submit the D->H copies of ``reqs`` (a root-first chain); commits happen on completion."""
         handles: list[CopyHandle] = []
         failed = [False]  # shared by the chain: a failed ancestor aborts its descendants
+        tier = self.hybrid.tier if self.hybrid is not None else None
         for i, req in enumerate(reqs):
             host = self._alloc_host(req.num_tokens) if self._engine is not None else None
+            parts: dict[str, np.ndarray] = {}
+            if host is not None and req.component_slots:
+                assert tier is not None
+                got = tier.alloc_backup(req, self.evict_host)
+                if got is None:  # all or nothing: a component pool is short
+                    self.host_pool.allocator.free(host)  # type: ignore[union-attr]
+                    self.metrics.hybrid_skipped.labels(op="backup").inc()
+                    host = None
+                else:
+                    parts = got
             if host is None:
                 for rest in reqs[i:]:
                     self._backup_failed(rest, "host_pressure")
                 break
             self._host_inflight += len(host)
             handle = self._engine.submit_d2h(req.device_slots, host)
+            if parts:
+                assert tier is not None
+                handle = GroupHandle([handle, *tier.submit_d2h(req, parts)])
             self._inflight[req.op_id] = handle
             if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
                 self._agree.defer_copy(handle, partial(self._backup_done, req, host, handle,
-                                                       failed))
+                                                       failed, parts))
                 handles.append(handle)
                 continue
             handle.add_done_callback(
-                lambda h, req=req, host=host: self._backup_done(req, host, h, failed))
+                lambda h, req=req, host=host, parts=parts: self._backup_done(req, host, h, failed,
+                                                                             parts))
             handles.append(handle)
         return handles
 
@@ -615,11 +657,14 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         _log.info("backup_skipped", node=req.node_id, tokens=req.num_tokens, reason=reason)
 
     def _backup_done(self, req: BackupRequest, host: np.ndarray, handle: CopyHandle,
-                     failed: list[bool]) -> None:
+                     failed: list[bool], parts: dict[str, np.ndarray] | None = None) -> None:
         self._inflight.pop(req.op_id, None)
         self._host_inflight -= len(host)
         assert self.host_pool is not None
         error = copy_error(handle)
+        if parts:
+            assert self.hybrid is not None and self.hybrid.tier is not None
+            self.hybrid.tier.release_backup(parts, free=error is not None or failed[0])
         if error is not None or failed[0]:
             failed[0] = True
             self.host_pool.allocator.free(host)
@@ -627,7 +672,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                 _log.warning("backup_failed", node=req.node_id, error=repr(error))
             self._backup_failed(req, "backup_failed")
             return
-        ids = self.tree.commit_backup(req.op_id, host)
+        ids = self.tree.commit_backup(req.op_id, host, parts)
         if self._storage is not None:
             self._storage.backup_nodes(ids)
         result = handle.result()

@@ -56,14 +56,18 @@ class CacheConfig:
     model_name: str = "model"  # names L3 objects: different models never share one
     host_mode: str = "cache"  # "cache": host RAM is the L2 tier; "buffer_only": staging only
     kv_replicated: bool = False  # every TP rank holds the whole KV (MLA): ranks share L3 objects
-    # Hybrid models (device-only): an SWA component with this retained window (0: none), its
-    # KV pool of `swa_layers` layers and `swa_tokens` slots (default: the device pool's), and a
-    # Mamba component with a pool of `mamba_states` states of `mamba_state_shape` (0: none).
+    # Hybrid models: an SWA component with this retained window (0: none), its KV pool of
+    # `swa_layers` layers and `swa_tokens` slots (default: the device pool's), and a Mamba
+    # component with a pool of `mamba_states` states of `mamba_state_shape` (0: none). With a
+    # host tier: `swa_host_tokens` host SWA slots (default: the host pool's) and
+    # `mamba_host_states` host states (default: `mamba_states`).
     sliding_window: int = 0
     swa_layers: int = 1
     swa_tokens: int | None = None
     mamba_states: int = 0
     mamba_state_shape: tuple[int, ...] = (64,)
+    swa_host_tokens: int | None = None
+    mamba_host_states: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -117,16 +121,24 @@ class CacheConfig:
         _positive("sliding_window", self.sliding_window, allow_zero=True)
         _positive("swa_layers", self.swa_layers)
         _positive("mamba_states", self.mamba_states, allow_zero=True)
-        if self.swa_tokens is not None:
-            _positive("swa_tokens", self.swa_tokens)
+        for opt in ("swa_tokens", "swa_host_tokens", "mamba_host_states"):
+            if getattr(self, opt) is not None:
+                _positive(opt, getattr(self, opt))
         shape = self.mamba_state_shape
         if not isinstance(shape, tuple | list) or not shape or any(
             isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
         ):
             raise ConfigError(f"mamba_state_shape must be a tuple of positive ints, got {shape!r}")
-        if self.hybrid and self.host_enabled:
+        if self.hybrid and self.retraction_backup:
             raise ConfigError(
-                "a host tier with SWA / Mamba components is not implemented: set host_tokens=0 "
+                "retraction_backup with SWA / Mamba components is not implemented (it would not "
+                f"keep their state): sliding_window={self.sliding_window}, "
+                f"mamba_states={self.mamba_states}"
+            )
+        if self.hybrid and self.host_enabled and self.host_mode != "cache":
+            raise ConfigError(
+                f"host_mode {self.host_mode!r} with SWA / Mamba components is not implemented: "
+                "use host_mode='cache' (the L2 tier) or no host memory "
                 f"(sliding_window={self.sliding_window}, mamba_states={self.mamba_states})"
             )
         try:

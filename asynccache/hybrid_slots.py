@@ -19,6 +19,7 @@ from transfers.pools import DevicePool, KVShape
 
 if TYPE_CHECKING:
     from asynccache.config import CacheConfig
+    from asynccache.hybrid_tier import HybridTier
 
 
 class HybridSlots:
@@ -39,6 +40,7 @@ class HybridSlots:
             self.mamba_pool = MambaStatePool(config.mamba_states, config.mamba_state_shape,
                                              dtype=config.torch_dtype, device=config.device)
         self.device_pool = device_pool
+        self.tier: HybridTier | None = None  # host pools and copies (set with a host tier)
         self.mamba_outstanding = 0  # states handed to callers, not yet adopted or freed
 
     # ------------------------------------------------------------------ FULL + SWA slots
@@ -102,7 +104,7 @@ class HybridSlots:
     def apply_insert(self, res: InsertResult, mamba_value: int | None) -> None:
         if self.swa_map is not None:
             self.swa_map.apply_tree_frees(res.device_frees, res.component_frees.get("swa", []),
-                                          res.swa_adopted)
+                                          self._repairs(res.swa_adopted))
         else:
             for slots in res.device_frees:
                 self.device_pool.allocator.free(slots)
@@ -110,9 +112,23 @@ class HybridSlots:
             dups = res.component_frees.get("mamba", [])
             for slots in dups:
                 self.mamba_pool.free(slots)
-            # Adopted, or a duplicate freed just above (unless it was the tree's own state).
-            if res.cached_len and not (res.mamba_exist and not dups):
+            # Freed just above, or adopted (not when the node already held a state).
+            if dups or (res.cached_len and not res.mamba_exist):
                 self.mamba_outstanding -= 1
+
+    def _repairs(self, adopted: list[tuple[np.ndarray, np.ndarray]]
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The adopted SWA pairs that change the map: a host-only node re-taking the caller's
+        FULL slots recovers its SWA from the caller's own pairs, which are paired already."""
+        assert self.swa_map is not None
+        out = []
+        for full, swa in adopted:
+            fresh = self.swa_map.full_to_swa[full] != swa
+            if fresh.all():
+                out.append((full, swa))
+            elif fresh.any():
+                out.append((full[fresh], swa[fresh]))
+        return out
 
     def apply_evict(self, res: EvictResult) -> None:
         if self.swa_map is not None:
@@ -123,12 +139,17 @@ class HybridSlots:
         if self.mamba_pool is not None:
             for slots in res.component_frees.get("mamba", []):
                 self.mamba_pool.free(slots)
+        if self.tier is not None:
+            self.tier.free_host(res.component_host_frees)
 
-    def release_tree(self, tree: RadixTree) -> None:
-        """Free every slot the tree holds, then reset it (the cache is closing)."""
+    def release_tree(self, tree: RadixTree) -> list[np.ndarray]:
+        """Free every device and component slot the tree holds, then reset it (the cache is
+        closing); returns the FULL host slots for the caller's host pool."""
         swa = tree.component_slots("swa") if self.swa_map is not None else None
         states = tree.component_slots("mamba") if self.mamba_pool is not None else None
-        device, _ = tree.reset()
+        if self.tier is not None:
+            self.tier.release(tree)
+        device, host = tree.reset()
         if self.swa_map is not None:
             assert swa is not None
             self.swa_map.apply_tree_frees(device, [swa])
@@ -137,6 +158,7 @@ class HybridSlots:
                 self.device_pool.allocator.free(slots)
         if self.mamba_pool is not None and states is not None and len(states):
             self.mamba_pool.free(states)
+        return host
 
     def check(self, tree: RadixTree) -> None:
         """Every SWA slot is paired with an allocated FULL slot, the tree's SWA slots are the
@@ -149,8 +171,10 @@ class HybridSlots:
                 raise AssertionError(f"SWA accounting: {used} slots used but {paired} paired")
             for n in tree.iter_nodes():
                 aux = n.aux
-                assert aux is not None and n.value is not None
+                assert aux is not None
                 swa = aux[0].value
+                if n.value is None:
+                    continue
                 if swa is not None and not np.array_equal(self.swa_map.full_to_swa[n.value],
                                                           swa):
                     raise AssertionError(f"node {n.id}: its SWA slots are not its FULL pairs")
@@ -161,3 +185,5 @@ class HybridSlots:
                     f"Mamba accounting: pool uses {self.mamba_pool.used_size} states, tree holds "
                     f"{held} and callers {self.mamba_outstanding}"
                 )
+        if self.tier is not None:
+            self.tier.check(tree)

@@ -29,6 +29,7 @@ from asynccache.tree import LockReceipt, MatchResult, RadixKey
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
+    from asynccache.l3_hybrid import HybridStorage
 
 _log = get_logger("l3")
 
@@ -103,6 +104,9 @@ class PrefetchOp:
     want_pages: int = 0
     stop_policy: str | None = None  # set by finish_prefetch
     agreed_tokens: int | None = None
+    # hybrid caches: host slots of the fetched SWA pages / state, and whether all of them came
+    parts: dict[str, np.ndarray] | None = None
+    parts_ok: bool = False
 
 
 class StorageTier:
@@ -123,6 +127,11 @@ class StorageTier:
         host = cache.host_pool
         self._zero_copy = host.layout == "page_first"
         self._page_bytes = host.page_bytes
+        self._hybrid: HybridStorage | None = None
+        if cache.hybrid is not None:
+            from asynccache.l3_hybrid import HybridStorage
+
+            self._hybrid = HybridStorage(cache)
         self.set_policy(policy)
 
     def set_policy(self, policy: StoragePolicy) -> None:
@@ -168,14 +177,16 @@ class StorageTier:
             if agree is not None:  # multi-rank: the known set is rank-local, pins must not be
                 self._agreed_write(nid, keys)
                 continue
-            if all(k in self._known for k in keys):
+            extra = self._hybrid.node_objects(nid, keys) if self._hybrid is not None else None
+            if all(k in self._known for k in keys) and not (extra and extra[0]):
                 self.cache.metrics.storage_backup_skipped_tokens.labels(reason="exists").inc(
                     len(keys) * self.cache.page_size)
                 continue
             pin = tree.lock_host(nid)
             host_slots = tree.host_slots_of(nid)
             assert host_slots is not None
-            task = asyncio.get_running_loop().create_task(self._write(keys, host_slots, pin))
+            task = asyncio.get_running_loop().create_task(
+                self._write(keys, host_slots, pin, extra))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
@@ -190,7 +201,8 @@ class StorageTier:
         self.cache._agree.defer_task(task, lambda: tree.unlock_host(pin))
 
     async def _write(self, keys: list[str], host_slots: np.ndarray,
-                     pin: LockReceipt | None) -> None:
+                     pin: LockReceipt | None,
+                     extra: tuple[list[str], list[torch.Tensor]] | None = None) -> None:
         ps = self.cache.page_size
         metrics = self.cache.metrics
         try:
@@ -219,6 +231,8 @@ class StorageTier:
                             (len(todo) - written) * ps)
                     if written and dt > 0:
                         metrics.storage_backup_bandwidth.observe(written * self._page_bytes / dt)
+                if extra and extra[0]:  # hybrid: the node's SWA pages and state
+                    await self.backend.set_batch(*extra)
         finally:
             if pin is not None:
                 self.cache.tree.unlock_host(pin)
@@ -282,6 +296,8 @@ class StorageTier:
         want = self._take_hit(op, await self._hits(op))
         if want:
             await self._read(op, want)
+            if self._hybrid is not None:
+                await self._hybrid.fetch(op, self.backend)
 
     def _take_hit(self, op: PrefetchOp, hit: int) -> int:
         """Account the query's ``hit`` pages and allocate host memory for them (or a shorter
@@ -412,13 +428,24 @@ class StorageTier:
             cache._host_inflight -= len(host)
             got = op.completed_tokens if op.agreed_tokens is None else op.agreed_tokens
             done = got if insert else 0
+            kw: dict[str, Any] | None = {}
+            if done and self._hybrid is not None:
+                kw = self._hybrid.insert_args(op, done)  # all or nothing
+                if kw is None:
+                    done = 0
             if done:
-                res = cache.tree.insert_host(op.key, op.start, host[:done])
+                assert kw is not None
+                res = cache.tree.insert_host(op.key, op.start, host[:done], **kw)
                 for dup in res.device_frees:  # host slots of pages the tree already had
                     cache.host_pool.allocator.free(dup)  # type: ignore[union-attr]
+                if self._hybrid is not None:
+                    self._hybrid.release(op, inserted=True)
+                    self._hybrid.tier.free_host(res.component_frees)
                 taken = done
             if len(host) > done:
                 cache.host_pool.allocator.free(host[done:])  # type: ignore[union-attr]
+        if self._hybrid is not None:
+            self._hybrid.release(op, inserted=False)  # what was not inserted
         cache.tree.unlock_host(op.pin)
         outcomes = cache.metrics.prefetch_outcomes
         if not insert:

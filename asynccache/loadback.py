@@ -19,6 +19,7 @@ from asynccache.errors import InvalidInputError, PoolExhaustedError, TransferErr
 from asynccache.logs import get_logger
 from asynccache.tree import LoadBackTicket, LockReceipt, MatchResult
 from transfers.handles import CopyHandle, LayerwiseHandle
+from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
@@ -48,17 +49,21 @@ class LoadBack:
     node_id: int
     num_tokens: int
     device_indices: np.ndarray
-    handle: LayerwiseHandle
+    handle: CopyHandle
     receipt: LockReceipt | None = None
     error: BaseException | None = None
     abandoned: bool = False
     committed: Any = None  # multi-rank: a coroutine function that ticks until it is committed
+    # Hybrid caches: the FULL, SWA and Mamba copies together; ``layer(i)`` then waits for all.
+    group: CopyHandle | None = None
 
     def layer(self, i: int) -> Any:
+        if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
+            return (self.group or self.handle).done()
         return self.handle.layer(i)
 
     async def wait(self) -> None:
-        await self.handle
+        await (self.group if self.group is not None else self.handle)
         if self.committed is not None:
             await self.committed()
         if self.error is not None:
@@ -97,6 +102,8 @@ class LoadBackMixin:
         n = self._load_size(match, mem_quota)
         if not n:
             return None
+        if self.hybrid is not None:
+            return self._begin_hybrid_load(match)
         pins = self._pin(match)
         try:
             slots = self.try_alloc_device(n)
@@ -104,22 +111,83 @@ class LoadBackMixin:
             self._unpin(pins)
         return None if slots is None else self._start_load(match, slots)
 
-    def _start_load(self: HierarchicalCache, match: MatchResult, slots: np.ndarray) -> LoadBack | None:
+    def _begin_hybrid_load(self: HierarchicalCache, match: MatchResult) -> LoadBack | None:
+        """Allocate every part of a hybrid load-back (FULL, SWA, Mamba; evicting if short) and
+        start it; all or nothing: when any pool falls short, nothing is taken."""
+        hy = self.hybrid
+        assert hy is not None and hy.tier is not None
         try:
-            ticket = self.tree.start_load_back(match.best_node, slots)
+            sizes = self.tree.load_back_sizes(match.best_node)
+        except InvalidInputError:
+            return None  # a backup or load on the path is in flight
+        pins = self._pin(match)
+        try:
+            alloc = self.device_pool.allocator
+            need = sizes.get("full", 0)
+            full = alloc.alloc(need)
+            if full is None:
+                self.evict(need - alloc.available_size)
+                full = alloc.alloc(need)
+            parts = hy.tier.alloc_load(sizes) if full is not None else None
+            if full is not None and parts is None:
+                short_swa = sizes.get("swa", 0)
+                short_mamba = sizes.get("mamba", 0)
+                self.evict(0, swa_num_tokens=short_swa, mamba_num=short_mamba)
+                parts = hy.tier.alloc_load(sizes)
+        finally:
+            self._unpin(pins)
+        if full is None or parts is None:
+            if full is not None:
+                alloc.free(full)
+            self.metrics.hybrid_skipped.labels(op="load_back").inc()
+            _log.info("load_back_skipped", node=match.best_node, sizes=sizes,
+                      reason="pool_short")
+            return None
+        self._outstanding += len(full)
+        return self._start_load(match, full, parts)
+
+    def _start_load(self: HierarchicalCache, match: MatchResult, slots: np.ndarray,
+                    parts: dict[str, np.ndarray] | None = None) -> LoadBack | None:
+        try:
+            ticket = self.tree.start_load_back(match.best_node, slots, parts)
         except InvalidInputError:
             # The host hit changed while room was made (loaded or recomputed by another request).
-            self.free_device(slots)
+            if parts is not None:
+                assert self.hybrid is not None and self.hybrid.tier is not None
+                self.hybrid.tier.free_load_parts(parts)
+                self.device_pool.allocator.free(slots)
+                self._outstanding -= len(slots)
+            else:
+                self.free_device(slots)
             return None
         self._outstanding -= len(slots)  # the tree owns them from here on
-        handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
+        handle: CopyHandle
+        group = None
+        if parts is None:
+            handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
+            indices = np.concatenate([match.device_indices, ticket.device_slots])
+        else:
+            tier = self.hybrid.tier  # type: ignore[union-attr]
+            tier.pair(ticket)
+            copies = tier.submit_h2d(ticket)
+            if len(ticket.device_slots):
+                copies.insert(0, self._engine.submit_h2d_layerwise(ticket.host_slots,
+                                                                   ticket.device_slots))
+            group = GroupHandle(copies)
+            handle = copies[0]
+            total = match.device_prefix_len + match.host_hit_length
+            tail = self.tree.tail_slots(match.best_node, total) if total else None
+            indices = tail if tail is not None else match.device_indices
         lb = LoadBack(
             op_id=ticket.op_id,
             node_id=match.best_node,
             num_tokens=ticket.num_tokens,
-            device_indices=np.concatenate([match.device_indices, ticket.device_slots]),
+            device_indices=indices,
             handle=handle,
+            group=group,
         )
+        if group is not None:
+            handle = group
         self._inflight[ticket.op_id] = handle
         if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
             self._agree.defer_copy(handle, lambda: self._load_done(ticket, lb, handle))
@@ -133,8 +201,12 @@ class LoadBackMixin:
         error = copy_error(handle)
         if error is not None:
             lb.error = error
-            for slots in self.tree.abort_load_back(ticket.op_id):
-                self.device_pool.allocator.free(slots)
+            frees = self.tree.abort_load_back(ticket.op_id)
+            if self.hybrid is not None and self.hybrid.tier is not None:
+                self.hybrid.tier.abort_load(ticket, frees)
+            else:
+                for slots in frees:
+                    self.device_pool.allocator.free(slots)
             _log.warning("load_back_failed", node=lb.node_id, error=repr(error))
             return
         self.tree.commit_load_back(ticket.op_id)
@@ -154,14 +226,17 @@ class LoadBackMixin:
         n = self._load_size(match, mem_quota)
         if not n:
             return None
-        pins = self._pin(match)
-        try:
-            slots = await self.alloc_device(n)
-        except PoolExhaustedError:
-            return None
-        finally:
-            self._unpin(pins)
-        lb = self._start_load(match, slots)
+        if self.hybrid is not None:
+            lb = self._begin_hybrid_load(match)
+        else:
+            pins = self._pin(match)
+            try:
+                slots = await self.alloc_device(n)
+            except PoolExhaustedError:
+                return None
+            finally:
+                self._unpin(pins)
+            lb = self._start_load(match, slots)
         if lb is None:
             return None
         try:

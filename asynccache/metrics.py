@@ -35,6 +35,12 @@ class CacheMetrics:
         )
         for reason in ("host_pressure", "backup_failed"):
             self.dropped_tokens.labels(reason=reason)
+        self.hybrid_skipped = Counter(
+            "asynccache_hybrid_skipped", "Hybrid backups / load-backs skipped as a whole because "
+            "a component pool (SWA, Mamba) fell short", ["op"], registry=r
+        )
+        for op in ("backup", "load_back"):
+            self.hybrid_skipped.labels(op=op)
         self.matched_tokens = Counter("asynccache_matched_tokens", "Tokens asked in match_prefix", registry=r)
         self.hit_tokens = Counter("asynccache_hit_tokens", "Tokens found on device or host", registry=r)
         self.hit_rate = Gauge("asynccache_cache_hit_rate", "Hit tokens / matched tokens", registry=r)

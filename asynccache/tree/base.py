@@ -18,7 +18,7 @@ from asynccache.errors import (
     OwnerError,
     UnknownNodeError,
 )
-from asynccache.tree import hybrid
+from asynccache.tree import hybrid, hybrid_host
 from asynccache.tree.components import Component, MambaComponent, SWAComponent
 from asynccache.tree.config import TreeConfig
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
@@ -42,6 +42,9 @@ from asynccache.tree.results import (
 class _PendingOp:
     kind: str  # "backup" | "load"
     fragments: list[Node]  # root first; the anchor (deepest) is last
+    # Hybrid trees: per part ("full", "swa", "mamba"), the ids of the fragments whose value of
+    # that part this op copies (see asynccache.tree.hybrid_host); None in FULL-only trees.
+    aux: dict[str, set[int]] | None = None
 
 
 class TreeBase:
@@ -169,6 +172,10 @@ class TreeBase:
     def component_slots(self, name: str) -> np.ndarray:
         """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset)."""
         return hybrid.slots_of(self, name)
+
+    def component_host_slots(self, name: str) -> np.ndarray:
+        """Every host slot holding a copy of an auxiliary component's values."""
+        return hybrid_host.host_slots_of(self, name)
 
     @property
     def node_count(self) -> int:
@@ -384,6 +391,8 @@ class TreeBase:
         self._refresh(p)
         if self._aux:
             p.aux = [c.split(x, p, m) for c in self._aux]
+            if self._host:
+                hybrid_host.split_host(self, x, p, m)
             hybrid.refresh_aux(self, p)
         return p
 

@@ -20,7 +20,8 @@ class TreeConfig:
 
     Hybrid models: ``sliding_window`` > 0 adds the SWA component with that retained window
     (tokens); ``mamba`` adds the Mamba state component, whose branching seqlens lie on a grid
-    of ``mamba_track_interval`` tokens (0: the page size). Hybrid trees are device-only.
+    of ``mamba_track_interval`` tokens (0: the page size). With ``host_enabled`` the components'
+    values get host copies too (see :mod:`asynccache.tree.hybrid_host`).
     """
 
     page_size: int = 1
@@ -53,11 +54,6 @@ class TreeConfig:
             raise ConfigError(
                 f"mamba_track_interval {self.mamba_track_interval} must be a multiple of "
                 f"page_size {self.page_size}"
-            )
-        if self.host_enabled and self.hybrid:
-            raise ConfigError(
-                "host_enabled with SWA / Mamba components: the L2 tier is not implemented for "
-                f"hybrid trees (sliding_window={self.sliding_window}, mamba={self.mamba})"
             )
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(

@@ -3,6 +3,7 @@ subtree deletion and host eviction."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
+from asynccache.tree import hybrid, hybrid_host, hybrid_prefetch
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -30,7 +32,15 @@ from asynccache.tree.results import (
 class HostTier(TreeBase):
     """Host-tier operations of the tree (mixed into :class:`~asynccache.tree.tree.RadixTree`)."""
 
-    def insert_host(self, key: RadixKey | Any, start: int, host_slots: Any) -> InsertResult:
+    def insert_host(
+        self,
+        key: RadixKey | Any,
+        start: int,
+        host_slots: Any,
+        *,
+        swa_host_slots: Any = None,
+        mamba_host_slot: int | None = None,
+    ) -> InsertResult:
         """Record host copies (e.g. pages prefetched from storage) of ``key[start:]``.
 
         ``host_slots`` holds one host slot per token of ``key[start:start + len(host_slots)]``
@@ -38,10 +48,19 @@ class HostTier(TreeBase):
         in ``InsertResult.device_frees`` (they are *host* slots here). A device node without a
         host copy adopts the slots as its backup; the rest becomes host-only nodes. ``last_node``
         is the node ending at the end of the inserted span.
+
+        Hybrid trees (see :mod:`asynccache.tree.hybrid_prefetch`): ``swa_host_slots`` gives one
+        SWA host slot per token of the span, -1 where none was fetched (the fetched ones a
+        page-aligned suffix); ``mamba_host_slot`` the state after the span. Duplicates come
+        back in ``component_frees``.
         """
         self._check_owner()
-        if self._aux:
-            raise InvalidInputError("insert_host: hybrid trees have no host tier")
+        if (swa_host_slots is not None and self._swa is None) or (
+            mamba_host_slot is not None and self._mamba is None
+        ):
+            raise InvalidInputError(
+                f"component host slots given, but the tree's components are {self.components}"
+            )
         key = as_key(key)
         slots = as_slots(host_slots, "host_slots")
         start = _check_count("start", start)
@@ -54,11 +73,29 @@ class HostTier(TreeBase):
         data = key.data
         pb = self._pb
         end = end_tok * 4
+        swa = None
+        if swa_host_slots is not None:
+            swa = as_slots(swa_host_slots, "swa_host_slots")
+            live = np.flatnonzero(swa >= 0)
+            if len(swa) != len(slots) or (
+                len(live) and (live[-1] != len(swa) - 1 or len(live) != len(swa) - live[0]
+                               or live[0] % self.page_size)
+            ):
+                raise InvalidInputError(
+                    f"swa_host_slots must give {len(slots)} slots, -1 before a page-aligned "
+                    "suffix of fetched ones"
+                )
+        if mamba_host_slot is not None:
+            mamba_host_slot = _check_count("mamba_host_slot", mamba_host_slot)
+            if not len(slots):
+                raise InvalidInputError("mamba_host_slot needs a non-empty span")
         if self._cached_bytes(key, end) < start * 4:
             raise InvalidInputError(
                 f"the tree holds only {self._cached_bytes(key, end) >> 2} tokens of the key; a "
                 f"host span starting at {start} would leave a gap"
             )
+        if self._aux:
+            return hybrid_prefetch.insert_host(self, key, start, slots, swa, mamba_host_slot)
         ns = key.namespace
         root = self._root
         node = root
@@ -107,6 +144,14 @@ class HostTier(TreeBase):
     def host_slots_of(self, node_id: int) -> np.ndarray | None:
         """The host slots of ``node_id`` (None when it has no host copy); read-only."""
         return self._node(node_id).host_value
+
+    def component_host_slots_of(self, node_id: int, name: str) -> np.ndarray | None:
+        """The host copy of component ``name``'s value on ``node_id`` (None: none); read-only."""
+        n = self._node(node_id)
+        for c in self._aux:
+            if c.name == name:
+                return c.data(n).host_value
+        raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
 
     def _cached_bytes(self, key: RadixKey, end: int) -> int:
         """Bytes of ``key.data[:end]`` the tree holds (whole pages), without changing anything."""
@@ -233,6 +278,10 @@ class HostTier(TreeBase):
         n.pending = op_id
         self._inc(n)
         self._refresh(n)
+        if n.aux is not None:
+            parts = hybrid_host.backup_parts(self, n, self._pending[op_id])
+            return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value,
+                                 write_back=write_back, component_slots=parts)
         return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value, write_back=write_back)
 
     def _pop_op(self, op_id: int, kind: str) -> _PendingOp:
@@ -242,11 +291,14 @@ class HostTier(TreeBase):
         del self._pending[op_id]
         return op
 
-    def commit_backup(self, op_id: int, host_slots: Any) -> list[int]:
+    def commit_backup(
+        self, op_id: int, host_slots: Any, component_host_slots: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """The D->H copy of backup ``op_id`` landed in ``host_slots``: record the host copy.
 
         Returns the ids of the nodes now backed up: the original node and any prefix fragments
-        split off it while the copy was in flight, root first.
+        split off it while the copy was in flight, root first. Hybrid trees: the request's
+        ``component_slots`` landed in ``component_host_slots`` (same keys and lengths).
         """
         self._check_owner()
         op = self._pending.get(op_id)
@@ -256,6 +308,11 @@ class HostTier(TreeBase):
         need = sum(f.ntok for f in op.fragments)
         if len(slots) != need:
             raise InvalidInputError(f"backup {op_id} needs {need} host slots, got {len(slots)}")
+        aux_stored = None
+        if op.aux is not None:
+            aux_stored = hybrid_host.check_backup_slots(op, component_host_slots)
+        elif component_host_slots:
+            raise InvalidInputError("component_host_slots given for a FULL-only backup")
         del self._pending[op_id]
         stored = frozen(slots)
         pos = 0
@@ -266,6 +323,8 @@ class HostTier(TreeBase):
             f.pending = 0
             self._host_size += k
             self._emit_stored(f, Medium.CPU_PINNED)
+        if aux_stored is not None:
+            hybrid_host.attach_backup(self, op, aux_stored)
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
@@ -280,6 +339,9 @@ class HostTier(TreeBase):
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
+        if op.aux is not None:
+            for f in op.fragments:
+                hybrid.refresh_aux(self, f)
 
     def host_chain(self, node_id: int) -> list[int]:
         """Ids of the host-only nodes from below the last device ancestor down to ``node_id``."""
@@ -291,14 +353,38 @@ class HostTier(TreeBase):
             n = n.parent
         return chain[::-1]
 
-    def start_load_back(self, node_id: int, device_slots: Any) -> LoadBackTicket:
+    def load_back_sizes(self, node_id: int) -> dict[str, int]:
+        """Device slots a load-back anchored at ``node_id`` needs, per part: ``"full"`` tokens
+        and, in hybrid trees, ``"swa"`` tokens and ``"mamba"`` states."""
+        node = self._node(node_id)
+        if self._aux:
+            return hybrid_host.load_back_sizes(self, node)
+        need = 0
+        while node is not self._root and node.value is None:
+            need += node.ntok
+            assert node.parent is not None
+            node = node.parent
+        return {"full": need}
+
+    def start_load_back(
+        self, node_id: int, device_slots: Any, component_slots: Mapping[str, Any] | None = None
+    ) -> LoadBackTicket:
         """Give the host-only path ending at ``node_id`` the device slots ``device_slots``.
 
         The nodes count as on device at once (marked pending and pinned); copy the ticket's
         ``host_slots`` to its ``device_slots``, then ``commit_load_back``.
+
+        Hybrid trees load what makes ``node_id`` device-valid: FULL KV of the host-only
+        nodes, SWA of the nodes below the last device-valid ancestor whose SWA is only on host,
+        and the anchor's Mamba state; ``component_slots`` gives the device slots of each
+        component (sizes from :meth:`load_back_sizes`).
         """
         self._check_owner()
         node = self._node(node_id)
+        if self._aux:
+            return hybrid_host.start_load_back(self, node, device_slots, component_slots)
+        if component_slots:
+            raise InvalidInputError("component_slots given to a FULL-only tree")
         chain: list[Node] = []
         n = node
         while n is not self._root and n.value is None:
@@ -347,6 +433,9 @@ class HostTier(TreeBase):
         """The H->D copy of ``op_id`` completed: the KV may be read; release its pins."""
         self._check_owner()
         op = self._pop_op(op_id, "load")
+        if op.aux is not None:
+            hybrid_host.commit_load_back(self, op)
+            return
         for f in op.fragments:
             f.pending = 0
             self._emit_stored(f, Medium.GPU)
@@ -363,6 +452,8 @@ class HostTier(TreeBase):
         """
         self._check_owner()
         op = self._pop_op(op_id, "load")
+        if op.aux is not None:
+            return hybrid_host.abort_load_back(self, op)
         for f in op.fragments:
             f.pending = 0
         self._dec(op.fragments[-1])
@@ -394,8 +485,6 @@ class HostTier(TreeBase):
         self._check_owner()
         n = self._node(node_id)
         res = EvictResult()
-        if self._aux:
-            raise InvalidInputError("drop: hybrid trees have no write-back tier")
         if (
             n is self._root
             or n.value is None
@@ -405,6 +494,8 @@ class HostTier(TreeBase):
             or n.host_lock_ref
         ):
             return res
+        if self._aux:
+            return hybrid_host.drop(self, n)
         self._delete_subtree(n, res)
         return res
 
@@ -472,6 +563,8 @@ class HostTier(TreeBase):
                 res.num_evicted += n.ntok
                 self._host_size -= n.ntok
                 n.host_value = None
+                if n.aux is not None:
+                    hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
                 if slot == HLEAF:
                     parent = n.parent
                     assert parent is not None

@@ -1,9 +1,9 @@
 """Match, insert, evict and lock for hybrid trees (FULL plus SWA and/or Mamba components).
 
 The FULL-only tree keeps its own tight loops in :mod:`asynccache.tree.tree`; a tree with
-auxiliary components routes these four operations here. Hybrid trees are device-only (the L2
-tier for components is not implemented), so every node holds FULL device KV and nothing is in
-flight.
+auxiliary components routes these four operations here for a device-only tree, where every
+node holds FULL device KV and nothing is in flight. With a host tier, match and evict run in
+:mod:`asynccache.tree.hybrid_host` and the insert here is wrapped by it.
 """
 
 from __future__ import annotations

@@ -21,12 +21,16 @@ class BackupRequest:
 
     The node stays device-locked until the commit or abort, so it cannot be evicted while
     half-written. ``write_back`` is True when the copy was asked for by eviction.
+    Hybrid trees: ``component_slots`` maps a component (``"swa"``, ``"mamba"``) to the device
+    slots of its value to copy too (absent: the node has none on device); commit with a host
+    slot array of the same length per component.
     """
 
     op_id: int
     node_id: int
     device_slots: np.ndarray
     write_back: bool = False
+    component_slots: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -35,12 +39,21 @@ class BackupRequest:
 
 @dataclass(frozen=True, slots=True)
 class LoadBackTicket:
-    """A load-back in flight: copy ``host_slots`` into ``device_slots``, then commit it."""
+    """A load-back in flight: copy ``host_slots`` into ``device_slots``, then commit it.
+
+    Hybrid trees: also copy ``component_host_slots[name]`` into ``component_device_slots[name]``
+    for each component. ``swa_pairs`` pairs the FULL device slots of the tokens whose SWA is
+    loaded with their new SWA device slots (for the caller's full->SWA map). On an abort the
+    component device slots are the caller's again.
+    """
 
     op_id: int
     node_ids: tuple[int, ...]
     host_slots: np.ndarray
     device_slots: np.ndarray
+    component_host_slots: dict[str, np.ndarray] = field(default_factory=dict)
+    component_device_slots: dict[str, np.ndarray] = field(default_factory=dict)
+    swa_pairs: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +155,8 @@ class EvictResult:
     dropped subtrees. ``backups``: write-back copies the caller must run; once committed those
     nodes are demoted by the next ``evict`` call (``pending_tokens`` counts them).
     Hybrid trees: ``swa_num_evicted`` (SWA tokens) and ``mamba_num_evicted`` (states) freed,
-    their slots in ``component_frees[name]``.
+    their slots in ``component_frees[name]``; host copies of component values dropped with
+    deleted nodes in ``component_host_frees[name]``.
     """
 
     num_evicted: int = 0
@@ -154,9 +168,14 @@ class EvictResult:
     swa_num_evicted: int = 0
     mamba_num_evicted: int = 0
     component_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    component_host_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class HostEvictResult:
+    """Host eviction outcome; hybrid trees also free the host copies of component values
+    (``component_host_frees[name]``)."""
+
     num_evicted: int = 0
     host_frees: list[np.ndarray] = field(default_factory=list)
+    component_host_frees: dict[str, list[np.ndarray]] = field(default_factory=dict)

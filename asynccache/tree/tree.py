@@ -18,7 +18,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
-from asynccache.tree import hybrid
+from asynccache.tree import hybrid, hybrid_host
 from asynccache.tree.config import WRITE_POLICIES as WRITE_POLICIES
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -50,6 +50,8 @@ class RadixTree(HostTier):
         self._check_owner()
         key = as_key(key)
         if self._aux:
+            if self._host:
+                return hybrid_host.match(self, key, cow_mamba)
             return hybrid.match(self, key, cow_mamba)
         data = key.data
         end = len(data) - len(data) % self._pb
@@ -160,6 +162,11 @@ class RadixTree(HostTier):
             swa_slots, floor, state = hybrid.check_insert_args(
                 self, total, swa_value, component_evicted_seqlens, mamba_value
             )
+            if self._host:
+                return self._insert_hybrid_host(
+                    key, slots, prev_prefix_len, inserted_len, int(priority), swa_slots, floor,
+                    state,
+                )
             return hybrid.insert(
                 self, key, slots, prev_prefix_len, inserted_len, int(priority), swa_slots,
                 floor, state,
@@ -237,6 +244,39 @@ class RadixTree(HostTier):
             node = leaf
         result.last_node = node.id
         return result
+
+    def _insert_hybrid_host(
+        self,
+        key: RadixKey,
+        slots: np.ndarray,
+        prev_prefix_len: int,
+        inserted_len: int,
+        priority: int,
+        swa_slots: np.ndarray | None,
+        floor: int,
+        state: int | None,
+    ) -> InsertResult:
+        """A hybrid insert with a host tier: host-only nodes on the path adopt the caller's
+        slots first; the insert stops before a node still loading (the caller's state then
+        comes back in ``component_frees["mamba"]``); write-through backups follow."""
+        limit = hybrid_host.prepare_insert(self, key, slots)
+        cut = limit < len(key)
+        if cut:
+            key = RadixKey.from_bytes(key.data[: limit * 4], key.namespace)
+            slots = slots[:limit]
+            swa_slots = swa_slots[:limit] if swa_slots is not None else None
+            floor = min(floor, limit)
+        res = hybrid.insert(
+            self, key, slots, prev_prefix_len, inserted_len, priority, swa_slots, floor,
+            None if cut else state,
+        )
+        if state is not None and cut:
+            res.component_frees.setdefault("mamba", []).append(np.array([state], dtype=np.int64))
+        if self._write_through:
+            hybrid_host.backups_after_insert(
+                self, res.last_node, res.cached_len, inserted_len, res.backups
+            )
+        return res
 
     def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
         """Pin ``node_id`` and its ancestors on device; returns the receipt for ``unlock``.
@@ -380,6 +420,8 @@ class RadixTree(HostTier):
                 raise InvalidInputError("swa_num_tokens given but the tree has no SWA component")
             if mamba_num and self._mamba is None:
                 raise InvalidInputError("mamba_num given but the tree has no Mamba component")
+            if self._host:
+                return hybrid_host.evict(self, num_tokens, swa_num_tokens, mamba_num)
             return hybrid.evict(self, num_tokens, swa_num_tokens, mamba_num)
         res = EvictResult()
         dq = self._queues[DLEAF]

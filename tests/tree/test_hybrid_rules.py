@@ -330,8 +330,6 @@ def test_bad_component_input_names_the_value_and_changes_nothing(snapshot) -> No
 
 
 def test_hybrid_config_errors() -> None:
-    with pytest.raises(ConfigError, match="sliding_window=4"):
-        RadixTree(sliding_window=4, host_enabled=True)
     with pytest.raises(ConfigError, match="mamba_track_interval 6"):
         RadixTree(page_size=4, mamba=True, mamba_track_interval=6)
     with pytest.raises(ConfigError, match="-1"):

@@ -31,9 +31,10 @@ class CompData:
     ``value``: read-only int64 slot array (None is a *tombstone*: evicted, structure kept).
     ``lock_ref``: pins. ``stamp``: the component's own LRU clock value. ``qe``: live LRU queue
     entry. ``acct``: how the value is counted: 0 not at all, 1 evictable, 2 protected.
+    ``host_value``: the host copy of the value (trees with a host tier; None: not backed up).
     """
 
-    __slots__ = ("acct", "lock_ref", "qe", "stamp", "value")
+    __slots__ = ("acct", "host_value", "lock_ref", "qe", "stamp", "value")
 
     def __init__(self, value: np.ndarray | None = None, stamp: int = 0) -> None:
         self.value = value
@@ -41,6 +42,7 @@ class CompData:
         self.stamp = stamp
         self.qe: tuple[int, int, Node] | None = None
         self.acct = 0
+        self.host_value: np.ndarray | None = None
 
     def __repr__(self) -> str:
         v = "tomb" if self.value is None else f"{len(self.value)} slots"

@@ -50,6 +50,7 @@ def check_components(tree: RadixTree) -> None:
     for i, c in enumerate(comps):
         evictable = protected = members = 0
         held: list[np.ndarray] = []
+        host_held: list[np.ndarray] = []
         for n in nodes.values():
             aux = n.aux
             if aux is None or len(aux) != len(comps):
@@ -57,7 +58,7 @@ def check_components(tree: RadixTree) -> None:
                 return
             d = aux[c.index]
             if n is root:
-                if d.value is not None or d.lock_ref or d.qe is not None:
+                if d.value is not None or d.host_value is not None or d.lock_ref or d.qe:
                     _fail(f"the root holds {c.name} state")
                 continue
             if d.lock_ref != expect[i].get(n.id, 0):
@@ -80,6 +81,16 @@ def check_components(tree: RadixTree) -> None:
                     evictable += units
             elif c.name == "mamba" and d.lock_ref:
                 _fail(f"node {n.id} has a Mamba pin but no state")
+            if d.host_value is not None:
+                if n.host_value is None:
+                    _fail(f"node {n.id} holds a host copy of {c.name} without a FULL host copy")
+                want_len = n.ntok if c.name == "swa" else 1
+                if len(d.host_value) != want_len or d.host_value.dtype != np.int64:
+                    _fail(f"node {n.id} has {len(d.host_value)} {c.name} host slots, want "
+                          f"{want_len}")
+                if d.host_value.flags.writeable:
+                    _fail(f"node {n.id} {c.name} host slots are writeable")
+                host_held.append(d.host_value)
             want_acct = 0 if d.value is None else (2 if d.lock_ref else 1)
             if d.acct != want_acct:
                 _fail(f"node {n.id} {c.name} counted in class {d.acct}, not {want_acct}")
@@ -97,9 +108,10 @@ def check_components(tree: RadixTree) -> None:
                 f"{c.name} sizes (evictable, protected) = {(c.evictable, c.protected)}, "
                 f"recomputed {(evictable, protected)}"
             )
-        if held:
-            allslots = np.concatenate(held)
-            if allslots.min() < 0:
-                _fail(f"a {c.name} slot index is negative")
-            if np.bincount(allslots).max() > 1:
-                _fail(f"a {c.name} slot is held by two nodes")
+        for where, parts in (("", held), ("host ", host_held)):
+            if parts:
+                allslots = np.concatenate(parts)
+                if allslots.min() < 0:
+                    _fail(f"a {c.name} {where}slot index is negative")
+                if np.bincount(allslots).max() > 1:
+                    _fail(f"a {c.name} {where}slot is held by two nodes")

@@ -1,0 +1,237 @@
+"""The facade's host (L2) tier for hybrid models: host pools of the SWA KV and the Mamba
+states, and their copies.
+
+:class:`HybridTier` sits next to :class:`~asynccache.hybrid_slots.HybridSlots` when a hybrid
+cache has a host tier. It allocates the host slots a backup's component values need and the
+device slots a load-back's need (all or nothing: when any pool falls short, nothing is taken
+and the operation is skipped), submits their copies (SWA KV through a second copy engine,
+Mamba states through a :class:`~transfers.hybrid_copies.StateCopier`) and frees what the tree
+gives up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asynccache.tree.results import BackupRequest, LoadBackTicket
+from transfers.engine import CopyEngine
+from transfers.handles import CopyHandle
+from transfers.hybrid_copies import StateCopier, host_state_pool
+from transfers.hybrid_pools import MambaStatePool
+from transfers.pools import HostPool, KVShape
+
+if TYPE_CHECKING:
+    from asynccache.config import CacheConfig
+    from asynccache.hybrid_slots import HybridSlots
+    from asynccache.tree import RadixTree
+
+
+class HybridTier:
+    """Host pools and copies of the SWA / Mamba components (see the module docstring)."""
+
+    def __init__(self, config: CacheConfig, slots: HybridSlots, host_tokens: int,
+                 pin: bool) -> None:
+        self.slots = slots
+        self.swa_host: HostPool | None = None
+        if slots.swa_pool is not None:
+            shape = KVShape(config.swa_layers, config.num_heads, config.head_dim,
+                            config.torch_dtype)
+            self.swa_host = HostPool.from_tokens(
+                shape, config.swa_host_tokens or host_tokens, config.page_size,
+                pin_memory=pin)
+        self.mamba_host: MambaStatePool | None = None
+        if slots.mamba_pool is not None:
+            self.mamba_host = host_state_pool(
+                slots.mamba_pool, config.mamba_host_states or config.mamba_states)
+        self.swa_engine: CopyEngine | None = None
+        self.states: StateCopier | None = None
+        # Host slots owned by backups in flight, per component.
+        self.inflight = {"swa": 0, "mamba": 0}
+
+    async def start(self) -> None:
+        if self.swa_host is not None:
+            assert self.slots.swa_pool is not None
+            self.swa_engine = CopyEngine(self.slots.swa_pool, self.swa_host,
+                                         name="asynccache-swa-copy")
+            await self.swa_engine.start()
+        if self.mamba_host is not None:
+            assert self.slots.mamba_pool is not None
+            self.states = StateCopier(self.slots.mamba_pool, self.mamba_host)
+            await self.states.start()
+
+    async def aclose(self) -> None:
+        if self.swa_engine is not None:
+            await self.swa_engine.aclose()
+        if self.states is not None:
+            await self.states.aclose()
+
+    # ------------------------------------------------------------------ host slots
+    def _host_alloc(self, name: str, n: int) -> np.ndarray | None:
+        if name == "swa":
+            assert self.swa_host is not None
+            got: np.ndarray | None = self.swa_host.allocator.alloc(n)
+            return got
+        assert self.mamba_host is not None
+        return self.mamba_host.alloc(n)
+
+    def _host_free(self, name: str, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        if name == "swa":
+            assert self.swa_host is not None
+            self.swa_host.allocator.free(slots)
+        else:
+            assert self.mamba_host is not None
+            self.mamba_host.free(slots)
+
+    def host_available(self, name: str) -> int:
+        if name == "swa":
+            assert self.swa_host is not None
+            return int(self.swa_host.allocator.available_size)
+        assert self.mamba_host is not None
+        return self.mamba_host.available_size
+
+    def take_host(self, name: str, n: int,
+                  evict_host: Callable[[int], Any]) -> np.ndarray | None:
+        """``n`` host slots of a component owned by an operation (a prefetch) until
+        :meth:`give_host`; evicts host copies when short."""
+        slots = self._host_alloc(name, n)
+        if slots is None:
+            evict_host(n - self.host_available(name))
+            slots = self._host_alloc(name, n)
+        if slots is not None:
+            self.inflight[name] += len(slots)
+        return slots
+
+    def give_host(self, name: str, slots: np.ndarray, *, free: bool) -> None:
+        self.inflight[name] -= len(slots)
+        if free:
+            self._host_free(name, slots)
+
+    def alloc_backup(self, req: BackupRequest,
+                     evict_host: Callable[[int], Any]) -> dict[str, np.ndarray] | None:
+        """Host slots for the component values of ``req`` (evicting host copies if short);
+        None, with nothing taken, when any component pool falls short."""
+        got: dict[str, np.ndarray] = {}
+        for name, dev in req.component_slots.items():
+            slots = self._host_alloc(name, len(dev))
+            if slots is None:
+                evict_host(len(dev) - self.host_available(name))
+                slots = self._host_alloc(name, len(dev))
+            if slots is None:
+                for n, s in got.items():
+                    self._host_free(n, s)
+                return None
+            got[name] = slots
+        for name, slots in got.items():
+            self.inflight[name] += len(slots)
+        return got
+
+    def release_backup(self, parts: Mapping[str, np.ndarray], *, free: bool) -> None:
+        """A backup's component host slots leave flight: committed to the tree, or freed."""
+        for name, slots in parts.items():
+            self.inflight[name] -= len(slots)
+            if free:
+                self._host_free(name, slots)
+
+    def submit_d2h(self, req: BackupRequest, parts: Mapping[str, np.ndarray]) -> list[CopyHandle]:
+        out = []
+        for name, host in parts.items():
+            dev = req.component_slots[name]
+            if name == "swa":
+                assert self.swa_engine is not None
+                out.append(self.swa_engine.submit_d2h(dev, host))
+            else:
+                assert self.states is not None
+                out.append(self.states.submit_d2h(dev, host))
+        return out
+
+    def free_host(self, frees: Mapping[str, list[np.ndarray]]) -> None:
+        for name, arrays in frees.items():
+            for slots in arrays:
+                self._host_free(name, slots)
+
+    # ------------------------------------------------------------------ load-back
+    def alloc_load(self, sizes: Mapping[str, int]) -> dict[str, np.ndarray] | None:
+        """Device slots of the component parts of a load-back; None (nothing taken) when a
+        pool falls short. SWA slots come unpaired: the ticket's ``swa_pairs`` pair them."""
+        got: dict[str, np.ndarray] = {}
+        for name, n in sizes.items():
+            if name == "full" or not n:
+                continue
+            slots: np.ndarray | None
+            if name == "swa":
+                assert self.slots.swa_map is not None
+                slots = self.slots.swa_map.swa.alloc(n)
+            else:
+                assert self.slots.mamba_pool is not None
+                slots = self.slots.mamba_pool.alloc(n)
+            if slots is None:
+                self.free_load_parts(got)
+                return None
+            got[name] = slots
+        return got
+
+    def free_load_parts(self, parts: Mapping[str, np.ndarray]) -> None:
+        """Give back component device slots of a load that did not happen (never paired)."""
+        for name, slots in parts.items():
+            if name == "swa":
+                assert self.slots.swa_map is not None
+                self.slots.swa_map.swa.free(slots)
+            else:
+                assert self.slots.mamba_pool is not None
+                self.slots.mamba_pool.free(slots)
+
+    def pair(self, ticket: LoadBackTicket) -> None:
+        if ticket.swa_pairs is not None:
+            assert self.slots.swa_map is not None
+            self.slots.swa_map.adopt(*ticket.swa_pairs)
+
+    def submit_h2d(self, ticket: LoadBackTicket) -> list[CopyHandle]:
+        out = []
+        for name, dev in ticket.component_device_slots.items():
+            host = ticket.component_host_slots[name]
+            if name == "swa":
+                assert self.swa_engine is not None
+                out.append(self.swa_engine.submit_h2d(host, dev))
+            else:
+                assert self.states is not None
+                out.append(self.states.submit_h2d(host, dev))
+        return out
+
+    def abort_load(self, ticket: LoadBackTicket, full_frees: list[np.ndarray]) -> None:
+        """A failed load-back: unpair and free its SWA slots, free its states, then its FULL
+        slots."""
+        swa = ticket.component_device_slots.get("swa")
+        if swa is not None:
+            assert self.slots.swa_map is not None
+            self.slots.swa_map.free_swa(swa)
+        mamba = ticket.component_device_slots.get("mamba")
+        if mamba is not None:
+            assert self.slots.mamba_pool is not None
+            self.slots.mamba_pool.free(mamba)
+        for slots in full_frees:
+            self.slots.free_full(slots)
+
+    # ------------------------------------------------------------------ accounting
+    def check(self, tree: RadixTree) -> None:
+        for name in tree.components[1:]:
+            held = len(tree.component_host_slots(name))
+            pool = self.swa_host.allocator if name == "swa" else self.mamba_host
+            assert pool is not None
+            used = int(pool.used_size)
+            if used != held + self.inflight[name]:
+                raise AssertionError(
+                    f"{name} host accounting: pool uses {used} slots, tree holds {held} and "
+                    f"backups in flight {self.inflight[name]}"
+                )
+
+    def release(self, tree: RadixTree) -> None:
+        """Free every component host slot the tree holds (the cache is closing)."""
+        for name in tree.components[1:]:
+            slots = tree.component_host_slots(name)
+            if len(slots):
+                self._host_free(name, slots)

@@ -1,0 +1,126 @@
+"""Host inserts of hybrid trees: pages fetched from storage (L3 -> L2) with their SWA pages and
+the Mamba state at the end of the span (behavior.md §1.16 step 5).
+
+The caller brings, for ``key[start:end]``: one FULL host slot per token; optionally one SWA
+host slot per token, -1 where no SWA page was fetched (the fetched ones are a page-aligned
+suffix of the span: the last window); optionally the host slot of the state after ``end``.
+Nodes the walk meets adopt what they lack (a device node without a host copy takes the FULL
+slots as its backup, and the SWA slots if its whole span has them; the node ending at ``end``
+takes the state if it has none); everything else is a duplicate and comes back (FULL in
+``device_frees``, SWA / state in ``component_frees`` — all *host* slots here). The uncached
+rest becomes host-only nodes, cut where the fetched SWA begins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asynccache.tree.components.base import CompData
+from asynccache.tree.events import Medium
+from asynccache.tree.hybrid import refresh_aux
+from asynccache.tree.keys import RadixKey
+from asynccache.tree.node import Node, frozen
+from asynccache.tree.results import InsertResult
+
+if TYPE_CHECKING:
+    from asynccache.tree.host_tier import HostTier
+
+
+def _new_leaf(tree: HostTier, parent: Node, key: RadixKey, a: int, b: int, start: int,
+              slots: np.ndarray, swa: np.ndarray | None) -> Node:
+    data = key.data
+    leaf = Node(next(tree._ids), parent, data[a * 4 : b * 4], key.namespace)
+    tree._nodes[leaf.id] = leaf
+    leaf.host_value = frozen(slots[a - start : b - start])
+    leaf.creation = leaf.last_access = tree._tick()
+    leaf.hit_count = 1
+    leaf.aux = [CompData() for _ in tree._aux]
+    if swa is not None and tree._swa is not None:
+        leaf.aux[tree._swa.index].host_value = frozen(swa[a - start : b - start])
+    parent.children[tree._child_key(parent, data[a * 4 : a * 4 + tree._pb],
+                                    key.namespace)] = leaf
+    tree._host_size += b - a
+    if tree._eager_hashes:
+        tree._digests(leaf)
+    tree._emit_stored(leaf, Medium.CPU_PINNED)
+    tree._refresh(parent)
+    tree._refresh(leaf)
+    return leaf
+
+
+def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
+                swa: np.ndarray | None, state: int | None) -> InsertResult:
+    """See the module docstring; the arguments are validated by the caller."""
+    data = key.data
+    pb = tree._pb
+    end_tok = start + len(slots)
+    end = end_tok * 4
+    ns = key.namespace
+    swa_c = tree._swa
+    swa_from = end_tok
+    if swa is not None:
+        live = np.flatnonzero(swa >= 0)
+        swa_from = start + int(live[0]) if len(live) else end_tok
+    res = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
+    swa_dups: list[np.ndarray] = []
+    state_dups: list[np.ndarray] = []
+    if swa_c is not None:
+        res.component_frees["swa"] = swa_dups
+    if tree._mamba is not None:
+        res.component_frees["mamba"] = state_dups
+    node = tree._root
+    off = 0
+    while off < end:
+        child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
+        if child is None:
+            break
+        nb = tree._match_bytes(child.key, data, off, end)
+        if nb < len(child.key):
+            child = tree._split(child, nb)
+        pos = off >> 2
+        hi = pos + (nb >> 2)
+        if hi > start:
+            lo = max(pos, start)
+            span = slots[lo - start : hi - start]
+            adopt = child.host_value is None and child.pending == 0 and lo == pos
+            if adopt:
+                child.host_value = frozen(span)
+                tree._host_size += hi - pos
+                tree._emit_stored(child, Medium.CPU_PINNED)
+                tree._refresh(child)
+            else:
+                res.device_frees.append(span)
+            if swa is not None and swa_c is not None:
+                mine = swa[lo - start : hi - start]
+                d = swa_c.data(child)
+                if adopt and lo >= swa_from and d.host_value is None:
+                    d.host_value = frozen(mine)
+                elif (mine >= 0).any():
+                    swa_dups.append(mine[mine >= 0])
+        node = child
+        off += nb
+    res.prefix_len = off >> 2
+    if off < end:
+        a = off >> 2
+        if a < swa_from < end_tok:
+            node = _new_leaf(tree, node, key, a, swa_from, start, slots, None)
+            a = swa_from
+        node = _new_leaf(tree, node, key, a, end_tok, start, slots,
+                         swa if a >= swa_from else None)
+    if state is not None:
+        one = np.array([state], dtype=np.int64)
+        mamba = tree._mamba
+        assert mamba is not None
+        if node is not tree._root and node.host_value is not None and (
+            mamba.data(node).host_value is None
+        ):
+            one.flags.writeable = False
+            mamba.data(node).host_value = one
+        else:
+            state_dups.append(one)
+    if node is not tree._root:
+        refresh_aux(tree, node)
+    res.last_node = node.id
+    return res

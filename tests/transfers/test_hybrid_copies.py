@@ -1,0 +1,104 @@
+"""Host copies of hybrid components: SWA KV through a second copy engine, Mamba states
+through the state copier, and grouped handles. Every round trip is bit-exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asynccache.errors import InvalidInputError
+from transfers import CopyEngine, DevicePool, HostPool, KVShape, MambaStatePool
+from transfers.hybrid_copies import GroupHandle, StateCopier, host_state_pool, state_bytes
+
+
+def _fill(pool: MambaStatePool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.states.copy_(torch.randn(pool.states.shape, generator=g).to(pool.states.dtype))
+
+
+async def test_mamba_states_round_trip_bit_exact() -> None:
+    dev = MambaStatePool(6, (3, 5), dtype=torch.bfloat16, device="cpu")
+    _fill(dev, 1)
+    host = host_state_pool(dev, 4)
+    assert (tuple(host.states.shape), host.states.dtype) == ((4, 3, 5), torch.bfloat16)
+    copier = StateCopier(dev, host)
+    await copier.start()
+    try:
+        want = state_bytes(dev, np.array([4, 1]))
+        h = copier.submit_d2h([4, 1], [2, 0])
+        res = await h
+        assert (res.op, res.num_tokens, res.num_bytes) == ("d2h", 2, 2 * 15 * 2)
+        assert state_bytes(host, np.array([2, 0])) == want
+        dev.states.zero_()
+        await copier.submit_h2d([2, 0], [5, 3])
+        assert state_bytes(dev, np.array([5, 3])) == want
+        assert state_bytes(dev, np.array([0, 1, 2, 4])) == bytes(4 * 15 * 2)
+        with pytest.raises(InvalidInputError, match="out of range"):
+            copier.submit_h2d([4], [0])
+        with pytest.raises(InvalidInputError, match="1 source states but 2"):
+            copier.submit_d2h([0], [0, 1])
+    finally:
+        await copier.aclose()
+    assert copier.in_flight == 0
+
+
+async def test_a_cancelled_awaiter_does_not_stop_a_state_copy() -> None:
+    dev = MambaStatePool(2, (64, 64), device="cpu")
+    _fill(dev, 2)
+    host = host_state_pool(dev, 2)
+    copier = StateCopier(dev, host)
+    await copier.start()
+    h = copier.submit_d2h([0, 1], [1, 0])
+    waiter = asyncio.ensure_future(h.done())  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await copier.aclose()  # waits for the copy in flight
+    assert h.finished
+    assert state_bytes(host, np.array([1, 0])) == state_bytes(dev, np.array([0, 1]))
+
+
+async def test_group_handle_joins_full_swa_and_state_copies_bit_exact() -> None:
+    ps = 2
+    full_shape = KVShape(3, 2, 4, torch.float16)
+    swa_shape = KVShape(1, 2, 4, torch.float16)
+    fdev = DevicePool(full_shape, 8, ps, device="cpu")
+    fhost = HostPool(full_shape, 8, ps)
+    sdev = DevicePool(swa_shape, 8, ps, device="cpu")
+    shost = HostPool(swa_shape, 8, ps)
+    mdev = MambaStatePool(2, (4,), device="cpu")
+    _fill(mdev, 3)
+    mhost = host_state_pool(mdev, 2)
+    for pool, seed in ((fdev, 4), (sdev, 5)):
+        g = torch.Generator().manual_seed(seed)
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(pool.kv.dtype))
+    async with CopyEngine(fdev, fhost) as full, CopyEngine(sdev, shost) as swa:
+        states = StateCopier(mdev, mhost)
+        await states.start()
+        f_src, f_dst = np.array([2, 3, 6, 7]), np.array([0, 1, 4, 5])
+        s_src, s_dst = np.array([4, 5]), np.array([6, 7])
+        group = GroupHandle([full.submit_d2h(f_src, f_dst), swa.submit_d2h(s_src, s_dst),
+                             states.submit_d2h([1], [0])])
+        res = await group
+        assert (res.op, res.num_tokens, group.num_tokens) == ("d2h", 4, 4)
+        assert group.num_bytes == (4 * full_shape.bytes_per_token + 2 * swa_shape.bytes_per_token
+                                   + 4 * 4)
+        assert torch.equal(fhost.read_slots(f_dst), fdev.read_slots(f_src))
+        assert torch.equal(shost.read_slots(s_dst), sdev.read_slots(s_src))
+        assert state_bytes(mhost, np.array([0])) == state_bytes(mdev, np.array([1]))
+        # And back, into zeroed device pools.
+        want_f, want_s = fdev.read_slots(f_src).clone(), sdev.read_slots(s_src).clone()
+        want_m = state_bytes(mdev, np.array([1]))
+        fdev.kv.zero_()
+        sdev.kv.zero_()
+        mdev.states.zero_()
+        await GroupHandle([full.submit_h2d(f_dst, f_src), swa.submit_h2d(s_dst, s_src),
+                           states.submit_h2d([0], [1])])
+        assert torch.equal(fdev.read_slots(f_src), want_f)
+        assert torch.equal(sdev.read_slots(s_src), want_s)
+        assert state_bytes(mdev, np.array([1])) == want_m
+        await states.aclose()
+        with pytest.raises(Exception, match="not running"):
+            states.submit_d2h([0], [0])
