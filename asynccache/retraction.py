@@ -302,7 +302,7 @@ class RetractionMixin:
         evicting and waiting for copies in flight as :meth:`alloc_device` does."""
         alloc = self.device_pool.allocator
         for _ in range(64):
-            got = alloc.alloc(num_tokens)
+            got: np.ndarray | None = alloc.alloc(num_tokens)
             if got is None:
                 self.evict(num_tokens - alloc.available_size)
                 got = alloc.alloc(num_tokens)

@@ -6,6 +6,8 @@ SWA floor, ``discard`` frees every host part; cancellation at any await point le
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 from typing import Any
 
 import numpy as np
@@ -53,7 +55,7 @@ async def running(make_cache: Any, combo: str, *, cached: int = 12, computed: in
 
 def rows(tensor: torch.Tensor, slots: Any, dim: int = 2) -> torch.Tensor:
     """A copy of the entries of ``slots`` along the slot dimension of a pool tensor."""
-    return tensor.index_select(dim, torch.as_tensor(np.asarray(slots, dtype=np.int64))).clone()
+    return tensor.index_select(dim, torch.from_numpy(np.array(slots, dtype=np.int64))).clone()
 
 
 def snapshot(cache: Any, req: Any, swa_from: int) -> dict[str, torch.Tensor]:
@@ -350,3 +352,84 @@ async def test_restore_without_a_free_state_is_a_clear_error(make_cache):
     assert req.mamba_state is not None and hy.mamba_pool.used_size == 2
     cache.abort_req(req)
     cache.sanity_check()
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_lifecycle_with_retractions(make_cache, seed):
+    """Requests admitted, computed, cached, windows released, retracted, restored, discarded,
+    finished and aborted at random, with eviction pressure: every restore is bit-exact and the
+    per-pool accounting holds after every step."""
+    rnd = random.Random(seed)
+    cache = await make_cache(**{**BASE, **COMBOS["full+swa+mamba"], "mamba_states": 6,
+                                "device_tokens": 40, "swa_tokens": 40, "host_tokens": 40})
+    hy = cache.hybrid
+    g = torch.Generator().manual_seed(seed)
+    for t in (cache.device_pool.kv, hy.swa_pool.kv, hy.mamba_pool.states):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    prefixes = [list(range(1000 * i, 1000 * i + 8)) for i in range(1, 4)]
+    live: list[tuple[Any, list[int]]] = []
+    parked: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+    stats = dict.fromkeys(("retract", "restore", "short"), 0)
+    for step in range(150):
+        op = rnd.choice(["admit", "admit", "extend", "extend", "extend", "unfinished", "window", "retract",
+                         "retract", "restore", "restore", "discard", "finish", "evict"])
+        running_ = [(r, t) for r, t in live if r.retracted is None]
+        retracted = [(r, t) for r, t in live if r.retracted is not None]
+        if op == "admit" and len(live) < 5:
+            tokens = rnd.choice(prefixes) + [rnd.randrange(10**6) for _ in range(22)]
+            with contextlib.suppress(PoolExhaustedError):
+                live.append((cache.admit(tokens, f"r{step}"), tokens))
+        elif op == "extend" and running_:
+            r, t = rnd.choice(running_)
+            n = min(rnd.randint(2, 12), len(t) - r.computed)
+            with contextlib.suppress(PoolExhaustedError):
+                await cache.extend(r, n)
+        elif op == "unfinished" and running_:
+            cache.cache_unfinished_req(rnd.choice(running_)[0])
+        elif op == "window" and running_:
+            cache.release_swa_window(rnd.choice(running_)[0])
+        elif op == "retract" and running_:
+            r, _ = rnd.choice(running_)
+            swa_from = cache._swa_window(r, np.concatenate([r.slots, r.spare]))[0]
+            want = snapshot(cache, r, swa_from)
+            try:
+                await cache.retract(r)
+                parked[r.rid] = (swa_from, want)
+                stats["retract"] += 1
+            except PoolExhaustedError:
+                stats["short"] += 1
+                assert_same(snapshot(cache, r, swa_from), want)
+        elif op == "restore" and retracted:
+            r, _ = rnd.choice(retracted)
+            clobber_free(cache)
+            try:
+                await cache.restore(r)
+            except PoolExhaustedError:
+                stats["short"] += 1
+            else:
+                swa_from, want = parked.pop(r.rid)
+                assert r.swa_evicted == swa_from
+                assert_same(snapshot(cache, r, swa_from), want)
+                stats["restore"] += 1
+        elif op == "discard" and retracted:
+            r, _ = rnd.choice(retracted)
+            cache.discard_retracted(r)
+            parked.pop(r.rid)
+            cache.abort_req(r)
+            live.remove((r, _))
+        elif op == "finish" and live:
+            r, t = rnd.choice(live)
+            parked.pop(r.rid, None)
+            cache.cache_finished_req(r)  # a retracted one is dropped (its backup freed)
+            live.remove((r, t))
+        elif op == "evict":
+            cache.evict(rnd.randint(0, 16), swa_num_tokens=rnd.randint(0, 8),
+                        mamba_num=rnd.randint(0, 1))
+        cache.sanity_check()
+    for r, _ in live:
+        cache.abort_req(r)
+    await cache.flush()
+    cache.sanity_check()
+    assert host_parts(cache) == (0, 0, 0) and hy.mamba_pool.used_size == len(
+        cache.tree.component_slots("mamba"))
+    assert stats["retract"] and stats["restore"], stats
