@@ -433,3 +433,48 @@ async def test_random_lifecycle_with_retractions(make_cache, seed):
     assert host_parts(cache) == (0, 0, 0) and hy.mamba_pool.used_size == len(
         cache.tree.component_slots("mamba"))
     assert stats["retract"] and stats["restore"], stats
+
+
+def failing_copy(*_args: Any) -> Any:
+    """A state copy that fails once it runs (the copy thread reported an error)."""
+    from transfers.handles import CopyHandle
+
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(RuntimeError("state copy failed"))
+    return CopyHandle("d2h", fut, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)
+
+
+def refused_copy(*_args: Any) -> Any:
+    raise RuntimeError("state copier refused the copy")
+
+
+@pytest.mark.parametrize("how", [failing_copy, refused_copy], ids=["fails", "refused"])
+async def test_a_failed_part_frees_everything_and_changes_nothing(make_cache, monkeypatch, how):
+    from asynccache.errors import TransferError
+
+    cache, req = await running(make_cache, "full+swa+mamba")
+    states = cache.hybrid.tier.states
+    want = snapshot(cache, req, 16)
+    before = used(cache)
+    monkeypatch.setattr(states, "submit_d2h", how)
+    with pytest.raises(TransferError if how is failing_copy else RuntimeError):
+        await cache.retract(req)
+    await cache.flush()  # the FULL and SWA parts landed: their host slots are back
+    assert req.retracted is None and used(cache) == before and host_parts(cache) == (0, 0, 0)
+    assert_same(snapshot(cache, req, 16), want)
+    cache.sanity_check()
+    monkeypatch.undo()
+    backup = await cache.retract(req)
+    after_retract = used(cache)
+    monkeypatch.setattr(states, "submit_h2d", how)
+    clobber_free(cache)
+    with pytest.raises(TransferError if how is failing_copy else RuntimeError):
+        await cache.restore(req)
+    await cache.flush()
+    assert req.retracted is backup and backup.state == "held" and used(cache) == after_retract
+    cache.sanity_check()
+    monkeypatch.undo()
+    clobber_free(cache)
+    await cache.restore(req)
+    assert_same(snapshot(cache, req, 16), want)
+    cache.abort_req(req)
