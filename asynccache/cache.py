@@ -129,6 +129,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
 
             self.hybrid.tier = HybridTier(config, self.hybrid, self.host_pool.num_slots,
                                           pin=self.host_pool.kv.is_pinned())
+            if config.retraction_backup:
+                self.hybrid.tier.check_retraction_capacity()
         self.metrics = metrics if metrics is not None else CacheMetrics()
         if self.host_pool is not None:
             self.metrics.host_total_tokens.set(self.host_pool.num_slots)

@@ -129,12 +129,6 @@ class CacheConfig:
             isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
         ):
             raise ConfigError(f"mamba_state_shape must be a tuple of positive ints, got {shape!r}")
-        if self.hybrid and self.retraction_backup:
-            raise ConfigError(
-                "retraction_backup with SWA / Mamba components is not implemented (it would not "
-                f"keep their state): sliding_window={self.sliding_window}, "
-                f"mamba_states={self.mamba_states}"
-            )
         if self.hybrid and self.host_enabled and self.host_mode != "cache":
             raise ConfigError(
                 f"host_mode {self.host_mode!r} with SWA / Mamba components is not implemented: "

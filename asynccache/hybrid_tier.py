@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from asynccache.errors import ConfigError
 from asynccache.tree.results import BackupRequest, LoadBackTicket
 from transfers.engine import CopyEngine
 from transfers.handles import CopyHandle
@@ -50,6 +51,27 @@ class HybridTier:
         self.states: StateCopier | None = None
         # Host slots owned by backups in flight, per component.
         self.inflight = {"swa": 0, "mamba": 0}
+
+    def check_retraction_capacity(self) -> None:
+        """Retraction backup parks a request's SWA KV and Mamba state here: each host pool must
+        be at least as large as its device pool (raises :class:`ConfigError`)."""
+        if self.swa_host is not None:
+            assert self.slots.swa_pool is not None
+            dev, host = self.slots.swa_pool.num_slots, self.swa_host.num_slots
+            if host < dev:
+                raise ConfigError(
+                    f"retraction_backup needs host SWA capacity >= device SWA capacity: {host} "
+                    f"host SWA slots (swa_host_tokens) < {dev} device SWA slots (swa_tokens)"
+                )
+        if self.mamba_host is not None:
+            assert self.slots.mamba_pool is not None
+            dev, host = self.slots.mamba_pool.allocator.total_size, \
+                self.mamba_host.allocator.total_size
+            if host < dev:
+                raise ConfigError(
+                    f"retraction_backup needs host Mamba states >= device Mamba states: {host} "
+                    f"host states (mamba_host_states) < {dev} device states (mamba_states)"
+                )
 
     async def start(self) -> None:
         if self.swa_host is not None:
