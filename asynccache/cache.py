@@ -29,6 +29,7 @@ from asynccache.errors import (
     InvalidInputError,
     PoolExhaustedError,
 )
+from asynccache.hybrid_api import HybridMixin
 from asynccache.hybrid_slots import HybridSlots
 from asynccache.kvaccess import KVAccessMixin
 from asynccache.l3 import StorageTier
@@ -61,7 +62,7 @@ _log = get_logger("cache")
 
 
 class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, RetractionMixin,
-                        KVAccessMixin):
+                        KVAccessMixin, HybridMixin):
     """A prefix KV cache over a device pool (L1) and an optional host pool (L2).
 
     Use it as ``async with HierarchicalCache(config) as cache:``. The synchronous calls
@@ -339,75 +340,11 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             self._buffer.enqueue(res.intents)
         return res
 
-    def _insert_hybrid(self, key: RadixKey | Any, value: Any, prev_prefix_len: int,
-                       inserted_len: int, priority: int, swa_evicted_seqlen: int,
-                       mamba_value: int | None) -> InsertResult:
-        hy = self.hybrid
-        assert hy is not None
-        slots = as_slots(value)
-        if isinstance(swa_evicted_seqlen, bool) or not isinstance(swa_evicted_seqlen, int) or (
-            not 0 <= swa_evicted_seqlen <= len(slots)
-        ):
-            raise InvalidInputError(
-                f"swa_evicted_seqlen must be an int in [0, {len(slots)}], got {swa_evicted_seqlen!r}"
-            )
-        start = min(len(slots), max(swa_evicted_seqlen, prev_prefix_len))
-        swa_value = hy.swa_value(slots, start)
-        evicted = {"swa": swa_evicted_seqlen} if hy.swa_map is not None else None
-        res = self.tree.insert(key, slots, prev_prefix_len=prev_prefix_len,
-                               inserted_len=inserted_len, priority=priority, swa_value=swa_value,
-                               component_evicted_seqlens=evicted, mamba_value=mamba_value)
-        hy.apply_insert(res, mamba_value)
-        self._outstanding -= max(0, res.cached_len - prev_prefix_len)
-        if res.backups:
-            self._start_backups(res.backups)
-        return res
-
     def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
         """Pin a matched node (hybrid: also one SWA window and its Mamba state, unless
         ``skip`` names them)."""
         self._check_open()
         return self.tree.lock(node_id, skip=skip)
-
-    def release_swa(self, receipt: LockReceipt) -> None:
-        """Hybrid: drop the SWA / Mamba pins of a held lock once decode passed the window."""
-        self._check_open()
-        self.tree.release_swa(receipt)
-
-    def _hybrid_slots(self) -> HybridSlots:
-        if self.hybrid is None:
-            raise InvalidInputError("this cache has no SWA / Mamba components")
-        return self.hybrid
-
-    def free_swa(self, slots: Any) -> None:
-        """Free a request's SWA slots that slid out of the window (pairs of its FULL slots)."""
-        self._check_open()
-        self._hybrid_slots().free_swa(slots)
-
-    def alloc_mamba_state(self) -> int | None:
-        """A fresh Mamba state slot for a request (None when the pool is full after evicting
-        unlocked states)."""
-        self._check_open()
-        hy = self._hybrid_slots()
-        got = hy.alloc_mamba()
-        if got is None:
-            self.evict(0, mamba_num=1)
-            got = hy.alloc_mamba()
-        return got
-
-    def free_mamba_state(self, slot: int) -> None:
-        self._check_open()
-        self._hybrid_slots().free_mamba(slot)
-
-    def mamba_copy_on_write(self, slot: int) -> int | None:
-        """A request-private copy of the state a match returned in ``mamba_cow_slot``."""
-        self._check_open()
-        hy = self._hybrid_slots()
-        got = hy.copy_on_write(slot)
-        if got is None:
-            self.evict(0, mamba_num=1)
-            got = hy.copy_on_write(slot)
-        return got
 
     def unlock(self, receipt: LockReceipt) -> int:
         self._check_open()

@@ -242,7 +242,11 @@ class HybridTier:
     def check(self, tree: RadixTree) -> None:
         for name in tree.components[1:]:
             held = len(tree.component_host_slots(name))
-            pool = self.swa_host.allocator if name == "swa" else self.mamba_host
+            if name == "swa":
+                assert self.swa_host is not None
+                pool: Any = self.swa_host.allocator
+            else:
+                pool = self.mamba_host
             assert pool is not None
             used = int(pool.used_size)
             if used != held + self.inflight[name]:

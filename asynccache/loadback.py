@@ -167,7 +167,8 @@ class LoadBackMixin:
             handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
             indices = np.concatenate([match.device_indices, ticket.device_slots])
         else:
-            tier = self.hybrid.tier  # type: ignore[union-attr]
+            assert self.hybrid is not None and self.hybrid.tier is not None
+            tier = self.hybrid.tier
             tier.pair(ticket)
             copies = tier.submit_h2d(ticket)
             if len(ticket.device_slots):
