@@ -177,18 +177,27 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         host_hit_length=0,
         full_kv_hit_length=full_hit,
     )
-    if swa is not None and full_hit > swa_bound >> 2:
+    set_branching(tree, res, swa_bound, mamba_bound, best if cow_mamba else None)
+    return res
+
+
+def set_branching(tree: TreeBase, res: MatchResult, swa_bound: int, mamba_bound: int,
+                  cow_node: Node | None) -> None:
+    """Fill ``res``'s branching seqlens (past each component's deepest valid boundary, in key
+    bytes) and, for copy-on-write, the state slot of ``cow_node``."""
+    full_hit = res.full_kv_hit_length
+    if tree._swa is not None and full_hit > swa_bound >> 2:
         res.swa_branching_seqlen = full_hit
+    mamba = tree._mamba
     if mamba is not None:
         grid = tree._mamba_interval
         b = full_hit // grid * grid
         if b > mamba_bound >> 2:
             res.mamba_branching_seqlen = b
-        if cow_mamba and best is not root:
-            state = mamba.data(best).value
+        if cow_node is not None and cow_node is not tree._root:
+            state = mamba.data(cow_node).value
             assert state is not None
             res.mamba_cow_slot = int(state[0])
-    return res
 
 
 # ---------------------------------------------------------------------------- insert

@@ -28,7 +28,7 @@ from asynccache.errors import InvalidInputError
 from asynccache.tree.components.base import Component
 from asynccache.tree.config import as_slots
 from asynccache.tree.events import Medium
-from asynccache.tree.hybrid import refresh_aux, touch_aux
+from asynccache.tree.hybrid import refresh_aux, set_branching, touch_aux
 from asynccache.tree.keys import RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, LoadBackTicket, MatchResult
@@ -165,17 +165,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
         pending_loads=tuple(dict.fromkeys(pending)),
         full_kv_hit_length=full_hit,
     )
-    if swa is not None and full_hit > swa_bound >> 2:
-        res.swa_branching_seqlen = full_hit
-    if mamba is not None:
-        grid = tree._mamba_interval
-        b = full_hit // grid * grid
-        if b > mamba_bound >> 2:
-            res.mamba_branching_seqlen = b
-        if cow_mamba and last_dev is not root:
-            state = mamba.data(last_dev).value
-            assert state is not None
-            res.mamba_cow_slot = int(state[0])
+    set_branching(tree, res, swa_bound, mamba_bound, last_dev if cow_mamba else None)
     return res
 
 
