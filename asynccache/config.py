@@ -68,6 +68,9 @@ class CacheConfig:
     mamba_state_shape: tuple[int, ...] = (64,)
     swa_host_tokens: int | None = None
     mamba_host_states: int | None = None
+    # SWA: at every cache_unfinished_req (chunked prefill), free the SWA slots of the request's
+    # own tokens that slid out of the window (keeping window + one page), as release_swa_window.
+    swa_free_out_of_window: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -87,7 +90,7 @@ class CacheConfig:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
         for flag in ("enable_kv_events", "enable_page_hashes", "disable", "enable_sessions",
-                     "retraction_backup", "kv_replicated"):
+                     "retraction_backup", "kv_replicated", "swa_free_out_of_window"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_mode not in HOST_MODES:

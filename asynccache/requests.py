@@ -265,6 +265,8 @@ class RequestsMixin:
         to the tree when the cached length is the computed length; the request keeps its own."""
         hy = self.hybrid
         assert hy is not None
+        if self.config.swa_free_out_of_window and self.config.sliding_window:
+            self.release_swa_window(req)
         checkpoint = None
         if req.mamba_state is not None and req.computed % self.page_size == 0:
             checkpoint = hy.copy_on_write(req.mamba_state)  # None when the pool is full: skip

@@ -106,3 +106,23 @@ async def test_no_state_left_is_a_clear_error(make_cache, kit):
     cache.abort_req(first)
     assert used(cache) == (0, 0, 0)
     cache.sanity_check()
+
+
+async def test_chunked_prefill_frees_out_of_window_swa_by_itself(make_cache, kit):
+    cache = await make_cache(**BASE, sliding_window=4, swa_free_out_of_window=True)
+    model = kit.KVModel.of(cache)
+    t = list(range(300, 330))
+    r = cache.admit(t)
+    for lo in (0, 10, 20):  # three chunks of 10, cached after each
+        await _compute(cache, model, r, t, 10)
+        if lo < 20:
+            cache.cache_unfinished_req(r)
+            cache.sanity_check()
+    # After chunk 1: floor 4 (own [0, 4) freed). After chunk 2: own [10, 14) freed, floor 14.
+    assert r.swa_evicted == 14
+    assert used(cache) == (30, 30 - 4 - 4, 0)
+    cache.cache_finished_req(r)
+    cache.sanity_check()
+    m = cache.match_prefix(t)
+    assert m.device_prefix_len == 30
+    model.check(cache, t, m.device_indices)
