@@ -78,9 +78,21 @@ class LoadBackMixin:
         n = match.host_hit_length
         if n == 0 or self._engine is None or match.pending_loads:
             return 0
-        if n < self.config.load_back_threshold or (mem_quota is not None and n > mem_quota):
+        if mem_quota is not None and n > mem_quota:
             return 0
+        if n < self.config.load_back_threshold and not self._loads_components(match):
+            return 0  # short enough to recompute (unless SWA / Mamba parts must come back)
         return n
+
+    def _loads_components(self: HierarchicalCache, match: MatchResult) -> bool:
+        """Hybrid: would a load-back of ``match`` copy SWA or Mamba parts?"""
+        if self.hybrid is None:
+            return False
+        try:
+            sizes = self.tree.load_back_sizes(match.best_node)
+        except InvalidInputError:
+            return False
+        return any(v for k, v in sizes.items() if k != "full")
 
     def _pin(self: HierarchicalCache, match: MatchResult) -> tuple[LockReceipt, LockReceipt]:
         """Pin the device prefix and the host hit of ``match`` while making room for a load."""

@@ -123,8 +123,11 @@ async def test_backup_evict_load_back_round_trip_is_bit_exact(make_cache: Any, c
     assert [p.used_size for p in pools] == [0] * len(pools)
 
 
-async def test_swa_only_on_host_is_loaded_back_alone(make_cache: Any) -> None:
-    cache, want = await cache_and_write(make_cache, "full+swa")
+@pytest.mark.parametrize("threshold", [0, 100])
+async def test_swa_only_on_host_is_loaded_back_alone(make_cache: Any, threshold: int) -> None:
+    """(A component transfer is loaded even under ``load_back_threshold``, as the reference
+    skips only short hits without one.)"""
+    cache, want = await cache_and_write(make_cache, "full+swa", load_back_threshold=threshold)
     hy = cache.hybrid
     assert cache.evict(0, swa_num_tokens=100) == 0
     cache.sanity_check()
