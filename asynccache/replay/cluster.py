@@ -209,7 +209,8 @@ def format_cluster(report: dict[str, Any]) -> str:
         ("requests", f"{report['requests']}"),
         ("prompt tokens", f"{report['prompt_tokens']:,}"),
         ("local hit rate (L1+L2)", f"{report['local_hit_rate']:.2%}"),
-        ("shared L3 hit rate", f"{report['storage_hit_rate']:.2%}"),
+        ("shared L3 hit rate", f"{report['storage_hit_rate']:.2%}"
+         if report.get("shared_storage") else "- (no --storage: the instances share nothing)"),
         ("global hit rate", f"{report['global_hit_rate']:.2%}"),
     ]
     if "isolated_hit_rate" in report:

@@ -96,6 +96,14 @@ def test_cli_instances_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "isolated_hit_rate" in r and "pooled_vs_isolated" in r
 
 
+def test_cli_instances_without_storage_say_they_share_nothing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--instances", "2", "--limit", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "shared L3 hit rate" in out and "no --storage: the instances share nothing" in out
+    assert "pooled / isolated" not in out
+
+
 def test_cli_rejects_bad_instances(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["replay", "--instances", "0"])
