@@ -1,23 +1,78 @@
-"""Storage fixtures shared by the engine-level suites (tests/l3, tests/buffer): backends made
-for a test are closed at its teardown, after its caches; one real SeaweedFS S3 server serves the
-whole session (each test writes under its own random prefix). tests/storage keeps its own
-server fixture (its tests exercise bucket-level behaviour)."""
+"""Fixtures shared by the engine-level suites (tests/cache, tests/l3, tests/buffer).
+
+``cache_factory``: the body of each suite's ``make_cache`` fixture (build and start caches,
+then at teardown check and close every one of them with the suite's own checks).
+Storage: backends made for a test are closed at its teardown, after its caches; one real
+SeaweedFS S3 server serves the whole session (each test writes under its own random prefix).
+tests/storage keeps its own server fixture (its tests exercise bucket-level behaviour)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asynccache import HierarchicalCache
+from asynccache import CacheConfig, HierarchicalCache
 from storage.faults import FaultInjectingBackend, FaultRule
 from storage.file import FileBackend
 from storage.seaweed import LocalSeaweed, find_weed
 
 TIMEOUT = 20.0
+
+CacheMaker = Callable[..., Awaitable[HierarchicalCache]]
+
+
+def copy_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("asynccache-copy") and t.is_alive()}
+
+
+@asynccontextmanager
+async def _made_caches(config: Callable[..., CacheConfig],
+                       at_rest: Callable[[HierarchicalCache], Awaitable[None]],
+                       close_and_check: Callable[[HierarchicalCache], Awaitable[None]],
+                       ) -> AsyncIterator[CacheMaker]:
+    """``make(strict=True, start=True, **config_overrides)`` builds (and starts) a cache. At the
+    end every cache made is checked with ``at_rest`` (if running) and ``close_and_check``
+    (``strict=False``: just closed); the first failure is raised after all are closed, and no
+    copy thread may be left alive when every cache was strict."""
+    made: list[tuple[HierarchicalCache, bool]] = []
+    baseline = copy_threads()
+
+    async def make(*, strict: bool = True, start: bool = True, **overrides: Any) -> HierarchicalCache:
+        cache = HierarchicalCache(config(**overrides))
+        made.append((cache, strict))
+        if start:
+            await cache.start()
+        return cache
+
+    yield make
+
+    errors: list[BaseException] = []
+    for cache, strict in made:
+        try:
+            if strict:
+                if cache._state == "running":
+                    await at_rest(cache)
+                await close_and_check(cache)
+            else:
+                await asyncio.wait_for(cache.aclose(), TIMEOUT)
+        except BaseException as exc:  # report the first failure, still close the others
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    if all(strict for _, strict in made):
+        left = copy_threads() - baseline
+        assert not left, f"copy threads left alive: {sorted(t.name for t in left)}"
+
+
+@pytest.fixture
+def cache_factory() -> Callable[..., AbstractAsyncContextManager[CacheMaker]]:
+    return _made_caches
 
 
 @pytest.fixture

@@ -88,30 +88,10 @@ def hang_guard() -> Iterator[None]:
 
 
 @pytest.fixture
-async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
-    made: list[tuple[HierarchicalCache, bool]] = []
-
-    async def make(*, strict: bool = True, **overrides: Any) -> HierarchicalCache:
-        cache = HierarchicalCache(config(**overrides))
-        made.append((cache, strict))
-        await cache.start()
-        return cache
-
-    yield make
-
-    errors: list[BaseException] = []
-    for cache, strict in made:
-        try:
-            if strict:
-                if cache._state == "running":
-                    await quiesce(cache)
-                await close_and_check(cache)
-            else:
-                await asyncio.wait_for(cache.aclose(), TIMEOUT)
-        except BaseException as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+async def make_cache(backends: list[Any], cache_factory: Any,
+                     ) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
+    async with cache_factory(config, quiesce, close_and_check) as make:
+        yield make
 
 
 @pytest.fixture

@@ -244,35 +244,11 @@ def hang_guard() -> Iterator[None]:
 
 
 @pytest.fixture
-async def make_cache(backends: list[Any]) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
+async def make_cache(backends: list[Any], cache_factory: Any,
+                     ) -> AsyncIterator[Callable[..., Awaitable[HierarchicalCache]]]:
     """(Depends on ``backends`` so that caches are closed before their backends.)"""
-    made: list[tuple[HierarchicalCache, bool]] = []
-    baseline = copy_threads()
-
-    async def make(*, strict: bool = True, **overrides: Any) -> HierarchicalCache:
-        cache = HierarchicalCache(config(**overrides))
-        made.append((cache, strict))
-        await cache.start()
-        return cache
-
-    yield make
-
-    errors: list[BaseException] = []
-    for cache, strict in made:
-        try:
-            if strict:
-                if cache._state == "running":
-                    await quiesce(cache)
-                await close_and_check(cache)
-            else:
-                await asyncio.wait_for(cache.aclose(), TIMEOUT)
-        except BaseException as exc:  # report the first failure, still close the others
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    if all(strict for _, strict in made):
-        left = copy_threads() - baseline
-        assert not left, f"copy threads left alive: {sorted(t.name for t in left)}"
+    async with cache_factory(config, quiesce, close_and_check) as make:
+        yield make
 
 
 @pytest.fixture
