@@ -77,6 +77,11 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
             d.stamp = clock + k
             k -= 1
         clock += len(hit)
+    tree._clock = _stamp_state(tree, node, clock)
+
+
+def _stamp_state(tree: TreeBase, node: Node, clock: int) -> int:
+    """Refresh ``node``'s Mamba state (if it holds one) with the next stamp; returns the clock."""
     mamba = tree._mamba
     if mamba is not None:
         aux = node.aux
@@ -85,7 +90,7 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
         if d.value is not None:
             clock += 1
             d.stamp = clock
-    tree._clock = clock
+    return clock
 
 
 def new_aux(tree: TreeBase) -> list[CompData]:
@@ -402,14 +407,7 @@ def insert(
             if sd.value is not None:
                 clock += 1
                 sd.stamp = clock
-        if mamba is not None:
-            aux = node.aux
-            assert aux is not None
-            md = aux[mamba.index]
-            if md.value is not None:
-                clock += 1
-                md.stamp = clock
-        tree._clock = clock
+        tree._clock = _stamp_state(tree, node, clock)
     res.last_node = node.id
     return res
 
