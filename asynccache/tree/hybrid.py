@@ -47,9 +47,9 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
 
 def touch_aux(tree: TreeBase, node: Node) -> None:
     """Refresh each component's LRU for a match or insert ending at ``node`` (stamps only; the
-    queues re-file lazily). Inline versions of ``SWAComponent.touched`` (the nodes holding SWA
-    within window + one page above ``node``, deepest first: ancestors end up slightly older)
-    and ``MambaComponent.touched`` (the node itself, if it holds a state)."""
+    queues re-file lazily): SWA refreshes only the nodes holding SWA within window + one page
+    above ``node`` (so deep matches do not keep old ancestors warm), deepest newest; Mamba the
+    node itself, if it holds a state."""
     if node.parent is None:
         return
     clock = tree._clock

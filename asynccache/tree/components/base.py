@@ -86,11 +86,6 @@ class Component:
         """Release a lock taken by :meth:`lock`; returns the nodes whose pins changed."""
         raise NotImplementedError
 
-    def touched(self, node: Node) -> list[Node]:
-        """Nodes whose LRU recency a match or insert ending at ``node`` refreshes, deepest
-        first."""
-        raise NotImplementedError
-
     # -------------------------------------------------------------- shared mechanics
     def data(self, node: Node) -> CompData:
         aux = node.aux

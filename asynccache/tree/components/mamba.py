@@ -46,8 +46,3 @@ class MambaComponent(Component):
         assert d.lock_ref > 0, f"node {node.id} is not Mamba-locked"
         d.lock_ref -= 1
         return [node]
-
-    def touched(self, node: Node) -> list[Node]:
-        if node.parent is not None and self.data(node).value is not None:
-            return [node]
-        return []

@@ -70,17 +70,3 @@ class SWAComponent(Component):
             n = n.parent
         assert left == 0, "SWA lock span does not end at a node boundary"
         return changed
-
-    def touched(self, node: Node) -> list[Node]:
-        """Only the nodes covering window + one page above ``node``: deep matches do not keep
-        old ancestors warm."""
-        out = []
-        span = 0
-        limit = self.window + self.page_size
-        n = node
-        while n.parent is not None and span < limit:
-            if self.data(n).value is not None:
-                out.append(n)
-            span += len(n.key) >> 2
-            n = n.parent
-        return out
