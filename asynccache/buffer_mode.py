@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from asynccache.buffer_reads import StagedReads, page_buffers
+from asynccache.buffer_reads import StagedReads
 from asynccache.errors import ConfigError
 from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
+from asynccache.hostpages import page_buffers
 from asynccache.l3 import BATCH_PAGES, StoragePolicy
 from asynccache.logs import get_logger
 from asynccache.tree import LockReceipt

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
-import torch
 
 from asynccache.errors import ConfigError, PoolExhaustedError
+from asynccache.hostpages import read_pages
 from asynccache.l3 import BATCH_PAGES, PREFETCH_POLICIES
 from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
 from asynccache.tree import LockReceipt, RadixKey
 from transfers.handles import CopyHandle
-from transfers.pools import HostPool
 
 if TYPE_CHECKING:
     from asynccache.buffer_mode import BufferModePipeline
@@ -34,17 +33,6 @@ if TYPE_CHECKING:
 _log = get_logger("buffer_reads")
 
 LOAD_SHARE: Final = 0.9  # reads may hold this share of the host pool (minus write staging)
-
-
-def page_buffers(host: HostPool, slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
-    """One uint8 buffer per page of ``slots``: views into a page_first pool, else copies of
-    the pages (``fill``) or empty buffers to read into and write back with ``write_page``."""
-    firsts = slots[:: host.page_size].tolist()
-    if host.layout == "page_first":
-        return [host.page_buffer(f) for f in firsts]
-    if fill:
-        return [host.read_page(f) for f in firsts]
-    return [torch.empty(host.page_bytes, dtype=torch.uint8) for _ in firsts]
 
 
 @dataclass(eq=False, slots=True)
@@ -181,12 +169,7 @@ class StagedReads:
         for i in range(0, want, BATCH_PAGES):
             keys = op.keys[i : min(want, i + BATCH_PAGES)]
             slots = host[i * ps : (i + len(keys)) * ps]
-            bufs = page_buffers(self._host, slots, fill=False)
-            ok = await self.pipeline.backend.get_batch(keys, bufs)
-            good = next((j for j, g in enumerate(ok) if not g), len(ok))
-            if self._host.layout != "page_first":
-                for j, first in enumerate(slots[::ps][:good].tolist()):
-                    self._host.write_page(first, bufs[j])
+            good = await read_pages(self.pipeline.backend, self._host, keys, slots)
             op.completed_tokens += good * ps
             if good < len(keys):
                 self.pipeline.existence.invalidate_beyond(op.keys, i + good)

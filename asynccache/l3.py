@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.hostpages import page_buffers, read_pages
 from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
 from asynccache.tree import LockReceipt, MatchResult, RadixKey
@@ -125,7 +126,7 @@ class StorageTier:
         self._occupied = 0
         self._aborts: set[asyncio.Task[None]] = set()  # releases of prefetches nobody finished
         host = cache.host_pool
-        self._zero_copy = host.layout == "page_first"
+        self._host = host
         self._page_bytes = host.page_bytes
         self._hybrid: HybridStorage | None = None
         if cache.hybrid is not None:
@@ -154,18 +155,6 @@ class StorageTier:
     def forget_known(self) -> None:
         """Forget which keys were seen stored (the backend was cleared)."""
         self._known.clear()
-
-    def _page_buffers(self, host_slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:
-        """One uint8 buffer per page: views into a page_first pool, or copies (``fill``) /
-        empty staging for a layer_first pool."""
-        host = self.cache.host_pool
-        assert host is not None
-        firsts = host_slots[:: host.page_size].tolist()
-        if self._zero_copy:
-            return [host.page_buffer(f) for f in firsts]
-        if fill:
-            return [host.read_page(f) for f in firsts]
-        return [torch.empty(self._page_bytes, dtype=torch.uint8) for _ in firsts]
 
     # ------------------------------------------------------------------ backup (L2 -> L3)
     def backup_nodes(self, node_ids: Sequence[int]) -> None:
@@ -216,7 +205,7 @@ class StorageTier:
                             (len(batch) - len(todo)) * ps)
                     if not todo:
                         continue
-                    pages = self._page_buffers(slots, fill=True)
+                    pages = page_buffers(self._host, slots, fill=True)
                     t0 = time.perf_counter()
                     ok = await self.backend.set_batch([batch[j] for j in todo],
                                                       [pages[j] for j in todo])
@@ -352,13 +341,7 @@ class StorageTier:
         for i in range(0, want, BATCH_PAGES):
             keys = op.keys[i : min(want, i + BATCH_PAGES)]
             slots = host[i * ps : (i + len(keys)) * ps]
-            bufs = self._page_buffers(slots, fill=False)
-            ok = await self.backend.get_batch(keys, bufs)
-            good = next((j for j, g in enumerate(ok) if not g), len(ok))
-            if not self._zero_copy:
-                firsts = slots[::ps].tolist()
-                for j in range(good):
-                    cache.host_pool.write_page(firsts[j], bufs[j])  # type: ignore[union-attr]
+            good = await read_pages(self.backend, self._host, keys, slots)
             for k in keys[:good]:
                 self._remember(k)
             op.completed_tokens += good * ps
