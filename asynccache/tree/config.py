@@ -70,8 +70,13 @@ class TreeConfig:
 
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def as_slots(value: Any, what: str = "value") -> np.ndarray:
     """Slot indices as a 1-D int64 numpy array (accepts numpy, torch or a list of ints)."""
+    if type(value) is np.ndarray and value.dtype is _INT64 and value.ndim == 1:
+        return value  # the usual case, checked cheaply
     if isinstance(value, np.ndarray):
         arr = value
     elif hasattr(value, "numpy") and hasattr(value, "cpu"):

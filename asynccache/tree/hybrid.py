@@ -18,7 +18,7 @@ from asynccache.tree.components.base import CompData, Component
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import DLEAF, Node, frozen
+from asynccache.tree.node import DLEAF, Node, frozen, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
@@ -319,6 +319,9 @@ def insert(
     hit_rq = tree._hit_requeues
     prio_rq = tree._prio_requeues
     ck = tree._child_key(node, data[:pb], ns)
+    # The caller's duplicate slots come back as runs (one array per run, not per node):
+    # FULL [fa, fb), SWA [sa, sb).
+    fa = fb = sa = sb = 0
     while off < end:
         child = children.get(ck)
         if child is None:
@@ -346,24 +349,35 @@ def insert(
             assert own is not None
             k = lo - pos
             # A caller handing back the tree's own slots is not a duplicate.
-            if slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:]):
-                frees.append(slots[lo:hi])
+            dup = slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:])
+            if dup:  # extend the run of duplicates, or start a new one
+                if fb != lo:
+                    if fb > fa:
+                        frees.append(slots[fa:fb])
+                    fa = lo
+                fb = hi
             if swa_slots is not None:
                 aux = child.aux
                 assert aux is not None and swa is not None
                 live = aux[si].value
                 if live is None:
+                    if sb > sa:  # keep the frees in position order
+                        swa_frees.append(swa_slots[sa:sb])
+                        sa = sb
                     _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
                                  swa_frees, res.swa_adopted)
-                elif floor <= lo:  # the common case, inline: the caller's SWA slots are dups
-                    if swa_slots[lo] != live[k] or not np.array_equal(swa_slots[lo:hi], live[k:]):
-                        swa_frees.append(swa_slots[lo:hi])
                 elif floor < hi:  # below the floor the caller has no SWA slots any more
-                    k = floor - pos
-                    if swa_slots[floor] != live[k] or not np.array_equal(
-                        swa_slots[floor:hi], live[k:]
-                    ):
-                        swa_frees.append(swa_slots[floor:hi])
+                    s_lo = lo if lo > floor else floor
+                    # The caller's SWA slots are the translation of its FULL slots: where those
+                    # are duplicates, so are these (the pool pairs them one to one).
+                    if dup or (swa_slots[s_lo] != live[s_lo - pos] or not np.array_equal(
+                        swa_slots[s_lo:hi], live[s_lo - pos :]
+                    )):
+                        if sb != s_lo:
+                            if sb > sa:
+                                swa_frees.append(swa_slots[sa:sb])
+                            sa = s_lo
+                        sb = hi
         if requeue and child.qe[DLEAF] is not None:
             tree._requeue(child)
         node = child
@@ -375,39 +389,53 @@ def insert(
             assert aux is not None
             swa_near.append(aux[si])
     tree._clock = clock
+    if fb > fa:
+        frees.append(slots[fa:fb])
+    if sb > sa:
+        assert swa_slots is not None
+        swa_frees.append(swa_slots[sa:sb])
     res.prefix_len = off >> 2
     fresh = off < end
+    queued: list[Node] = []  # new SWA leaves, queued once stamped (see _commit_tail)
     if fresh:
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees, near, swa_near)
-    if mamba is not None and node.parent is not None:
-        aux = node.aux
-        assert aux is not None
-        d = aux[mamba.index]
-        if d.value is not None:
-            res.mamba_exist = True
-            if state is not None and int(d.value[0]) != state:
-                mamba_frees.append(np.array([state], dtype=np.int64))
-        elif state is not None:
-            one = np.array([state], dtype=np.int64)
-            one.setflags(write=False)  # cheaper than one.flags.writeable = False
-            d.value = one
-            if fresh:
-                # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
-                # counted): the state becomes evictable and joins the Mamba LRU.
-                d.acct = 1
-                mamba.evictable += 1
-                mamba.queue.push(node)
-            else:
-                refresh_aux(tree, node)
+                            floor, floor_a, swa_frees, near, swa_near, queued)
     if node.parent is not None:
         # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
+        # New values join their LRU only once stamped: the newest entry of a heap costs one
+        # comparison to push, and eviction has nothing to re-file.
         clock = tree._clock
         for sd in swa_near:
             if sd.value is not None:
                 clock += 1
                 sd.stamp = clock
-        tree._clock = _stamp_state(tree, node, clock)
+        if mamba is not None:
+            aux = node.aux
+            assert aux is not None
+            d = aux[mamba.index]
+            if d.value is not None:
+                res.mamba_exist = True
+                if state is not None and int(d.value[0]) != state:
+                    mamba_frees.append(state_slot(state))
+                clock += 1
+                d.stamp = clock
+            elif state is not None:
+                d.value = state_slot(state)
+                clock += 1
+                d.stamp = clock
+                if fresh:
+                    # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
+                    # counted): the state becomes evictable and joins the Mamba LRU.
+                    d.acct = 1
+                    mamba.evictable += 1
+                    mamba.queue.push(node)
+                else:
+                    refresh_aux(tree, node)
+        tree._clock = clock
+        if queued:
+            assert swa is not None
+            for n in queued:
+                swa.queue.push(n)
     res.last_node = node.id
     return res
 
@@ -463,10 +491,12 @@ def _commit_tail(
     swa_frees: list[np.ndarray],
     near: int,
     swa_near: list[CompData],
+    queued: list[Node],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
     the live part cap-split so that the leaf holds exactly one page-aligned window. New SWA
-    data ending past ``near`` goes to ``swa_near`` (see insert)."""
+    data ending past ``near`` goes to ``swa_near`` and its node to ``queued``: the insert
+    stamps it, then queues it (see insert); the rest is queued here, unstamped."""
     swa = tree._swa
     cuts = [start]
     live = None
@@ -488,6 +518,7 @@ def _commit_tail(
                 live = swa_slots[start:n_tok].copy()  # frozen(), as below
                 live.setflags(write=False)
     cuts.append(n_tok)
+    one = len(cuts) == 2  # a single new leaf holds the whole copies
     data = key.data
     pb = tree._pb
     ns = key.namespace
@@ -507,7 +538,7 @@ def _commit_tail(
     for b in cuts[1:]:
         leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
         nodes[leaf.id] = leaf
-        leaf.value = full[a - start : b - start]
+        leaf.value = full if one else full[a - start : b - start]
         tick += 1
         leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
@@ -521,13 +552,15 @@ def _commit_tail(
             tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
-            d = CompData(live[a - start : b - start])
+            d = CompData(live if one else live[a - start : b - start])
             d.acct = 1  # counted and queued as evictable
             swa.evictable += b - a
             leaf.aux = [d, CompData()] if two else [d]
-            swa.queue.push(leaf)
             if b * 4 > near:
                 swa_near.append(d)
+                queued.append(leaf)
+            else:
+                swa.queue.push(leaf)
         else:
             leaf.aux = [CompData(), CompData()] if two else [CompData()]
         node = leaf

@@ -21,7 +21,7 @@ from asynccache.tree.components.base import CompData
 from asynccache.tree.events import Medium
 from asynccache.tree.hybrid import refresh_aux
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import Node, frozen
+from asynccache.tree.node import Node, frozen, state_slot
 from asynccache.tree.results import InsertResult
 
 if TYPE_CHECKING:
@@ -110,13 +110,12 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         node = _new_leaf(tree, node, key, a, end_tok, start, slots,
                          swa if a >= swa_from else None)
     if state is not None:
-        one = np.array([state], dtype=np.int64)
+        one = state_slot(state)
         mamba = tree._mamba
         assert mamba is not None
         if node is not tree._root and node.host_value is not None and (
             mamba.data(node).host_value is None
         ):
-            one.flags.writeable = False
             mamba.data(node).host_value = one
         else:
             state_dups.append(one)

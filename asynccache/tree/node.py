@@ -94,3 +94,25 @@ def frozen(slots: np.ndarray) -> np.ndarray:
     out = slots.copy()
     out.flags.writeable = False
     return out
+
+
+# One read-only table of state slot numbers: a node's Mamba state is a one-element view of it
+# (a view costs a fifth of a fresh one-element array, on every insert of a Mamba tree).
+_STATES_MAX = 1 << 20
+_states = np.arange(1024, dtype=np.int64)
+_states.flags.writeable = False
+
+
+def state_slot(state: int) -> np.ndarray:
+    """``state`` as a read-only one-element int64 array."""
+    global _states
+    table = _states
+    if state >= len(table):
+        if state >= _STATES_MAX:
+            one = np.array([state], dtype=np.int64)
+            one.flags.writeable = False
+            return one
+        table = np.arange(max(2 * len(table), state + 1), dtype=np.int64)
+        table.flags.writeable = False
+        _states = table
+    return table[state : state + 1]

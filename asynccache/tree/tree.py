@@ -24,7 +24,7 @@ from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.host_tier import HostTier
 from asynccache.tree.keys import RadixKey, as_key
-from asynccache.tree.node import DLEAF, Node, frozen
+from asynccache.tree.node import DLEAF, Node, frozen, state_slot
 from asynccache.tree.results import (
     EMPTY_SLOTS,
     EvictResult,
@@ -134,7 +134,8 @@ class RadixTree(HostTier):
         ``device_frees``; the unaligned tail stays the caller's.
 
         Hybrid trees: ``swa_value`` holds the SWA-pool slot of each token (the caller's
-        full->SWA translation; entries below the SWA floor are ignored);
+        full->SWA translation, one to one: where its FULL slots are duplicates, so are these;
+        entries below the SWA floor are ignored);
         ``component_evicted_seqlens={"swa": k}`` says the caller already freed the SWA slots
         of its first ``k`` tokens (those nodes are SWA tombstones from birth);
         ``mamba_value`` is the state slot after the page-aligned key, kept on its last node.
@@ -271,7 +272,7 @@ class RadixTree(HostTier):
             None if cut else state,
         )
         if state is not None and cut:
-            res.component_frees.setdefault("mamba", []).append(np.array([state], dtype=np.int64))
+            res.component_frees.setdefault("mamba", []).append(state_slot(state))
         if self._write_through:
             hybrid_host.backups_after_insert(
                 self, res.last_node, res.cached_len, inserted_len, res.backups
