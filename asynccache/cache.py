@@ -596,11 +596,14 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         _log.info("backup_skipped", node=req.node_id, tokens=req.num_tokens, reason=reason)
 
     def _backup_done(self, req: BackupRequest, host: np.ndarray, handle: CopyHandle,
-                     failed: list[bool], parts: dict[str, np.ndarray] | None = None) -> None:
+                     failed: list[bool], parts: dict[str, np.ndarray] | None = None,
+                     peer_error: BaseException | None = None) -> None:
+        """Commit (or undo) a finished backup; ``peer_error``: multi-rank, the copy failed on
+        another rank, so it is undone here as well."""
         self._inflight.pop(req.op_id, None)
         self._host_inflight -= len(host)
         assert self.host_pool is not None
-        error = copy_error(handle)
+        error = copy_error(handle) or peer_error
         if parts:
             assert self.hybrid is not None and self.hybrid.tier is not None
             self.hybrid.tier.release_backup(parts, free=error is not None or failed[0])
