@@ -213,7 +213,8 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
     faults = [copy_faults(tier.states, delay_s=slow,
                           fail=set(fail_at) if rank == 1 else ()),
               copy_faults(tier.swa_engine, delay_s=slow * 0.7 if rank else 0.0),
-              copy_faults(cache._engine, delay_s=0.0 if rank else 0.001)]
+              copy_faults(cache._engine, delay_s=0.0 if rank else 0.001,
+                          fail={5} if fail_at and rank == 0 else ())]
     d = Driver(cache, random.Random(f"hybrid-ranks/{policy}"))
     out: dict[str, Any] = {"rank": rank}
     try:
@@ -274,7 +275,7 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
                                       reason="backup_failed")
             out["host_parts"] = (len(cache.tree.component_host_slots("swa")),
                                  len(cache.tree.component_host_slots("mamba")))
-            out["injected_failures"] = faults[0].failed
+            out["injected_failures"] = faults[0].failed + faults[2].failed
             out["in_flight"] = (cache.in_flight, cache._host_inflight, dict(tier.inflight),
                                 cache.tree.held_locks)
     finally:

@@ -41,16 +41,17 @@ def test_two_ranks_hybrid_host_tier_agree(policy: str) -> None:
 
 
 def test_a_copy_failing_on_one_rank_commits_on_none() -> None:
-    """Three of rank 1's Mamba state copies fail (after the copy ran; whichever operations
-    they belong to: backups, load-backs, retractions or restores): every rank retires those
-    operations as failed (a load-back or restore raises on both), so their trees, bytes and
-    counters still match."""
+    """Three of rank 1's Mamba state copies and one of rank 0's FULL D->H copies fail (after
+    the copy ran; whichever operations they belong to: backups, load-backs, retractions or
+    restores): every rank retires those operations as failed (a load-back or restore raises
+    on both), so their trees, bytes and counters still match."""
     results = check_ranks(run_ranks(SCENARIOS, "hybrid_workload", 2,
                                     args=(2, "write_through", 160, (3, 10, 17)),
                                     timeout_s=120))
     _assert_identical(results)
-    assert [r["injected_failures"] for r in results] == [0, 3]
-    assert all(r["failed_items"] == 3 for r in results)
+    assert [r["injected_failures"] for r in results] == [1, 3]
+    # one item per failed operation (two injected failures may hit the same operation)
+    assert results[0]["failed_items"] in (3, 4)
 
 
 @pytest.mark.slow
