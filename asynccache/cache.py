@@ -74,13 +74,10 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                  ranks: RankGroup | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidInputError(f"config must be a CacheConfig, got {config!r}")
-        self.ranks, self._agree = self._rank_agreement(ranks)
+        self.ranks, self._agree = self._rank_agreement(ranks, config)
         if self._agree is not None and config.host_mode == "buffer_only":
             raise ConfigError("host_mode='buffer_only' runs on a single rank only (no agreement "
                               "of its staging and intents across ranks yet)")
-        if self._agree is not None and config.hybrid and config.host_enabled:
-            raise ConfigError("a host tier with SWA / Mamba components runs on a single rank "
-                              "only (its copies are not exercised under rank agreement yet)")
         self.config = config
         self.page_size = config.page_size
         self.shape = KVShape(config.num_layers, config.num_heads, config.head_dim,
@@ -150,7 +147,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
 
     # ------------------------------------------------------------------ ranks
-    def _rank_agreement(self, ranks: RankGroup | None) -> tuple[RankGroup, Agreement | None]:
+    def _rank_agreement(self, ranks: RankGroup | None,
+                        config: CacheConfig) -> tuple[RankGroup, Agreement | None]:
         """The rank group, and the agreement of deferred completions when it has several ranks."""
         if ranks is None:
             return SingleRank(), None
@@ -158,8 +156,39 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             raise InvalidInputError(f"ranks must be a RankGroup, got {ranks!r}")
         if ranks.is_single:
             return ranks, None
-        return ranks, Agreement(ranks, lambda: self._storage, lambda: (
-            self.tree.node_count, self.tree.device_size, self.tree.host_size))
+        return ranks, Agreement(ranks, lambda: self._storage, self._agreed_state,
+                                self._agreed_state_names(config))
+
+    @staticmethod
+    def _agreed_state_names(config: CacheConfig) -> tuple[str, ...]:
+        names = ["tree nodes", "device tokens", "host tokens"]
+        if config.sliding_window:
+            names += ["swa device tokens", "swa device pool used", "swa host pool used"]
+        if config.mamba_states:
+            names += ["mamba device states", "mamba device pool used", "mamba host pool used"]
+        return tuple(names)
+
+    def _agreed_state(self) -> list[int]:
+        """What every rank's tree and pools must share at a tick (see
+        :meth:`_agreed_state_names`): hybrid caches add, per component, the units the tree
+        holds on device and the usage of its device and host pools (those take every
+        all-or-nothing allocation, so ranks whose pools drifted apart fail at the next tick
+        instead of skipping different operations later)."""
+        tree = self.tree
+        out = [tree.node_count, tree.device_size, tree.host_size]
+        hy = self.hybrid
+        if hy is None:
+            return out
+        tier = hy.tier
+        if hy.swa_map is not None:
+            out += [sum(tree.component_sizes("swa")), hy.swa_map.swa.used_size,
+                    tier.swa_host.allocator.used_size
+                    if tier is not None and tier.swa_host is not None else 0]
+        if hy.mamba_pool is not None:
+            out += [sum(tree.component_sizes("mamba")), hy.mamba_pool.used_size,
+                    tier.mamba_host.used_size
+                    if tier is not None and tier.mamba_host is not None else 0]
+        return out
 
     async def sync(self) -> int:
         """One agreement tick across the ranks; returns the completions it retired.
@@ -596,11 +625,14 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         _log.info("backup_skipped", node=req.node_id, tokens=req.num_tokens, reason=reason)
 
     def _backup_done(self, req: BackupRequest, host: np.ndarray, handle: CopyHandle,
-                     failed: list[bool], parts: dict[str, np.ndarray] | None = None) -> None:
+                     failed: list[bool], parts: dict[str, np.ndarray] | None = None,
+                     peer_error: BaseException | None = None) -> None:
+        """Commit (or undo) a finished backup; ``peer_error``: multi-rank, the copy failed on
+        another rank, so it is undone here as well."""
         self._inflight.pop(req.op_id, None)
         self._host_inflight -= len(host)
         assert self.host_pool is not None
-        error = copy_error(handle)
+        error = copy_error(handle) or peer_error
         if parts:
             assert self.hybrid is not None and self.hybrid.tier is not None
             self.hybrid.tier.release_backup(parts, free=error is not None or failed[0])

@@ -7,6 +7,13 @@ device slots a load-back's need (all or nothing: when any pool falls short, noth
 and the operation is skipped), submits their copies (SWA KV through a second copy engine,
 Mamba states through a :class:`~transfers.hybrid_copies.StateCopier`) and frees what the tree
 gives up.
+
+Several ranks: the facade joins an operation's copies over all pools into one
+:class:`~transfers.hybrid_copies.GroupHandle` and defers it to the agreement's copy lane, so it
+commits (or, if it failed on any rank, is undone) at the same tick everywhere. The
+all-or-nothing skips need no collective of their own: the pools here are sized from the config
+and only allocated / freed inside the caller's calls or at ticks, so they agree on every rank,
+and each tick compares their usage.
 """
 
 from __future__ import annotations

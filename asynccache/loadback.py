@@ -63,9 +63,13 @@ class LoadBack:
         return self.handle.layer(i)
 
     async def wait(self) -> None:
-        await (self.group if self.group is not None else self.handle)
         if self.committed is not None:
+            # Several ranks: tick until the copy is retired everywhere, even if it failed here
+            # (raising at once would let this rank run ahead of its peers' ticks); the error
+            # agreed for it (local, or a peer's) is in ``error`` then.
             await self.committed()
+        else:
+            await (self.group if self.group is not None else self.handle)
         if self.error is not None:
             raise TransferError(f"load-back {self.op_id} failed: {self.error}") from self.error
 
@@ -203,15 +207,18 @@ class LoadBackMixin:
             handle = group
         self._inflight[ticket.op_id] = handle
         if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
-            self._agree.defer_copy(handle, lambda: self._load_done(ticket, lb, handle))
+            self._agree.defer_copy(handle, lambda err: self._load_done(ticket, lb, handle, err))
             lb.committed = lambda: self._settle([handle])
             return lb
         handle.add_done_callback(lambda h: self._load_done(ticket, lb, h))
         return lb
 
-    def _load_done(self: HierarchicalCache, ticket: LoadBackTicket, lb: LoadBack, handle: CopyHandle) -> None:
+    def _load_done(self: HierarchicalCache, ticket: LoadBackTicket, lb: LoadBack,
+                   handle: CopyHandle, peer_error: BaseException | None = None) -> None:
+        """Commit (or abort) a finished load-back; ``peer_error``: multi-rank, the copy failed
+        on another rank, so it is aborted here as well."""
         self._inflight.pop(ticket.op_id, None)
-        error = copy_error(handle)
+        error = copy_error(handle) or peer_error
         if error is not None:
             lb.error = error
             frees = self.tree.abort_load_back(ticket.op_id)

@@ -13,6 +13,9 @@ nothing; ``restore`` allocates FULL-only slots below ``swa_from``, FULL+SWA pair
 a fresh state, copies all of it back, and sets ``req.swa_evicted = swa_from`` (the SWA floor the
 request's inserts pass to the tree).
 
+Several ranks: the copies of a ``retract`` / ``restore`` (all parts as one item) are retired at
+an agreed tick; one that failed on any rank raises :class:`TransferError` on every rank.
+
 Cancellation: a cancelled ``retract`` leaves the request as it was (the host copy is freed
 when the copy lands); a cancelled ``restore`` leaves the backup held (the device slots are
 freed when the copy lands).
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError, TransferError
+from asynccache.loadback import copy_error
 from asynccache.logs import get_logger
 from asynccache.tree.results import EMPTY_SLOTS
 from transfers.handles import CopyHandle
@@ -342,7 +346,11 @@ class RetractionMixin:
 
         If the awaiter is cancelled, ``on_cancel`` runs once the copy has landed (never while
         the copy may still read or write the slots) and the cancellation propagates.
+        Several ranks: the copy is retired at an agreed tick (see :meth:`_agreed_copy`).
         """
+        if self._agree is not None:
+            await self._agreed_copy(handle, on_cancel)
+            return
         try:
             await handle
         except asyncio.CancelledError:
@@ -353,3 +361,35 @@ class RetractionMixin:
             raise
         except Exception as exc:
             raise TransferError(f"retraction copy failed: {exc}") from exc
+
+    async def _agreed_copy(self: HierarchicalCache, handle: Any,
+                           on_cancel: Callable[[], None]) -> None:
+        """:meth:`_copy` with several ranks: the copy joins the agreement's copy lane, so every
+        rank learns at the same tick whether it succeeded everywhere; one that failed on any
+        rank raises :class:`TransferError` on all. A cancelled awaiter's ``on_cancel`` runs when
+        the copy is retired (at a tick, on every rank alike)."""
+        assert self._agree is not None
+        outcome: dict[str, Any] = {}
+
+        def retire(peer_error: BaseException | None) -> None:
+            outcome["error"] = copy_error(handle) or peer_error
+            if outcome.get("cancelled"):
+                on_cancel()
+
+        self._agree.defer_copy(handle, retire)
+        try:
+            await self._agree.settle([handle])
+        except asyncio.CancelledError:
+            if "error" in outcome:
+                on_cancel()
+            else:
+                outcome["cancelled"] = True
+            raise
+        except BaseException:
+            # The ranks could not agree (a peer failed): the caller frees the slots, so the
+            # copy must have landed here first.
+            await asyncio.gather(handle.done(), return_exceptions=True)
+            raise
+        err = outcome["error"]
+        if err is not None:
+            raise TransferError(f"retraction copy failed: {err}") from err

@@ -117,8 +117,9 @@ def check_ranks(outcomes: list[RankOutcome]) -> list[Any]:
 
 def tree_digest(cache: Any) -> str:
     """SHA-256 over a cache's tree: every node's id, parent, key, namespace, device and host
-    slots, locks, hit count and page hashes, plus the pool usage. Ranks that took identical
-    decisions have identical digests."""
+    slots, locks, hit count and page hashes, its hybrid components' device and host slots,
+    pins and LRU stamps, plus the pool usage (hybrid: of the SWA and Mamba pools too, device
+    and host). Ranks that took identical decisions have identical digests."""
     import hashlib
 
     h = hashlib.sha256()
@@ -132,6 +133,20 @@ def tree_digest(cache: Any) -> str:
                        n.hit_count)).encode())
         for part in (dev, host, hashes):
             h.update(len(part).to_bytes(8, "little") + part)
+        for d in n.aux or ():  # hybrid components: device and host values, pins, LRU stamp
+            for v in (d.value, d.host_value):
+                part = v.tobytes() if v is not None else b"-"
+                h.update(len(part).to_bytes(8, "little") + part)
+            h.update(repr((d.lock_ref, d.stamp)).encode())
     h.update(repr((cache.device_pool.allocator.used_size,
                    cache.host_pool.allocator.used_size if cache.host_pool else 0)).encode())
+    hy = getattr(cache, "hybrid", None)
+    if hy is not None:
+        tier = hy.tier
+        h.update(repr((
+            hy.swa_map.swa.used_size if hy.swa_map is not None else -1,
+            hy.mamba_pool.used_size if hy.mamba_pool is not None else -1,
+            tier.swa_host.allocator.used_size if tier and tier.swa_host is not None else -1,
+            tier.mamba_host.used_size if tier and tier.mamba_host is not None else -1,
+            dict(tier.inflight) if tier is not None else None)).encode())
     return h.hexdigest()
