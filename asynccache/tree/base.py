@@ -89,6 +89,7 @@ class TreeBase:
             )
             comps.append(self._mamba)
         self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
+        self._aux_low_first = self._aux[::-1]
         self._aux_names = frozenset(c.name for c in comps)
         self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()

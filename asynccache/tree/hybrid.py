@@ -39,7 +39,7 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
     aux = n.aux
     assert aux is not None
     locked_below = False
-    for c in reversed(tree._aux):  # lowest priority first
+    for c in tree._aux_low_first:
         c.refresh(n, locked_below)
         if aux[c.index].lock_ref:
             locked_below = True

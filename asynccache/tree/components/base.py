@@ -98,7 +98,9 @@ class Component:
         ``blocked``: a lower-priority component on the node is locked, so dropping this value
         (which cascades down) is not allowed.
         """
-        d = self.data(node)
+        aux = node.aux
+        assert aux is not None
+        d = aux[self.index]
         if d.value is None:
             want = 0
         elif d.lock_ref:

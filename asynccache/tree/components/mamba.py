@@ -31,7 +31,9 @@ class MambaComponent(Component):
 
     def split(self, x: Node, p: Node, m: int) -> CompData:
         # The state describes the end of x, which the suffix keeps (with its pins).
-        return CompData(stamp=self.data(x).stamp)
+        aux = x.aux
+        assert aux is not None
+        return CompData(stamp=aux[self.index].stamp)
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
         if node.parent is None or self.data(node).value is None:

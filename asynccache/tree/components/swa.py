@@ -33,7 +33,9 @@ class SWAComponent(Component):
         return self.data(node).value is not None and live >= self.window
 
     def split(self, x: Node, p: Node, m: int) -> CompData:
-        dx = self.data(x)
+        aux = x.aux
+        assert aux is not None
+        dx = aux[self.index]
         dp = CompData(stamp=dx.stamp)
         if dx.value is not None:
             dp.value = dx.value[:m]
