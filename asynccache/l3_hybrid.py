@@ -1,22 +1,46 @@
 """Storage (L3) objects of hybrid caches: the SWA pages and Mamba states next to the KV pages.
 
 Names: ``<page key>.swa`` for the SWA KV of a page, ``<key of a node's last page>.mamba`` for
-the state after that page. A backup writes them with the node's KV pages. A prefetch is all or
-nothing (behavior.md §1.16 step 5): once the KV pages have arrived, the SWA pages of the last
-window and the state at the end must all be found, or nothing of it is inserted.
+the state after that page. A backup writes them with the node's KV pages.
+
+A prefetch restores the longest *restorable* prefix (behavior.md §1.14: the largest prefix that
+every pool can restore). A prefix of ``p`` pages is restorable when its KV pages are stored,
+``<key p-1>.mamba`` is stored (Mamba) and the ``.swa`` pages of its last window are stored (SWA;
+a prefix shorter than the window needs all of its pages). States exist only at node ends, so:
+
+* the hit query trims the KV hit to the deepest restorable prefix (existence queries, deepest
+  first); only that prefix is read, and below the prefetch threshold the prefetch is revoked
+  like a short hit;
+* when the KV read ends early (``best_effort`` / ``timeout`` stop, a host-memory shortfall, a
+  failed page read) the prefetch falls back to the deepest restorable prefix within what
+  arrived, if it still reaches the threshold; the KV pages past it are freed;
+* a component object that cannot be read (missing, corrupt, a backend error) counts as not
+  stored: the prefetch falls back the same way, or inserts nothing.
+
+Nothing else is all or nothing: what is inserted is always a prefix whose KV, SWA window and
+state all arrived and were verified. Every fallback is a ``prefetch_component_fallback`` log
+event and adds the KV tokens given up to ``asynccache_prefetch_component_fallback_tokens``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
+
+from asynccache.logs import get_logger
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
     from asynccache.hybrid_tier import HybridTier
     from asynccache.l3 import PrefetchOp
+
+_log = get_logger("l3_hybrid")
+
+#: Component objects asked about at once (concurrently) once the deepest candidate failed.
+STORED_QUERY_CHUNK: Final = 16
 
 
 class HybridStorage:
@@ -29,7 +53,7 @@ class HybridStorage:
         self.swa = self.tier.swa_host is not None
         self.mamba = self.tier.mamba_host is not None
         ps = cache.page_size
-        self.window_span = -(-cache.config.sliding_window // ps) * ps if self.swa else 0
+        self.window_pages = -(-cache.config.sliding_window // ps) if self.swa else 0
 
     # ------------------------------------------------------------------ write
     def node_objects(self, nid: int, keys: list[str]) -> tuple[list[str], list[torch.Tensor]]:
@@ -54,33 +78,130 @@ class HybridStorage:
                 out_b.append(row.view(torch.uint8).reshape(-1).clone())
         return out_k, out_b
 
-    # ------------------------------------------------------------------ prefetch
-    async def fetch(self, op: PrefetchOp, backend: Any) -> bool:
-        """Fetch the SWA pages of the last window and the state at the end of ``op``'s arrived
-        pages into host slots recorded on ``op`` (freed by :meth:`release` unless inserted)."""
+    # ------------------------------------------------------------------ restorable prefix
+    async def restorable(self, backend: Any, op: PrefetchOp, limit: int, floor: int) -> int:
+        """Pages of the longest restorable prefix of ``op.keys[:limit]``; 0 if it is shorter
+        than ``floor`` pages. Searched deepest first; what storage said about a component
+        object is remembered on ``op`` (an object that could not be read counts as missing)."""
+        floor = max(floor, 1)
+        p = limit
+        span = self.window_pages  # the first window alone, then chunks of the pages below
+        while p >= floor:
+            if self.mamba:
+                p = await self._deepest_state(backend, op, p, floor)
+                if not p:
+                    return 0
+            if self.swa:
+                lo = max(0, p - self.window_pages)
+                ask = [f"{k}.swa" for k in reversed(op.keys[max(0, p - span) : p])]
+                await self._exists(backend, op, ask)
+                missing = [i for i in range(lo, p) if not op.stored[f"{op.keys[i]}.swa"]]
+                if missing:  # try the prefix ending before the deepest missing page
+                    p = missing[-1]
+                    span = max(self.window_pages, STORED_QUERY_CHUNK)
+                    continue
+            return p
+        return 0
+
+    async def _deepest_state(self, backend: Any, op: PrefetchOp, limit: int, floor: int) -> int:
+        """The largest ``q`` in [floor, limit] with ``<key q-1>.mamba`` stored, else 0. The
+        deepest candidate is asked alone (the usual answer), then chunks of candidates."""
+        hi = limit
+        size = 1
+        while hi >= floor:
+            cands = list(range(hi, max(floor, hi - size + 1) - 1, -1))
+            names = [f"{op.keys[q - 1]}.mamba" for q in cands]
+            await self._exists(backend, op, names)
+            for q, name in zip(cands, names, strict=True):
+                if op.stored[name]:
+                    return q
+            hi = cands[-1] - 1
+            size = STORED_QUERY_CHUNK
+        return 0
+
+    async def _exists(self, backend: Any, op: PrefetchOp, names: list[str]) -> None:
+        """Ask storage which of ``names`` it holds (those not asked yet), concurrently."""
+        todo = [n for n in names if n not in op.stored]
+        if not todo:
+            return
+        if len(todo) == 1:
+            op.stored[todo[0]] = bool(await backend.exists_prefix(todo))
+            return
+        async with asyncio.TaskGroup() as tg:
+            asks = [tg.create_task(backend.exists_prefix([n])) for n in todo]
+        for name, a in zip(todo, asks, strict=True):
+            op.stored[name] = bool(a.result())
+
+    async def query(self, op: PrefetchOp, backend: Any, hit: int, floor: int) -> int:
+        """Trim the KV ``hit`` (pages) to its restorable prefix (0: below ``floor`` pages)."""
+        if hit < max(floor, 1):
+            return hit  # a short hit anyway: revoked without asking for components
+        p = await self.restorable(backend, op, hit, floor)
+        op.restorable_pages = p
+        if p < hit:
+            self._fell_back(op, "not_stored", hit, p)
+        return p
+
+    def _fell_back(self, op: PrefetchOp, reason: str, from_pages: int, to_pages: int) -> None:
         ps = self.cache.page_size
-        done = op.completed_tokens
-        if not done:
-            return False
-        keys = op.keys[: done // ps]
+        self.cache.metrics.prefetch_component_fallback_tokens.labels(reason=reason).inc(
+            (from_pages - to_pages) * ps)
+        _log.info("prefetch_component_fallback", reason=reason, from_tokens=from_pages * ps,
+                  to_tokens=to_pages * ps, start=op.start)
+
+    # ------------------------------------------------------------------ prefetch
+    async def fetch(self, op: PrefetchOp, backend: Any, floor: int, *,
+                    reason: str = "stopped") -> None:
+        """Fetch the SWA window and state of the deepest restorable prefix within ``op``'s
+        arrived KV pages into host slots recorded on ``op`` (freed by :meth:`release` unless
+        inserted); ``op.parts_pages`` says which prefix they restore (0: none). Done once:
+        a later call returns at once. ``reason``: the fallback reason when the arrived pages
+        end before the restorable prefix of the query."""
+        if op.parts_settled:
+            return
+        self.release(op, inserted=False)  # an earlier, interrupted attempt
+        arrived = op.completed_tokens // self.cache.page_size
+        p = op.restorable_pages
+        if p > arrived:
+            p = await self.restorable(backend, op, arrived, floor) if arrived >= floor else 0
+            self._fell_back(op, reason, arrived, p)
+        while p:
+            got = await self._get(op, backend, p)
+            if got:
+                op.parts_pages = p
+                break
+            if got is None:  # no host memory for the components
+                self._fell_back(op, "host_memory", p, 0)
+                break
+            q = await self.restorable(backend, op, p, floor)
+            self._fell_back(op, "fault", p, q)
+            p = q
+        op.parts_settled = True
+
+    async def _get(self, op: PrefetchOp, backend: Any, p: int) -> bool | None:
+        """Read the components of the ``p``-page prefix: True when all came, False when one
+        did not (it counts as missing from now on), None when host memory is short."""
+        ps = self.cache.page_size
+        keys = op.keys[:p]
         parts: dict[str, np.ndarray] = {}
         op.parts = parts
         want_k: list[str] = []
         bufs: list[torch.Tensor] = []
         if self.swa:
-            w = min(done, self.window_span)
-            slots = self.tier.take_host("swa", w, self.cache.evict_host)
+            w = min(p, self.window_pages)
+            slots = self.tier.take_host("swa", w * ps, self.cache.evict_host)
             if slots is None:
-                return False
+                return None
             parts["swa"] = slots
             assert self.tier.swa_host is not None
-            want_k += [f"{k}.swa" for k in keys[len(keys) - w // ps :]]
+            want_k += [f"{k}.swa" for k in keys[p - w :]]
             bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
-                     for _ in range(w // ps)]
+                     for _ in range(w)]
         if self.mamba:
             slots = self.tier.take_host("mamba", 1, self.cache.evict_host)
             if slots is None:
-                return False
+                self.release(op, inserted=False)
+                return None
             parts["mamba"] = slots
             assert self.tier.mamba_host is not None
             row = self.tier.mamba_host.states[0]
@@ -88,6 +209,10 @@ class HybridStorage:
             bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
         ok = await backend.get_batch(want_k, bufs)
         if not all(ok):
+            for k, good in zip(want_k, ok, strict=True):
+                if not good:
+                    op.stored[k] = False
+            self.release(op, inserted=False)
             return False
         if "swa" in parts:
             assert self.tier.swa_host is not None
@@ -97,26 +222,29 @@ class HybridStorage:
             assert self.tier.mamba_host is not None
             dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
             dst.view(-1).view(torch.uint8).copy_(bufs[-1])
-        op.parts_ok = True
         return True
 
-    def insert_args(self, op: PrefetchOp, done: int) -> dict[str, Any] | None:
-        """``insert_host`` keywords for ``done`` arrived tokens, or None: not all parts came."""
-        if not op.parts_ok or done != op.completed_tokens or op.parts is None:
-            return None
+    def insert_args(self, op: PrefetchOp, done: int) -> tuple[int, dict[str, Any]]:
+        """Tokens to insert of ``done`` arrived ones (the prefix the fetched components
+        restore; 0: none) and the ``insert_host`` keywords for them."""
+        ps = self.cache.page_size
+        end = op.parts_pages * ps
+        if not end or end > done or op.parts is None:
+            return 0, {}
         out: dict[str, Any] = {}
         swa = op.parts.get("swa")
         if swa is not None:
-            full = np.full(done, -1, dtype=np.int64)
-            full[done - len(swa) :] = swa
+            full = np.full(end, -1, dtype=np.int64)
+            full[end - len(swa) :] = swa
             out["swa_host_slots"] = full
         state = op.parts.get("mamba")
         if state is not None:
             out["mamba_host_slot"] = int(state[0])
-        return out
+        return end, out
 
     def release(self, op: PrefetchOp, *, inserted: bool) -> None:
         """The op's component host slots leave flight (kept by the tree if ``inserted``)."""
         for name, slots in (op.parts or {}).items():
             self.tier.give_host(name, slots, free=not inserted)
         op.parts = None
+        op.parts_pages = 0
