@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -112,6 +112,7 @@ class PrefetchOp:
     restorable_pages: int = 0
     parts: dict[str, np.ndarray] | None = None
     parts_pages: int = 0
+    parts_new: dict[str, np.ndarray] | None = None  # being fetched to replace ``parts``
     parts_settled: bool = False
     stored: dict[str, bool] = field(default_factory=dict)
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set once _release is over
@@ -306,9 +307,16 @@ class StorageTier:
             op.restorable_pages = p
             want = self._trim(op, p)
         if want:
-            await self._read(op, want)
-            if hy is not None:
-                await hy.fetch(op, self.backend, self._floor_pages())
+            if hy is None:
+                await self._read(op, want)
+                return
+            floor = self._floor_pages()
+
+            async def between() -> None:  # what a stop can insert: the deepest that arrived
+                await hy.fetch(op, self.backend, floor, final=False)
+
+            await self._read(op, want, between)
+            await hy.fetch(op, self.backend, floor)
 
     def _trim(self, op: PrefetchOp, pages: int) -> int:
         """Keep the host memory of ``op``'s first ``pages`` pages only (0: revoke it)."""
@@ -366,8 +374,10 @@ class StorageTier:
         self._occupied -= op.reserved_tokens - tokens
         op.reserved_tokens = tokens
 
-    async def _read(self, op: PrefetchOp, want: int) -> None:
-        """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows."""
+    async def _read(self, op: PrefetchOp, want: int,
+                    between: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows.
+        ``between``: awaited after each batch but the last."""
         cache = self.cache
         ps = cache.page_size
         metrics = cache.metrics
@@ -385,6 +395,8 @@ class StorageTier:
                 cache._agree.note_progress()
             if good < len(keys):
                 break
+            if between is not None and i + BATCH_PAGES < want:
+                await between()
         dt = time.perf_counter() - t0
         if op.completed_tokens and dt > 0:
             metrics.prefetch_bandwidth.observe(op.completed_tokens // ps * self._page_bytes / dt)

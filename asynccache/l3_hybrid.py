@@ -143,6 +143,8 @@ class HybridStorage:
         return p
 
     def _fell_back(self, op: PrefetchOp, reason: str, from_pages: int, to_pages: int) -> None:
+        if to_pages >= from_pages:
+            return
         ps = self.cache.page_size
         self.cache.metrics.prefetch_component_fallback_tokens.labels(reason=reason).inc(
             (from_pages - to_pages) * ps)
@@ -150,79 +152,90 @@ class HybridStorage:
                   to_tokens=to_pages * ps, start=op.start)
 
     # ------------------------------------------------------------------ prefetch
-    async def fetch(self, op: PrefetchOp, backend: Any, floor: int, *,
-                    reason: str = "stopped") -> None:
-        """Fetch the SWA window and state of the deepest restorable prefix within ``op``'s
-        arrived KV pages into host slots recorded on ``op`` (freed by :meth:`release` unless
-        inserted); ``op.parts_pages`` says which prefix they restore (0: none). Done once:
-        a later call returns at once. ``reason``: the fallback reason when the arrived pages
-        end before the restorable prefix of the query."""
+    async def fetch(self, op: PrefetchOp, backend: Any, floor: int, *, final: bool = True) -> None:
+        """Hold in host slots recorded on ``op`` the SWA window and state of the deepest
+        restorable prefix within ``op``'s arrived KV pages (``op.parts_pages`` says which
+        prefix the held ones restore; 0: none). Held parts are replaced only by deeper ones
+        that all arrived, so a fetch that fails or is cancelled keeps the previous ones.
+
+        ``final=False``: between KV batches (a prefetch stopped later inserts what is held);
+        ``final=True``: the KV read is over, fallbacks are counted and later calls return."""
         if op.parts_settled:
             return
-        self.release(op, inserted=False)  # an earlier, interrupted attempt
         arrived = op.completed_tokens // self.cache.page_size
         p = op.restorable_pages
         if p > arrived:
             p = await self.restorable(backend, op, arrived, floor) if arrived >= floor else 0
-            self._fell_back(op, reason, arrived, p)
-        while p:
+            if final:
+                self._fell_back(op, "stopped", arrived, p)
+        first, reason = p, "fault"
+        while p > op.parts_pages:
             got = await self._get(op, backend, p)
             if got:
-                op.parts_pages = p
                 break
-            if got is None:  # no host memory for the components
-                self._fell_back(op, "host_memory", p, 0)
+            if got is None:  # no host memory for the components: keep what is held
+                reason = "host_memory"
                 break
-            q = await self.restorable(backend, op, p, floor)
-            self._fell_back(op, "fault", p, q)
-            p = q
-        op.parts_settled = True
+            p = await self.restorable(backend, op, p, floor)
+        if final:
+            if op.parts_pages < first:
+                self._fell_back(op, reason, first, op.parts_pages)
+            op.parts_settled = True
 
     async def _get(self, op: PrefetchOp, backend: Any, p: int) -> bool | None:
-        """Read the components of the ``p``-page prefix: True when all came, False when one
-        did not (it counts as missing from now on), None when host memory is short."""
+        """Read the components of the ``p``-page prefix into new host slots; they become the
+        held parts when all came (True). False: one did not (it counts as missing from now
+        on); None: host memory is short. Nothing new is held then."""
         ps = self.cache.page_size
         keys = op.keys[:p]
         parts: dict[str, np.ndarray] = {}
-        op.parts = parts
+        op.parts_new = parts
         want_k: list[str] = []
         bufs: list[torch.Tensor] = []
-        if self.swa:
-            w = min(p, self.window_pages)
-            slots = self.tier.take_host("swa", w * ps, self.cache.evict_host)
-            if slots is None:
-                return None
-            parts["swa"] = slots
-            assert self.tier.swa_host is not None
-            want_k += [f"{k}.swa" for k in keys[p - w :]]
-            bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
-                     for _ in range(w)]
-        if self.mamba:
-            slots = self.tier.take_host("mamba", 1, self.cache.evict_host)
-            if slots is None:
-                self.release(op, inserted=False)
-                return None
-            parts["mamba"] = slots
-            assert self.tier.mamba_host is not None
-            row = self.tier.mamba_host.states[0]
-            want_k.append(f"{keys[-1]}.mamba")
-            bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
-        ok = await backend.get_batch(want_k, bufs)
-        if not all(ok):
-            for k, good in zip(want_k, ok, strict=True):
-                if not good:
-                    op.stored[k] = False
-            self.release(op, inserted=False)
-            return False
-        if "swa" in parts:
-            assert self.tier.swa_host is not None
-            for first, buf in zip(parts["swa"][::ps].tolist(), bufs, strict=False):
-                self.tier.swa_host.write_page(first, buf)
-        if "mamba" in parts:
-            assert self.tier.mamba_host is not None
-            dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
-            dst.view(-1).view(torch.uint8).copy_(bufs[-1])
-        return True
+        try:
+            if self.swa:
+                w = min(p, self.window_pages)
+                slots = self.tier.take_host("swa", w * ps, self.cache.evict_host)
+                if slots is None:
+                    return None
+                parts["swa"] = slots
+                assert self.tier.swa_host is not None
+                want_k += [f"{k}.swa" for k in keys[p - w :]]
+                bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
+                         for _ in range(w)]
+            if self.mamba:
+                slots = self.tier.take_host("mamba", 1, self.cache.evict_host)
+                if slots is None:
+                    return None
+                parts["mamba"] = slots
+                assert self.tier.mamba_host is not None
+                row = self.tier.mamba_host.states[0]
+                want_k.append(f"{keys[-1]}.mamba")
+                bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
+            ok = await backend.get_batch(want_k, bufs)
+            if not all(ok):
+                for k, good in zip(want_k, ok, strict=True):
+                    if not good:
+                        op.stored[k] = False
+                return False
+            if "swa" in parts:
+                assert self.tier.swa_host is not None
+                for first, buf in zip(parts["swa"][::ps].tolist(), bufs, strict=False):
+                    self.tier.swa_host.write_page(first, buf)
+            if "mamba" in parts:
+                assert self.tier.mamba_host is not None
+                dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
+                dst.view(-1).view(torch.uint8).copy_(bufs[-1])
+            self._give(op.parts, free=True)  # the shallower parts held so far
+            op.parts, op.parts_pages, parts = parts, p, {}
+            return True
+        finally:  # what did not become the held parts (a cancel lands here too)
+            self._give(parts, free=True)
+            op.parts_new = None
+
+    def _give(self, parts: dict[str, np.ndarray] | None, *, free: bool) -> None:
+        for name, slots in (parts or {}).items():
+            self.tier.give_host(name, slots, free=free)
 
     def insert_args(self, op: PrefetchOp, done: int) -> tuple[int, dict[str, Any]]:
         """Tokens to insert of ``done`` arrived ones (the prefix the fetched components
@@ -243,8 +256,9 @@ class HybridStorage:
         return end, out
 
     def release(self, op: PrefetchOp, *, inserted: bool) -> None:
-        """The op's component host slots leave flight (kept by the tree if ``inserted``)."""
-        for name, slots in (op.parts or {}).items():
-            self.tier.give_host(name, slots, free=not inserted)
-        op.parts = None
+        """The op's component host slots leave flight (the held parts are kept by the tree if
+        ``inserted``)."""
+        self._give(op.parts, free=not inserted)
+        self._give(op.parts_new, free=True)
+        op.parts = op.parts_new = None
         op.parts_pages = 0

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asynccache.l3 import StoragePolicy
+from storage.faults import FaultKind, FaultRule
 
 N = 600  # 150 pages: two read batches (128 + 22)
 T1 = 300  # the first turn ends here (75 pages)
@@ -49,8 +50,10 @@ def _snapshot(cache: Any, slots: Any, state: int | None) -> dict[str, torch.Tens
 
 
 async def _store(kit: Any, make_cache: Any, open_backend: Any, combo: str,
+                 points: tuple[int, ...] = (),
                  ) -> tuple[list[int], dict[int, dict[str, torch.Tensor]]]:
-    """Write the two-turn conversation; returns its tokens and what each turn must serve."""
+    """Write the two-turn conversation; returns its tokens and what each turn (and each prefix
+    length in ``points``, without a state) must serve."""
     toks = [int(t) for t in kit.tokens(5, N)]
     a = await make_cache(**COMBOS[combo])
     a.attach_storage(await open_backend(a), POLICY)
@@ -58,6 +61,8 @@ async def _store(kit: Any, make_cache: Any, open_backend: Any, combo: str,
     hy = a.hybrid
     slots = a.try_alloc_device(N)
     want: dict[int, dict[str, torch.Tensor]] = {}
+    for p in points:
+        want[p] = _snapshot(a, slots[:p], None)
     s1 = a.alloc_mamba_state() if hy.mamba_pool is not None else None
     want[T1] = _snapshot(a, slots[:T1], s1)
     a.insert(toks[:T1], slots[:T1], mamba_value=s1)
@@ -175,3 +180,255 @@ async def test_intact_store_restores_everything(kit, make_cache, make_file_backe
     b.attach_storage(await make_file_backend(b), POLICY)
     await _serve(kit, b, toks, want, N)
     assert _fallbacks(kit, b) == {}
+
+
+# -- a prefetch stopped early ----------------------------------------------------------------------
+
+
+async def _until(cond: Any, what: str) -> None:
+    async def wait() -> None:
+        while not cond():
+            await asyncio.sleep(0.001)
+
+    try:
+        await asyncio.wait_for(wait(), 10.0)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def _load(kit: Any, cache: Any, toks: list[int], want: dict[int, Any], expect: int) -> None:
+    """A request finds exactly ``expect`` tokens on host and serves them bit for bit."""
+    req = cache.admit([*toks, 1])
+    assert (req.prefix_len, req.host_hit_length) == (0, expect)
+    assert await asyncio.wait_for(cache.load_back_request(req), kit.TIMEOUT) == expect
+    cache.sanity_check()
+    _assert_same(_served(cache, toks, req.slots[:expect]), want[expect])
+    cache.abort_req(req)
+    await kit.quiesce(cache)
+    _balanced(kit, cache)
+
+
+@pytest.mark.parametrize(("combo", "expect"), [("full+mamba", T1), ("full+swa+mamba", T1),
+                                               ("full+swa", 512)])
+async def test_best_effort_stop_midway_restores_the_deepest_state_that_arrived(
+        kit, make_cache, make_file_backend, combo, expect) -> None:
+    """Batch 2 (pages 128..149) is stuck on a slow page when best_effort stops the prefetch:
+    of the 128 pages that arrived, the deepest restorable prefix is the first turn (its state);
+    without Mamba every arrived page is restorable (all SWA pages are stored)."""
+    toks, want = await _store(kit, make_cache, make_file_backend, combo, points=(512,))
+    keys = kit.page_keys(toks)
+    c = await make_cache(**COMBOS[combo])
+    slow = await make_file_backend(c, [FaultRule(
+        FaultKind.DELAY, ops=frozenset({"read"}), keys=frozenset({keys[128]}), times=1,
+        delay_s=0.5)])
+    c.attach_storage(slow, POLICY)
+    op = c.start_prefetch(toks, c.match_prefix(toks))
+    assert op is not None
+    await _until(lambda: op.completed_tokens == 512 and slow.injected_total() == 1,
+                 "batch 2 to start")
+    got = await asyncio.wait_for(c.storage.finish_prefetch(op, "best_effort"), kit.TIMEOUT)
+    assert got == expect
+    assert kit.outcomes(c) == {"issued": 1, "partial": 1}
+    assert _fallbacks(kit, c) == ({"stopped": 512 - expect} if expect < 512 else {})
+    _balanced(kit, c)
+    await _load(kit, c, toks, want, expect)
+
+
+async def test_best_effort_stop_before_any_state_arrived_inserts_nothing(
+        kit, make_cache, make_file_backend) -> None:
+    """With a threshold above the first turn, the 128 arrived pages hold no usable state."""
+    toks, _ = await _store(kit, make_cache, make_file_backend, "full+swa+mamba")
+    keys = kit.page_keys(toks)
+    c = await make_cache(**COMBOS["full+swa+mamba"])
+    slow = await make_file_backend(c, [FaultRule(
+        FaultKind.DELAY, ops=frozenset({"read"}), keys=frozenset({keys[128]}), times=1,
+        delay_s=0.5)])
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=320))
+    op = c.start_prefetch(toks, c.match_prefix(toks))
+    assert op is not None
+    await _until(lambda: op.completed_tokens == 512 and slow.injected_total() == 1,
+                 "batch 2 to start")
+    assert await asyncio.wait_for(c.storage.finish_prefetch(op), kit.TIMEOUT) == 0
+    assert _fallbacks(kit, c) == {"stopped": 512}
+    assert c.match_prefix(toks).host_hit_length == 0
+    _balanced(kit, c)
+
+
+# -- SWA pages missing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("deleted", "expect"), [((148,), 592), ((147, 149), 588), ((), N)])
+async def test_swa_page_missing_falls_back_to_the_prefix_whose_window_is_intact(
+        kit, make_cache, make_file_backend, deleted, expect) -> None:
+    """SWA only, window of 2 pages. Page 148's SWA missing: the 148-page prefix (window 146,
+    147) is restorable. Pages 147 and 149 missing: 149 pages would need 147 and 148, so the
+    147-page prefix (window 145, 146) is the longest."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+swa",
+                              points=(592, 588))
+    keys = kit.page_keys(toks)
+    b = await make_cache(**COMBOS["full+swa"])
+    backend = await make_file_backend(b)
+    if deleted:
+        assert await backend.delete([f"{keys[i]}.swa" for i in deleted]) == len(deleted)
+    b.attach_storage(backend, POLICY)
+    await _serve(kit, b, toks, want, expect)
+    assert _fallbacks(kit, b) == ({"not_stored": N - expect} if expect < N else {})
+
+
+# -- faults on component objects ---------------------------------------------------------------
+
+
+def _flip_on_disk(kit: Any, backend: Any, name: str) -> None:
+    path = kit.object_path(backend, name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("fault", ["corrupt_state", "eio_state", "flip_swa_read",
+                                   "both_states_corrupt"])
+async def test_component_fault_degrades_to_a_shorter_prefix_or_a_miss(
+        kit, make_cache, make_file_backend, fault) -> None:
+    """The objects exist (the query finds them) but cannot be read: the prefix they would
+    restore is given up for the next restorable one, never served wrong."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+swa+mamba")
+    keys = kit.page_keys(toks)
+    b = await make_cache(**COMBOS["full+swa+mamba"])
+    rules: list[FaultRule] = []
+    if fault == "eio_state":
+        rules.append(FaultRule(FaultKind.EIO, ops=frozenset({"read"}),
+                               keys=frozenset({f"{keys[-1]}.mamba"})))
+    elif fault == "flip_swa_read":
+        rules.append(FaultRule(FaultKind.FLIP_BYTES, ops=frozenset({"read"}),
+                               keys=frozenset({f"{keys[-1]}.swa"})))
+    backend = await make_file_backend(b, rules or None)
+    if fault in ("corrupt_state", "both_states_corrupt"):
+        _flip_on_disk(kit, backend, f"{keys[-1]}.mamba")
+    if fault == "both_states_corrupt":
+        _flip_on_disk(kit, backend, f"{keys[T1 // kit.PS - 1]}.mamba")
+    b.attach_storage(backend, POLICY)
+    expect = 0 if fault == "both_states_corrupt" else T1
+    await _serve(kit, b, toks, want, expect)
+    assert _fallbacks(kit, b) == {"fault": N} if not expect else {"fault": N - T1}
+    assert kit.counter(b, "asynccache_storage_prefetch_hit_tokens") == N
+    assert kit.counter(b, "asynccache_prefetched_tokens") == expect
+
+
+# -- host memory -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("combo", WITH_MAMBA)
+async def test_host_memory_shortfall_reads_only_the_restorable_prefix(
+        kit, make_cache, make_file_backend, combo) -> None:
+    """A reader whose host pool holds 512 tokens: room for 128 of the 150 pages, of which the
+    first turn is the deepest restorable prefix; only its 75 KV pages are read."""
+    toks, want = await _store(kit, make_cache, make_file_backend, combo)
+    b = await make_cache(**COMBOS[combo], host_tokens=512)
+    backend = await make_file_backend(b)
+    b.attach_storage(backend, POLICY)
+    before = _kv_pages_read(backend)
+    await _serve(kit, b, toks, want, T1)
+    extra = (WINDOW // kit.PS if b.hybrid.swa_map is not None else 0) + 1
+    assert _kv_pages_read(backend) - before == T1 // kit.PS + extra
+    assert _fallbacks(kit, b) == {"host_memory": N - T1}
+
+
+# -- cancellation --------------------------------------------------------------------------------
+
+
+async def _reset(kit: Any, c: Any) -> None:
+    """Drop every copy on device and host (once the threads of abandoned reads are done: while
+    they run the file backend fails new calls fast, by design)."""
+    await _until(lambda: not c.storage.backend.stats()["stuck_threads"], "abandoned reads")
+    await c.flush()
+    c.evict(10**6)
+    c.evict_host(10**6)
+    assert c.host_size == 0 and c.tree.device_size == 0
+    _balanced(kit, c)
+
+
+def _own(req: Any) -> int:
+    return (req.receipt is not None) + (req.host_receipt is not None)
+
+
+async def test_cancel_prefetch_request_at_every_await_leaks_nothing(
+        kit, make_cache, make_file_backend) -> None:
+    """The last state is missing (the query searches for the first turn's), the first turn is
+    read in one batch with its components: cancelled after k loop turns, for every k until
+    the prefetch completes, nothing is inserted and no slot of any pool is held."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+swa+mamba")
+    keys = kit.page_keys(toks)
+    c = await make_cache(**COMBOS["full+swa+mamba"])
+    backend = await make_file_backend(c)
+    assert await backend.delete([f"{keys[-1]}.mamba"]) == 1
+    c.attach_storage(backend, POLICY)
+    cancelled = 0
+    for k in range(10_000):
+        req = c.admit([*toks, 1])
+        task = asyncio.ensure_future(c.prefetch_request(req, policy="wait_complete"))
+        for _ in range(k):
+            if task.done():
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=kit.TIMEOUT)
+        assert task.done()
+        if task.cancelled():
+            cancelled += 1
+            assert req.host_hit_length == 0 and c.host_size == 0
+        else:
+            assert task.result() == T1
+        _balanced(kit, c, own_receipts=_own(req))
+        c.abort_req(req)
+        _balanced(kit, c)
+        await _reset(kit, c)
+        if not task.cancelled():
+            break
+    else:
+        raise AssertionError("the prefetch never completed")
+    assert cancelled > 3
+    await _serve(kit, c, toks, want, T1)
+
+
+async def test_cancel_a_best_effort_stop_while_it_fetches_components(
+        kit, make_cache, make_file_backend) -> None:
+    """best_effort stops the prefetch while the first turn's state read (between the two KV
+    batches) is slow, so the stop fetches the components itself; cancelled after k loop turns
+    for every k: nothing held, and whatever was inserted is a restorable prefix."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+mamba")
+    keys = kit.page_keys(toks)
+    c = await make_cache(**COMBOS["full+mamba"])
+    backend = await make_file_backend(c, [])
+    c.attach_storage(backend, POLICY)
+    state = f"{keys[T1 // kit.PS - 1]}.mamba"
+    for k in range(10_000):
+        backend.add_rule(FaultRule(FaultKind.DELAY, ops=frozenset({"read"}),
+                                   keys=frozenset({state}), times=1, delay_s=0.2))
+        seen = backend.injected_total()
+        op = c.start_prefetch(toks, c.match_prefix(toks))
+        assert op is not None
+        await _until(lambda o=op, s=seen: o.completed_tokens == 512
+                     and backend.injected_total() > s, "the slow state read")
+        task = asyncio.ensure_future(c.storage.finish_prefetch(op, "best_effort"))
+        for _ in range(k):
+            if task.done():
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=kit.TIMEOUT)
+        assert task.done()
+        if not op.finished:  # cancelled before it began: the op is still the caller's
+            assert k == 0
+            await c.storage.abort_prefetch(op)
+        _balanced(kit, c)
+        if not task.cancelled():  # the stop fetched the first turn's state itself
+            assert task.result() == T1
+            await _load(kit, c, toks, want, T1)
+            await _reset(kit, c)
+            break
+        assert c.host_size in (0, T1)  # a cancelled stop inserts nothing or a whole turn
+        await _reset(kit, c)
+    else:
+        raise AssertionError("the stop never completed")
+    assert k > 0
+    await _serve(kit, c, toks, want, N)
