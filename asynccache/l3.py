@@ -324,8 +324,9 @@ class StorageTier:
         ps = cache.page_size
         host = op.host_slots
         assert host is not None and cache.host_pool is not None
-        cache.host_pool.allocator.free(host[pages * ps :])
-        cache._host_inflight -= len(host) - pages * ps
+        if len(host) > pages * ps:
+            cache.host_pool.allocator.free(host[pages * ps :])
+            cache._host_inflight -= len(host) - pages * ps
         op.host_slots = host[: pages * ps] if pages else None
         self._reserve(op, pages * ps)
         if not pages:

@@ -11,11 +11,16 @@ a prefix shorter than the window needs all of its pages). States exist only at n
 * the hit query trims the KV hit to the deepest restorable prefix (existence queries, deepest
   first); only that prefix is read, and below the prefetch threshold the prefetch is revoked
   like a short hit;
-* when the KV read ends early (``best_effort`` / ``timeout`` stop, a host-memory shortfall, a
-  failed page read) the prefetch falls back to the deepest restorable prefix within what
-  arrived, if it still reaches the threshold; the KV pages past it are freed;
+* host memory for a shorter prefix only: it is cut back to its deepest restorable prefix
+  before anything is read;
+* after each KV batch but the last, and once the read is over, the components of the deepest
+  restorable prefix that has arrived are fetched (deeper ones replace the held ones only once
+  all of them arrived). When the KV read ends early (a ``best_effort`` / ``timeout`` stop, a
+  failed page read) the deepest restorable prefix within what arrived is inserted, if it still
+  reaches the threshold (a stop fetches its components itself if they are not held yet); the
+  KV pages past it are freed;
 * a component object that cannot be read (missing, corrupt, a backend error) counts as not
-  stored: the prefetch falls back the same way, or inserts nothing.
+  stored: the prefetch falls back to the next shallower restorable prefix, or inserts nothing.
 
 Nothing else is all or nothing: what is inserted is always a prefix whose KV, SWA window and
 state all arrived and were verified. Every fallback is a ``prefetch_component_fallback`` log
@@ -148,8 +153,9 @@ class HybridStorage:
         ps = self.cache.page_size
         self.cache.metrics.prefetch_component_fallback_tokens.labels(reason=reason).inc(
             (from_pages - to_pages) * ps)
-        _log.info("prefetch_component_fallback", reason=reason, from_tokens=from_pages * ps,
-                  to_tokens=to_pages * ps, start=op.start)
+        log = _log.warning if reason == "fault" else _log.info
+        log("prefetch_component_fallback", reason=reason, from_tokens=from_pages * ps,
+            to_tokens=to_pages * ps, start=op.start)
 
     # ------------------------------------------------------------------ prefetch
     async def fetch(self, op: PrefetchOp, backend: Any, floor: int, *, final: bool = True) -> None:
@@ -164,8 +170,10 @@ class HybridStorage:
             return
         arrived = op.completed_tokens // self.cache.page_size
         p = op.restorable_pages
-        if p > arrived:
-            p = await self.restorable(backend, op, arrived, floor) if arrived >= floor else 0
+        if p > arrived:  # only a prefix deeper than the held one is worth a search
+            lowest = max(floor, op.parts_pages + 1)
+            found = await self.restorable(backend, op, arrived, lowest) if arrived >= lowest else 0
+            p = max(found, op.parts_pages)
             if final:
                 self._fell_back(op, "stopped", arrived, p)
         first, reason = p, "fault"
@@ -176,7 +184,8 @@ class HybridStorage:
             if got is None:  # no host memory for the components: keep what is held
                 reason = "host_memory"
                 break
-            p = await self.restorable(backend, op, p, floor)
+            lowest = max(floor, op.parts_pages + 1)
+            p = await self.restorable(backend, op, p, lowest) if p >= lowest else 0
         if final:
             if op.parts_pages < first:
                 self._fell_back(op, reason, first, op.parts_pages)
