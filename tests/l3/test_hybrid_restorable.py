@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
 
 N = 600  # 150 pages: two read batches (128 + 22)
 T1 = 300  # the first turn ends here (75 pages)
@@ -28,6 +28,23 @@ COMBOS = {"full+swa": SWA, "full+mamba": MAMBA, "full+swa+mamba": {**SWA, **MAMB
 WITH_MAMBA = ["full+mamba", "full+swa+mamba"]
 POLICY = StoragePolicy(prefetch_threshold=16, prefetch_policy="wait_complete")
 FALLBACK = "asynccache_prefetch_component_fallback_tokens"
+BACKENDS = ["file", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
+
+
+@pytest.fixture(params=BACKENDS)
+def open_backend(request: Any, kit: Any, make_file_backend: Any, make_s3_backend: Any) -> Any:
+    """``open_backend(cache, rules=None)``: a backend on this test's storage (every call opens
+    a new instance on the same storage), wrapped in the fault injector when ``rules`` is given."""
+    if request.param == "file":
+        return make_file_backend
+    seaweed = request.getfixturevalue("seaweed")
+    prefix = kit.new_prefix()
+
+    async def make(cache: Any, rules: Any = None) -> Any:
+        backend = make_s3_backend(seaweed, cache, prefix)
+        return backend if rules is None else FaultInjectingBackend(backend, rules)
+
+    return make
 
 
 def _randomize(cache: Any, seed: int) -> None:
@@ -155,20 +172,8 @@ async def _missing_last_state(kit: Any, make_cache: Any, open_backend: Any, comb
 
 
 @pytest.mark.parametrize("combo", WITH_MAMBA)
-async def test_missing_last_state_restores_the_first_turn_file(kit, make_cache, make_file_backend,
-                                                                combo) -> None:
-    await _missing_last_state(kit, make_cache, make_file_backend, combo)
-
-
-@pytest.mark.seaweedfs
-@pytest.mark.parametrize("combo", WITH_MAMBA)
-async def test_missing_last_state_restores_the_first_turn_seaweedfs(
-        kit, make_cache, make_s3_backend, seaweed, combo) -> None:
-    prefix = kit.new_prefix()
-
-    async def open_backend(cache: Any) -> Any:
-        return make_s3_backend(seaweed, cache, prefix)
-
+async def test_missing_last_state_restores_the_first_turn(kit, make_cache, open_backend,
+                                                          combo) -> None:
     await _missing_last_state(kit, make_cache, open_backend, combo)
 
 
@@ -211,14 +216,14 @@ async def _load(kit: Any, cache: Any, toks: list[int], want: dict[int, Any], exp
 @pytest.mark.parametrize(("combo", "expect"), [("full+mamba", T1), ("full+swa+mamba", T1),
                                                ("full+swa", 512)])
 async def test_best_effort_stop_midway_restores_the_deepest_state_that_arrived(
-        kit, make_cache, make_file_backend, combo, expect) -> None:
+        kit, make_cache, open_backend, combo, expect) -> None:
     """Batch 2 (pages 128..149) is stuck on a slow page when best_effort stops the prefetch:
     of the 128 pages that arrived, the deepest restorable prefix is the first turn (its state);
     without Mamba every arrived page is restorable (all SWA pages are stored)."""
-    toks, want = await _store(kit, make_cache, make_file_backend, combo, points=(512,))
+    toks, want = await _store(kit, make_cache, open_backend, combo, points=(512,))
     keys = kit.page_keys(toks)
     c = await make_cache(**COMBOS[combo])
-    slow = await make_file_backend(c, [FaultRule(
+    slow = await open_backend(c, [FaultRule(
         FaultKind.DELAY, ops=frozenset({"read"}), keys=frozenset({keys[128]}), times=1,
         delay_s=0.5)])
     c.attach_storage(slow, POLICY)
@@ -259,15 +264,14 @@ async def test_best_effort_stop_before_any_state_arrived_inserts_nothing(
 
 @pytest.mark.parametrize(("deleted", "expect"), [((148,), 592), ((147, 149), 588), ((), N)])
 async def test_swa_page_missing_falls_back_to_the_prefix_whose_window_is_intact(
-        kit, make_cache, make_file_backend, deleted, expect) -> None:
+        kit, make_cache, open_backend, deleted, expect) -> None:
     """SWA only, window of 2 pages. Page 148's SWA missing: the 148-page prefix (window 146,
     147) is restorable. Pages 147 and 149 missing: 149 pages would need 147 and 148, so the
     147-page prefix (window 145, 146) is the longest."""
-    toks, want = await _store(kit, make_cache, make_file_backend, "full+swa",
-                              points=(592, 588))
+    toks, want = await _store(kit, make_cache, open_backend, "full+swa", points=(592, 588))
     keys = kit.page_keys(toks)
     b = await make_cache(**COMBOS["full+swa"])
-    backend = await make_file_backend(b)
+    backend = await open_backend(b)
     if deleted:
         assert await backend.delete([f"{keys[i]}.swa" for i in deleted]) == len(deleted)
     b.attach_storage(backend, POLICY)
@@ -278,40 +282,51 @@ async def test_swa_page_missing_falls_back_to_the_prefix_whose_window_is_intact(
 # -- faults on component objects ---------------------------------------------------------------
 
 
-def _flip_on_disk(kit: Any, backend: Any, name: str) -> None:
-    path = kit.object_path(backend, name)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
+FAULTS = {  # rule kind and the pages whose component object it hits
+    "eio_state": (FaultKind.EIO, ".mamba", (149,)),
+    "flip_state_read": (FaultKind.FLIP_BYTES, ".mamba", (149,)),
+    "flip_swa_read": (FaultKind.FLIP_BYTES, ".swa", (149,)),
+    "both_states_unreadable": (FaultKind.EIO, ".mamba", (74, 149)),
+}
 
 
-@pytest.mark.parametrize("fault", ["corrupt_state", "eio_state", "flip_swa_read",
-                                   "both_states_corrupt"])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
 async def test_component_fault_degrades_to_a_shorter_prefix_or_a_miss(
-        kit, make_cache, make_file_backend, fault) -> None:
+        kit, make_cache, open_backend, fault) -> None:
     """The objects exist (the query finds them) but cannot be read: the prefix they would
     restore is given up for the next restorable one, never served wrong."""
-    toks, want = await _store(kit, make_cache, make_file_backend, "full+swa+mamba")
+    toks, want = await _store(kit, make_cache, open_backend, "full+swa+mamba")
     keys = kit.page_keys(toks)
+    kind, suffix, pages = FAULTS[fault]
     b = await make_cache(**COMBOS["full+swa+mamba"])
-    rules: list[FaultRule] = []
-    if fault == "eio_state":
-        rules.append(FaultRule(FaultKind.EIO, ops=frozenset({"read"}),
-                               keys=frozenset({f"{keys[-1]}.mamba"})))
-    elif fault == "flip_swa_read":
-        rules.append(FaultRule(FaultKind.FLIP_BYTES, ops=frozenset({"read"}),
-                               keys=frozenset({f"{keys[-1]}.swa"})))
-    backend = await make_file_backend(b, rules or None)
-    if fault in ("corrupt_state", "both_states_corrupt"):
-        _flip_on_disk(kit, backend, f"{keys[-1]}.mamba")
-    if fault == "both_states_corrupt":
-        _flip_on_disk(kit, backend, f"{keys[T1 // kit.PS - 1]}.mamba")
+    backend = await open_backend(b, [FaultRule(kind, ops=frozenset({"read"}),
+                                               keys=frozenset(f"{keys[i]}{suffix}" for i in pages))])
     b.attach_storage(backend, POLICY)
-    expect = 0 if fault == "both_states_corrupt" else T1
+    expect = 0 if len(pages) == 2 else T1
     await _serve(kit, b, toks, want, expect)
-    assert _fallbacks(kit, b) == {"fault": N} if not expect else {"fault": N - T1}
+    assert _fallbacks(kit, b) == {"fault": N - expect}
     assert kit.counter(b, "asynccache_storage_prefetch_hit_tokens") == N
     assert kit.counter(b, "asynccache_prefetched_tokens") == expect
+    assert backend.injected_total() == len(pages)
+
+
+@pytest.mark.parametrize("pages", [(149,), (74, 149)])
+async def test_state_corrupt_at_rest_degrades(kit, make_cache, make_file_backend, pages) -> None:
+    """A state object whose bytes changed on disk fails its checksum: a shorter prefix or a
+    miss."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+mamba")
+    keys = kit.page_keys(toks)
+    b = await make_cache(**COMBOS["full+mamba"])
+    backend = await make_file_backend(b)
+    for i in pages:
+        path = kit.object_path(backend, f"{keys[i]}.mamba")
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    b.attach_storage(backend, POLICY)
+    expect = 0 if len(pages) == 2 else T1
+    await _serve(kit, b, toks, want, expect)
+    assert _fallbacks(kit, b) == {"fault": N - expect}
 
 
 # -- host memory -------------------------------------------------------------------------------
@@ -319,12 +334,12 @@ async def test_component_fault_degrades_to_a_shorter_prefix_or_a_miss(
 
 @pytest.mark.parametrize("combo", WITH_MAMBA)
 async def test_host_memory_shortfall_reads_only_the_restorable_prefix(
-        kit, make_cache, make_file_backend, combo) -> None:
+        kit, make_cache, open_backend, combo) -> None:
     """A reader whose host pool holds 512 tokens: room for 128 of the 150 pages, of which the
     first turn is the deepest restorable prefix; only its 75 KV pages are read."""
-    toks, want = await _store(kit, make_cache, make_file_backend, combo)
+    toks, want = await _store(kit, make_cache, open_backend, combo)
     b = await make_cache(**COMBOS[combo], host_tokens=512)
-    backend = await make_file_backend(b)
+    backend = await open_backend(b)
     b.attach_storage(backend, POLICY)
     before = _kv_pages_read(backend)
     await _serve(kit, b, toks, want, T1)
