@@ -303,7 +303,7 @@ class StorageTier:
         if want and hy is not None and want < op.restorable_pages:
             # Host memory for a shorter prefix only: read no further than its restorable end.
             p = await hy.restorable(self.backend, op, want, self._floor_pages())
-            hy._fell_back(op, "host_memory", op.restorable_pages, p)
+            hy.note_fallback(op, "host_memory", op.restorable_pages, p)
             op.restorable_pages = p
             want = self._trim(op, p)
         if want:

@@ -144,10 +144,14 @@ class HybridStorage:
         p = await self.restorable(backend, op, hit, floor)
         op.restorable_pages = p
         if p < hit:
-            self._fell_back(op, "not_stored", hit, p)
+            self.note_fallback(op, "not_stored", hit, p)
         return p
 
-    def _fell_back(self, op: PrefetchOp, reason: str, from_pages: int, to_pages: int) -> None:
+    def note_fallback(self, op: PrefetchOp, reason: str, from_pages: int, to_pages: int) -> None:
+        """Log and count a fallback from a ``from_pages`` to a ``to_pages`` prefix. Reasons:
+        ``not_stored`` (the hit query), ``host_memory`` (host memory or the prefetch capacity
+        for a shorter prefix only, or no host slots for the components), ``stopped`` (the KV
+        read ended early) and ``fault`` (a component object could not be read)."""
         if to_pages >= from_pages:
             return
         ps = self.cache.page_size
@@ -175,7 +179,7 @@ class HybridStorage:
             found = await self.restorable(backend, op, arrived, lowest) if arrived >= lowest else 0
             p = max(found, op.parts_pages)
             if final:
-                self._fell_back(op, "stopped", arrived, p)
+                self.note_fallback(op, "stopped", arrived, p)
         first, reason = p, "fault"
         while p > op.parts_pages:
             got = await self._get(op, backend, p)
@@ -188,7 +192,7 @@ class HybridStorage:
             p = await self.restorable(backend, op, p, lowest) if p >= lowest else 0
         if final:
             if op.parts_pages < first:
-                self._fell_back(op, reason, first, op.parts_pages)
+                self.note_fallback(op, reason, first, op.parts_pages)
             op.parts_settled = True
 
     async def _get(self, op: PrefetchOp, backend: Any, p: int) -> bool | None:

@@ -177,6 +177,23 @@ async def test_missing_last_state_restores_the_first_turn(kit, make_cache, open_
     await _missing_last_state(kit, make_cache, open_backend, combo)
 
 
+async def test_restorable_prefix_below_the_threshold_is_revoked_unread(
+        kit, make_cache, make_file_backend) -> None:
+    """Threshold 320 tokens, last state missing: the restorable 300 tokens are a short hit."""
+    toks, _ = await _store(kit, make_cache, make_file_backend, "full+swa+mamba")
+    keys = kit.page_keys(toks)
+    b = await make_cache(**COMBOS["full+swa+mamba"])
+    backend = await make_file_backend(b)
+    assert await backend.delete([f"{keys[-1]}.mamba"]) == 1
+    b.attach_storage(backend, StoragePolicy(prefetch_threshold=320))
+    before = _kv_pages_read(backend)
+    await _serve(kit, b, toks, {}, 0, policy="wait_complete")
+    assert _kv_pages_read(backend) == before  # nothing read
+    assert kit.outcomes(b) == {"issued": 1, "revoked_insufficient": 1}
+    assert _fallbacks(kit, b) == {"not_stored": N}
+    assert kit.counter(b, "asynccache_storage_prefetch_hit_tokens") == 0
+
+
 @pytest.mark.parametrize("combo", sorted(COMBOS))
 async def test_intact_store_restores_everything(kit, make_cache, make_file_backend,
                                                 combo) -> None:
