@@ -230,25 +230,28 @@ async def _load(kit: Any, cache: Any, toks: list[int], want: dict[int, Any], exp
     _balanced(kit, cache)
 
 
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 @pytest.mark.parametrize(("combo", "expect"), [("full+mamba", T1), ("full+swa+mamba", T1),
                                                ("full+swa", 512)])
-async def test_best_effort_stop_midway_restores_the_deepest_state_that_arrived(
-        kit, make_cache, open_backend, combo, expect) -> None:
-    """Batch 2 (pages 128..149) is stuck on a slow page when best_effort stops the prefetch:
-    of the 128 pages that arrived, the deepest restorable prefix is the first turn (its state);
-    without Mamba every arrived page is restorable (all SWA pages are stored)."""
+async def test_stop_midway_restores_the_deepest_state_that_arrived(
+        kit, make_cache, open_backend, combo, expect, policy) -> None:
+    """Batch 2 (pages 128..149) is stuck on a slow page (0.5 s) when the prefetch is stopped
+    (best_effort; or a timeout of 0.05 s from its start): of the 128 pages that arrived, the
+    deepest restorable prefix is the first turn (its state); without Mamba every arrived page
+    is restorable (all SWA pages are stored)."""
     toks, want = await _store(kit, make_cache, open_backend, combo, points=(512,))
     keys = kit.page_keys(toks)
     c = await make_cache(**COMBOS[combo])
     slow = await open_backend(c, [FaultRule(
         FaultKind.DELAY, ops=frozenset({"read"}), keys=frozenset({keys[128]}), times=1,
         delay_s=0.5)])
-    c.attach_storage(slow, POLICY)
+    c.attach_storage(slow, StoragePolicy(prefetch_threshold=16, timeout_base_s=0.05,
+                                         timeout_per_ki_token_s=0.0))
     op = c.start_prefetch(toks, c.match_prefix(toks))
     assert op is not None
     await _until(lambda: op.completed_tokens == 512 and slow.injected_total() == 1,
                  "batch 2 to start")
-    got = await asyncio.wait_for(c.storage.finish_prefetch(op, "best_effort"), kit.TIMEOUT)
+    got = await asyncio.wait_for(c.storage.finish_prefetch(op, policy), kit.TIMEOUT)
     assert got == expect
     assert kit.outcomes(c) == {"issued": 1, "partial": 1}
     assert _fallbacks(kit, c) == ({"stopped": 512 - expect} if expect < 512 else {})
