@@ -467,3 +467,55 @@ async def test_cancel_a_best_effort_stop_while_it_fetches_components(
         raise AssertionError("the stop never completed")
     assert k > 0
     await _serve(kit, c, toks, want, N)
+
+
+# -- random deletions against an oracle ----------------------------------------------------------
+
+
+def _oracle(swa: list[bool] | None, mamba: list[bool] | None, floor: int) -> int:
+    """The longest restorable prefix (pages) by definition, or 0 below ``floor`` pages."""
+    w = WINDOW // 4
+    for p in range(len(swa or mamba or []), floor - 1, -1):
+        if mamba is not None and not mamba[p - 1]:
+            continue
+        if swa is not None and not all(swa[max(0, p - w) : p]):
+            continue
+        return p
+    return 0
+
+
+@pytest.mark.parametrize("combo", ["full+swa", "full+swa+mamba"])
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_missing_components_restore_the_oracle_prefix(
+        kit, make_cache, make_file_backend, tmp_path, combo, seed) -> None:
+    """Random component objects deleted (SWA pages mostly near the turn ends, sometimes a
+    state): the prefetch restores exactly the prefix the definition gives, bit for bit."""
+    import random
+
+    rng = random.Random(seed)
+    root = tmp_path / f"store-{combo}-{seed}"
+
+    async def opener(cache: Any) -> Any:
+        return await make_file_backend(cache, root=root)
+
+    mamba = "mamba" in combo
+    toks, want = await _store(kit, make_cache, opener, combo,
+                              points=() if mamba else tuple(range(4, N + 1, 4)))
+    keys = kit.page_keys(toks)
+    pages = N // kit.PS
+    swa_ok = [True] * pages
+    for _ in range(rng.randint(1, 6)):
+        swa_ok[rng.choice([*range(70, 76), *range(140, 150), rng.randrange(pages)])] = False
+    state_ok = [i in (T1 // kit.PS - 1, pages - 1) for i in range(pages)]
+    if mamba and rng.random() < 0.5:
+        state_ok[pages - 1] = False
+    b = await make_cache(**COMBOS[combo])
+    backend = await opener(b)
+    gone = [f"{keys[i]}.swa" for i in range(pages) if not swa_ok[i]]
+    if mamba and not state_ok[-1]:
+        gone.append(f"{keys[-1]}.mamba")
+    assert await backend.delete(gone) == len(gone)
+    b.attach_storage(backend, POLICY)
+    expect = _oracle(swa_ok, state_ok if mamba else None, 16 // kit.PS) * kit.PS
+    await _serve(kit, b, toks, want, expect)
+    assert _fallbacks(kit, b) == ({"not_stored": N - expect} if expect < N else {})
