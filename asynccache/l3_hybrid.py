@@ -9,7 +9,8 @@ every pool can restore). A prefix of ``p`` pages is restorable when its KV pages
 a prefix shorter than the window needs all of its pages). States exist only at node ends, so:
 
 * the hit query trims the KV hit to the deepest restorable prefix (existence queries, deepest
-  first); only that prefix is read, and below the prefetch threshold the prefetch is revoked
+  first: the state at the hit's end alone and its SWA window in one call, which is the usual
+  answer, then concurrent chunks of single-object queries); only that prefix is read, and below the prefetch threshold the prefetch is revoked
   like a short hit;
 * host memory for a shorter prefix only: it is cut back to its deepest restorable prefix
   before anything is read;
@@ -22,8 +23,8 @@ a prefix shorter than the window needs all of its pages). States exist only at n
 * a component object that cannot be read (missing, corrupt, a backend error) counts as not
   stored: the prefetch falls back to the next shallower restorable prefix, or inserts nothing.
 
-Nothing else is all or nothing: what is inserted is always a prefix whose KV, SWA window and
-state all arrived and were verified. Every fallback is a ``prefetch_component_fallback`` log
+What is inserted is always a prefix whose KV pages, SWA window and state all arrived and were
+verified. Every fallback is a ``prefetch_component_fallback`` log
 event and adds the KV tokens given up to ``asynccache_prefetch_component_fallback_tokens``.
 """
 
@@ -99,10 +100,15 @@ class HybridStorage:
             if self.swa:
                 lo = max(0, p - self.window_pages)
                 ask = [f"{k}.swa" for k in reversed(op.keys[max(0, p - span) : p])]
-                await self._exists(backend, op, ask)
-                missing = [i for i in range(lo, p) if not op.stored[f"{op.keys[i]}.swa"]]
-                if missing:  # try the prefix ending before the deepest missing page
-                    p = missing[-1]
+                if span == self.window_pages:  # usually all stored: one call for the window
+                    await self._exists_run(backend, op, ask)
+                else:
+                    await self._exists(backend, op, ask)
+                # the deepest page of the window not stored (those above it are known stored)
+                miss = next((i for i in range(p - 1, lo - 1, -1)
+                             if not op.stored[f"{op.keys[i]}.swa"]), None)
+                if miss is not None:  # try the prefix ending before it
+                    p = miss
                     span = max(self.window_pages, STORED_QUERY_CHUNK)
                     continue
             return p
@@ -136,6 +142,24 @@ class HybridStorage:
             asks = [tg.create_task(backend.exists_prefix([n])) for n in todo]
         for name, a in zip(todo, asks, strict=True):
             op.stored[name] = bool(a.result())
+
+    async def _exists_run(self, backend: Any, op: PrefetchOp, names: list[str]) -> None:
+        """One ``exists_prefix`` call for the ``names`` not asked yet before the first known
+        missing one: those stored up to the first missing one become known, and that one."""
+        todo: list[str] = []
+        for n in names:
+            known = op.stored.get(n)
+            if known is False:
+                break
+            if known is None:
+                todo.append(n)
+        if not todo:
+            return
+        found = await backend.exists_prefix(todo)
+        for n in todo[:found]:
+            op.stored[n] = True
+        if found < len(todo):
+            op.stored[todo[found]] = False
 
     async def query(self, op: PrefetchOp, backend: Any, hit: int, floor: int) -> int:
         """Trim the KV ``hit`` (pages) to its restorable prefix (0: below ``floor`` pages)."""
