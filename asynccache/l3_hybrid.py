@@ -16,7 +16,7 @@ a prefix shorter than the window needs all of its pages). States exist only at n
   before anything is read;
 * after each KV batch but the last, and once the read is over, the components of the deepest
   restorable prefix that has arrived are fetched (deeper ones replace the held ones only once
-  all of them arrived). When the KV read ends early (a ``best_effort`` / ``timeout`` stop, a
+  all of them arrived; a component pool too small for both gives the held ones up first). When the KV read ends early (a ``best_effort`` / ``timeout`` stop, a
   failed page read) the deepest restorable prefix within what arrived is inserted, if it still
   reaches the threshold (a stop fetches its components itself if they are not held yet); the
   KV pages past it are freed;
@@ -232,7 +232,7 @@ class HybridStorage:
         try:
             if self.swa:
                 w = min(p, self.window_pages)
-                slots = self.tier.take_host("swa", w * ps, self.cache.evict_host)
+                slots = self._take(op, "swa", w * ps)
                 if slots is None:
                     return None
                 parts["swa"] = slots
@@ -241,7 +241,7 @@ class HybridStorage:
                 bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
                          for _ in range(w)]
             if self.mamba:
-                slots = self.tier.take_host("mamba", 1, self.cache.evict_host)
+                slots = self._take(op, "mamba", 1)
                 if slots is None:
                     return None
                 parts["mamba"] = slots
@@ -269,6 +269,16 @@ class HybridStorage:
         finally:  # what did not become the held parts (a cancel lands here too)
             self._give(parts, free=True)
             op.parts_new = None
+
+    def _take(self, op: PrefetchOp, name: str, n: int) -> np.ndarray | None:
+        """``n`` host slots of pool ``name`` for a deeper prefix's components; when short, the
+        shallower held parts are given up for them (a later fault searches again)."""
+        slots = self.tier.take_host(name, n, self.cache.evict_host)
+        if slots is None and op.parts:
+            self._give(op.parts, free=True)
+            op.parts, op.parts_pages = None, 0
+            slots = self.tier.take_host(name, n, self.cache.evict_host)
+        return slots
 
     def _give(self, parts: dict[str, np.ndarray] | None, *, free: bool) -> None:
         for name, slots in (parts or {}).items():

@@ -519,3 +519,14 @@ async def test_random_missing_components_restore_the_oracle_prefix(
     expect = _oracle(swa_ok, state_ok if mamba else None, 16 // kit.PS) * kit.PS
     await _serve(kit, b, toks, want, expect)
     assert _fallbacks(kit, b) == ({"not_stored": N - expect} if expect < N else {})
+
+
+async def test_one_host_state_slot_still_restores_the_deepest_state(
+        kit, make_cache, make_file_backend) -> None:
+    """With a single host Mamba state, the first turn's state held after batch 1 makes room for
+    the conversation's last state once all KV pages arrived."""
+    toks, want = await _store(kit, make_cache, make_file_backend, "full+mamba")
+    b = await make_cache(**COMBOS["full+mamba"], mamba_host_states=1)
+    b.attach_storage(await make_file_backend(b), POLICY)
+    await _serve(kit, b, toks, want, N)
+    assert _fallbacks(kit, b) == {}
