@@ -147,8 +147,9 @@ def _fallbacks(kit: Any, cache: Any) -> dict[str, int]:
     return out
 
 
-def _kv_pages_read(backend: Any) -> int:
-    return sum(v for k, v in backend.stats()["pages"].items() if k == "get.hit")
+def _objects_read(backend: Any) -> int:
+    """Objects (KV pages and component objects) the backend read and verified so far."""
+    return int(backend.stats()["pages"].get("get.hit", 0))
 
 
 # -- a missing state ---------------------------------------------------------------------------
@@ -161,11 +162,11 @@ async def _missing_last_state(kit: Any, make_cache: Any, open_backend: Any, comb
     backend = await open_backend(b)
     assert await backend.delete([f"{keys[-1]}.mamba"]) == 1
     b.attach_storage(backend, POLICY)
-    before = _kv_pages_read(backend)
+    before = _objects_read(backend)
     await _serve(kit, b, toks, want, T1)
     # Only the restorable prefix was read: 75 KV pages, its window's SWA pages, one state.
     extra = (WINDOW // kit.PS if b.hybrid.swa_map is not None else 0) + 1
-    assert _kv_pages_read(backend) - before == T1 // kit.PS + extra
+    assert _objects_read(backend) - before == T1 // kit.PS + extra
     assert _fallbacks(kit, b) == {"not_stored": N - T1}
     assert kit.counter(b, "asynccache_storage_prefetch_hit_tokens") == T1
     assert kit.outcomes(b) == {"issued": 1, "completed": 1}
@@ -186,9 +187,9 @@ async def test_restorable_prefix_below_the_threshold_is_revoked_unread(
     backend = await make_file_backend(b)
     assert await backend.delete([f"{keys[-1]}.mamba"]) == 1
     b.attach_storage(backend, StoragePolicy(prefetch_threshold=320))
-    before = _kv_pages_read(backend)
+    before = _objects_read(backend)
     await _serve(kit, b, toks, {}, 0, policy="wait_complete")
-    assert _kv_pages_read(backend) == before  # nothing read
+    assert _objects_read(backend) == before  # nothing read
     assert kit.outcomes(b) == {"issued": 1, "revoked_insufficient": 1}
     assert _fallbacks(kit, b) == {"not_stored": N}
     assert kit.counter(b, "asynccache_storage_prefetch_hit_tokens") == 0
@@ -361,10 +362,10 @@ async def test_host_memory_shortfall_reads_only_the_restorable_prefix(
     b = await make_cache(**COMBOS[combo], host_tokens=512)
     backend = await open_backend(b)
     b.attach_storage(backend, POLICY)
-    before = _kv_pages_read(backend)
+    before = _objects_read(backend)
     await _serve(kit, b, toks, want, T1)
     extra = (WINDOW // kit.PS if b.hybrid.swa_map is not None else 0) + 1
-    assert _kv_pages_read(backend) - before == T1 // kit.PS + extra
+    assert _objects_read(backend) - before == T1 // kit.PS + extra
     assert _fallbacks(kit, b) == {"host_memory": N - T1}
 
 
