@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -105,9 +105,17 @@ class PrefetchOp:
     want_pages: int = 0
     stop_policy: str | None = None  # set by finish_prefetch
     agreed_tokens: int | None = None
-    # hybrid caches: host slots of the fetched SWA pages / state, and whether all of them came
+    # hybrid caches (asynccache/l3_hybrid.py): the restorable prefix the query found (pages),
+    # host slots of the fetched SWA pages / state and the prefix they restore (pages; 0: none),
+    # whether fetching them is over, and what storage said of component objects (False: missing
+    # or could not be read)
+    restorable_pages: int = 0
     parts: dict[str, np.ndarray] | None = None
-    parts_ok: bool = False
+    parts_pages: int = 0
+    parts_new: dict[str, np.ndarray] | None = None  # being fetched to replace ``parts``
+    parts_settled: bool = False
+    stored: dict[str, bool] = field(default_factory=dict)
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # set once _release is over
 
 
 class StorageTier:
@@ -281,12 +289,49 @@ class StorageTier:
                 break
         return hit
 
+    def _floor_pages(self) -> int:
+        """The fewest pages a prefetch may bring (the threshold, at least one page)."""
+        ps = self.cache.page_size
+        return -(-max(self.policy.prefetch_threshold, ps) // ps)
+
     async def _fetch(self, op: PrefetchOp) -> None:
-        want = self._take_hit(op, await self._hits(op))
+        hit = await self._hits(op)
+        hy = self._hybrid
+        if hy is not None:  # only the prefix every pool can restore
+            hit = await hy.query(op, self.backend, hit, self._floor_pages())
+        want = self._take_hit(op, hit)
+        if want and hy is not None and want < op.restorable_pages:
+            # Host memory for a shorter prefix only: read no further than its restorable end.
+            p = await hy.restorable(self.backend, op, want, self._floor_pages())
+            hy.note_fallback(op, "host_memory", op.restorable_pages, p)
+            op.restorable_pages = p
+            want = self._trim(op, p)
         if want:
-            await self._read(op, want)
-            if self._hybrid is not None:
-                await self._hybrid.fetch(op, self.backend)
+            if hy is None:
+                await self._read(op, want)
+                return
+            floor = self._floor_pages()
+
+            async def between() -> None:  # what a stop can insert: the deepest that arrived
+                await hy.fetch(op, self.backend, floor, final=False)
+
+            await self._read(op, want, between)
+            await hy.fetch(op, self.backend, floor)
+
+    def _trim(self, op: PrefetchOp, pages: int) -> int:
+        """Keep the host memory of ``op``'s first ``pages`` pages only (0: revoke it)."""
+        cache = self.cache
+        ps = cache.page_size
+        host = op.host_slots
+        assert host is not None and cache.host_pool is not None
+        if len(host) > pages * ps:
+            cache.host_pool.allocator.free(host[pages * ps :])
+            cache._host_inflight -= len(host) - pages * ps
+        op.host_slots = host[: pages * ps] if pages else None
+        self._reserve(op, pages * ps)
+        if not pages:
+            op.outcome = "revoked_no_host_memory"
+        return pages
 
     def _take_hit(self, op: PrefetchOp, hit: int) -> int:
         """Account the query's ``hit`` pages and allocate host memory for them (or a shorter
@@ -330,8 +375,10 @@ class StorageTier:
         self._occupied -= op.reserved_tokens - tokens
         op.reserved_tokens = tokens
 
-    async def _read(self, op: PrefetchOp, want: int) -> None:
-        """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows."""
+    async def _read(self, op: PrefetchOp, want: int,
+                    between: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Read ``want`` pages into ``op.host_slots`` in batches; ``completed_tokens`` grows.
+        ``between``: awaited after each batch but the last."""
         cache = self.cache
         ps = cache.page_size
         metrics = cache.metrics
@@ -349,6 +396,8 @@ class StorageTier:
                 cache._agree.note_progress()
             if good < len(keys):
                 break
+            if between is not None and i + BATCH_PAGES < want:
+                await between()
         dt = time.perf_counter() - t0
         if op.completed_tokens and dt > 0:
             metrics.prefetch_bandwidth.observe(op.completed_tokens // ps * self._page_bytes / dt)
@@ -395,12 +444,27 @@ class StorageTier:
         if op.finished:  # already released (e.g. by close() while its requester waited)
             return 0
         op.finished = True
+        try:
+            return await self._release_now(op, insert)
+        finally:
+            op.released.set()
+
+    async def _release_now(self, op: PrefetchOp, insert: bool) -> int:
         cache = self.cache
         task = op.task
         assert task is not None
         # The backend never touches our buffers once its call returned or was cancelled. If our
         # caller is cancelled meanwhile, finish the release first, then let the cancel through.
         cancelled = await stop_and_wait(task, "prefetch_failed")
+        if (insert and not cancelled and self._hybrid is not None and op.host_slots is not None
+                and op.agreed_tokens is None and not op.parts_settled):
+            # Stopped early: the components of the deepest restorable prefix that arrived.
+            try:
+                await self._hybrid.fetch(op, self.backend, self._floor_pages())
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception as exc:  # a storage fault: nothing restorable
+                _log.warning("prefetch_component_fetch_failed", error=repr(exc))
         self._prefetches.discard(op)
         if op in self._agreeing:
             self._agreeing.remove(op)
@@ -411,13 +475,10 @@ class StorageTier:
             cache._host_inflight -= len(host)
             got = op.completed_tokens if op.agreed_tokens is None else op.agreed_tokens
             done = got if insert else 0
-            kw: dict[str, Any] | None = {}
-            if done and self._hybrid is not None:
-                kw = self._hybrid.insert_args(op, done)  # all or nothing
-                if kw is None:
-                    done = 0
+            kw: dict[str, Any] = {}
+            if done and self._hybrid is not None:  # the restorable prefix the components cover
+                done, kw = self._hybrid.insert_args(op, done)
             if done:
-                assert kw is not None
                 res = cache.tree.insert_host(op.key, op.start, host[:done], **kw)
                 for dup in res.device_frees:  # host slots of pages the tree already had
                     cache.host_pool.allocator.free(dup)  # type: ignore[union-attr]
@@ -447,7 +508,10 @@ class StorageTier:
     async def close(self) -> None:
         """Abort prefetches and wait for writes (called by the cache before it frees memory)."""
         for op in list(self._prefetches):
-            await self._release(op, insert=False)
+            if op.finished:  # its requester is releasing it: wait until that is over
+                await op.released.wait()
+            else:
+                await self._release(op, insert=False)
         if self._aborts:
             await asyncio.gather(*list(self._aborts), return_exceptions=True)
         await self.drain()

@@ -41,6 +41,14 @@ class CacheMetrics:
         )
         for op in ("backup", "load_back"):
             self.hybrid_skipped.labels(op=op)
+        self.prefetch_component_fallback_tokens = Counter(
+            "asynccache_prefetch_component_fallback_tokens",
+            "KV tokens a hybrid prefetch gave up because the SWA pages / Mamba state to restore "
+            "them were not stored, did not arrive or had no host memory (asynccache/l3_hybrid.py)",
+            ["reason"], registry=r,
+        )
+        for reason in ("not_stored", "host_memory", "stopped", "fault"):
+            self.prefetch_component_fallback_tokens.labels(reason=reason)
         self.matched_tokens = Counter("asynccache_matched_tokens", "Tokens asked in match_prefix", registry=r)
         self.hit_tokens = Counter("asynccache_hit_tokens", "Tokens found on device or host", registry=r)
         self.hit_rate = Gauge("asynccache_cache_hit_rate", "Hit tokens / matched tokens", registry=r)
