@@ -340,6 +340,8 @@ def insert(
         if hi > inserted_len:
             child.hit_count += 1
             requeue = requeue or hit_rq
+            if tree._intents and child.hit_count >= tree._threshold:
+                res.intents.append(child.id)
         lo = pos if pos > prev_prefix_len else prev_prefix_len
         if hi > lo:
             own = child.value
@@ -378,8 +380,17 @@ def insert(
     res.prefix_len = off >> 2
     fresh = off < end
     if fresh:
+        top = node
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
                             floor, floor_a, swa_frees, near, swa_near)
+        if tree._intents and tree._threshold <= 1:  # every new node, root first
+            new = res.intents
+            at = len(new)
+            n = node
+            while n is not top:
+                new.insert(at, n.id)
+                assert n.parent is not None
+                n = n.parent
     if mamba is not None and node.parent is not None:
         aux = node.aux
         assert aux is not None
