@@ -22,7 +22,6 @@ store written in cache mode reads in buffer-only mode and the other way round).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -171,14 +170,11 @@ class SWABuffer:
         reads whole (at least ``min_pages``). Returns the prefix's pages (0: none)."""
         ps = self._ps
         p = pages
-        t0 = time.perf_counter()
         while p >= max(min_pages, 1):
             lo = self.window(p)
             names = [swa_object(k) for k in keys[lo:p]]
             good = await read_pages(self.backend, self.host, names, host[: (p - lo) * ps])
             if good == p - lo:
-                self.cache.metrics.prefetch_bandwidth.observe(
-                    good * self.host.page_bytes / max(time.perf_counter() - t0, 1e-9))
                 return p
             self.existence.invalidate_beyond(list(keys[lo:p]), good)
             self.cache.metrics.hybrid_skipped.labels(op="swa_window").inc()

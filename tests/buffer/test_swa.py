@@ -158,6 +158,36 @@ async def test_writes_kv_and_live_swa_pages(kit, make_cache, make_file_backend) 
     assert_pools_idle(c)
 
 
+async def test_intent_split_while_queued_leaves_the_unpinned_swa_to_a_later_intent(
+        kit, make_cache, make_file_backend) -> None:
+    c = await make_cache(**SWA)
+    backend = await make_file_backend(c)
+    c.attach_storage(backend, POLICY)
+    a = kit.tokens(6, 64)
+    ka = kit.page_keys(a)
+    ra = put(kit, c, a)
+    top = ra.intents[0]  # the 14-page node, queued
+    m = c.match_prefix(a[:8])  # splits [0, 8) off it: the intent's node is now [8, 56)
+    assert m.device_prefix_len == 8 and m.last_device_node != top
+    await c.flush()
+    await c.storage.drain()
+    # Its lock pins its own 12 pages (and the leaf's 2): the SWA of [0, 8) is not pinned.
+    assert stored(backend) == set(ka) | {f"{k}.swa" for k in ka[2:]}
+    # An insert through [0, 8) names it again: its KV is believed stored, its SWA is written.
+    b = np.concatenate([a[:8], kit.tokens(7, 16)])
+    slots = c.try_alloc_device(16)
+    c.write_kv(slots, kit.expected(c, b, 8, 24))
+    rb = c.insert(b, np.concatenate([m.device_indices, slots]), prev_prefix_len=8)
+    assert rb.intents[0] == m.last_device_node
+    await c.flush()
+    await c.storage.drain()
+    kb = kit.page_keys(b)
+    assert stored(backend) == set(ka) | set(kb) | {f"{k}.swa" for k in ka + kb}
+    assert kit.counter(c, "asynccache_storage_backup_tokens") == (16 + 4) * 4
+    kit.assert_at_rest(c)
+    assert_pools_idle(c)
+
+
 async def test_small_host_swa_pool_writes_in_batches(kit, make_cache, make_file_backend) -> None:
     c = await make_cache(**SWA, swa_host_tokens=16)  # four SWA pages of staging at a time
     backend = await make_file_backend(c)
