@@ -6,6 +6,7 @@ is missing; cancellation at any await leaks nothing in either pool."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from asynccache import CacheConfig
-from asynccache.errors import ConfigError
+from asynccache.errors import ConfigError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
 from asynccache.testing.cancel import sweep_cancellations
 from storage.faults import FaultKind, FaultRule
@@ -522,3 +523,68 @@ async def test_cancel_swa_writes_at_every_await(kit, make_cache, make_file_backe
 
     outcomes = await sweep_cancellations(write_one, check=check)
     assert len(outcomes) >= 3 and len(written) == len(outcomes) - 1
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_concurrent_requests_under_staging_pressure(kit, make_cache, make_file_backend,
+                                                          seed) -> None:
+    rng = random.Random(seed)
+    stems = [kit.tokens(700 + i, 4 * rng.randint(4, 20)) for i in range(6)]
+    seqs = [np.concatenate([stems[rng.randrange(6)],
+                            kit.tokens(800 + i, 4 * rng.randint(4, 20) + rng.randint(0, 3))])
+            for i in range(40)]
+    policy = StoragePolicy(prefetch_threshold=8, timeout_base_s=5.0)
+    w = await make_cache(**SWA)
+    w.attach_storage(await make_file_backend(w), policy)
+    await kit.write_sequences(w, seqs[::2])  # half of them stored up front
+    await kit.quiesce(w)
+    await w.detach_storage()
+    await w.aclose()
+
+    c = await make_cache(**SWA, host_tokens=256, swa_host_tokens=32)
+    c.attach_storage(await make_file_backend(c), policy)
+    served: list[int] = []
+    rejected: list[int] = []
+
+    async def one(i: int, s: np.ndarray) -> None:
+        await asyncio.sleep(rng.random() * 0.01)
+        try:
+            await kit.serve(c, s, policy=rng.choice(["wait_complete", "timeout"]))
+        except PoolExhaustedError:
+            rejected.append(i)
+            return
+        served.append(i)
+
+    tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(seqs)]
+    for t in rng.sample(tasks, 8):
+        t.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=60.0)
+    assert not pending
+    for t in done:
+        if not t.cancelled():
+            assert t.exception() is None, repr(t.exception())
+    assert len(served) + len(rejected) + sum(t.cancelled() for t in tasks) == len(seqs)
+    assert len(served) >= 20
+    await kit.quiesce(c)
+    kit.assert_at_rest(c)
+    assert_pools_idle(c)
+    # A cache that lost its device copies serves every served prompt again, bit for bit (KV of
+    # the prefix, SWA of the window), from what storage holds: intents whose node was evicted
+    # while waiting for staging were dropped (eviction wins), so not every page is stored.
+    backend = c.storage.backend
+    for i in served:
+        c.evict(10**6)
+        keys = kit.page_keys(seqs[i])
+        stored_pages = await backend.exists_prefix(keys)
+        r = await kit.serve(c, seqs[i], policy="wait_complete")
+        whole = len(seqs[i]) - len(seqs[i]) % kit.PS
+        assert (r.device, r.prefix) == (0, r.loaded), f"prompt {i}"
+        assert r.loaded == r.fetched <= stored_pages * kit.PS, f"prompt {i}"
+        m = c.match_prefix(seqs[i])  # the request's own tokens were inserted SWA-live
+        assert m.device_prefix_len == whole, f"prompt {i}"
+        assert (c.hybrid.swa_map.full_to_swa[m.device_indices[r.loaded:]] >= 0).all()
+    await kit.quiesce(c)
+    assert_pools_idle(c)
