@@ -13,7 +13,8 @@ store written in cache mode reads in buffer-only mode and the other way round).
   written when the copy lands; the staging is freed when the storage write returns.
 * **Existence.** A separate :class:`~asynccache.existence.StorageExistenceCache` tracks which
   ``.swa`` objects are believed stored: a page's KV being stored says nothing about its SWA.
-  Its heal policy is the trailing-window one: a short window query only invalidates.
+  Its heal policy is the trailing-window one (behavior.md §1.11 TrailingWindowPolicy): a short
+  window query invalidates, a whole one adds nothing (only a successful write does).
 * **Reads.** A hit needs the SWA of the trailing window only (behavior.md §1.14
   TRAILING_PAGES). :meth:`SWABuffer.usable_pages` picks the longest prefix (of the KV hit)
   whose window's ``.swa`` objects all exist; the pages before the window are loaded as FULL KV
@@ -155,8 +156,7 @@ class SWABuffer:
             window = list(keys[lo:p])
             found = await self.backend.exists_prefix([swa_object(k) for k in window])
             if found >= len(window):
-                self.existence.add(window)
-                return p
+                return p  # trailing-window policy: a query is never evidence to add
             self.existence.invalidate_beyond(window, found)
             self.cache.metrics.hybrid_skipped.labels(op="swa_window").inc()
             _log.info("swa_window_missing", pages=p, missing=window[found])

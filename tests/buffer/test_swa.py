@@ -225,8 +225,12 @@ async def _round_trip(kit, make_cache, make_backend, layout: str) -> None:
     check_loaded(b, s2, want[1], 64)
     assert kit.outcomes(b) == {"issued": 2, "completed": 2}
     await kit.quiesce(b)
-    # Everything came from storage and is believed stored: nothing is written back.
+    # Every KV page came from storage and is believed stored: no KV is written back. A window
+    # query adds no belief (trailing-window policy), so each loaded window's SWA pages were
+    # written again (SWA-only writes): now they are believed stored, and nothing else is.
     assert kit.counter(b, "asynccache_storage_backup_tokens") == 0
+    k1, k2 = kit.page_keys(s1), kit.page_keys(s2)
+    assert set(b.storage.swa.existence._lru) == set(k1[14:16]) | set(k2[16:18])
     assert_pools_idle(b)
 
 
