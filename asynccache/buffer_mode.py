@@ -17,8 +17,16 @@ holds host copies. Host slots belong to operations only:
   tree like computed KV and frees the bounce when the copy lands. A fetch that cannot get
   staging waits in FIFO order.
 
+FULL+SWA caches (:mod:`asynccache.buffer_swa`): an intent also writes the SWA pages of its
+node that are still SWA-live, staged in the host SWA pool and stored as ``<page key>.swa``;
+a prefetch also reads the ``.swa`` pages of the trailing window of what it loads, all or
+nothing (a missing one falls back to a shorter prefix whose window is whole). Mamba is not
+supported in this mode (the config refuses it).
+
 Budgets (shares of the host pool): reads may hold up to 90 % minus the write staging; writes
-may hold the pool minus the read bounces minus 10 %, but never less than 20 %.
+may hold the pool minus the read bounces minus 10 %, but never less than 20 %. Host SWA
+staging comes from its own pool; an operation that cannot get it waits like one without KV
+staging.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from asynccache.buffer_reads import StagedReads
+from asynccache.buffer_swa import EMPTY, SWABuffer
 from asynccache.errors import ConfigError
 from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
 from asynccache.hostpages import page_buffers
@@ -40,6 +49,7 @@ from asynccache.l3 import BATCH_PAGES, StoragePolicy
 from asynccache.logs import get_logger
 from asynccache.tree import LockReceipt
 from transfers.handles import CopyHandle
+from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
@@ -58,6 +68,16 @@ class _Intent:
     keys: list[str]
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One write: KV pages ``keys`` staged in ``host``, SWA pages ``swa_keys`` in ``swa_host``."""
+
+    keys: list[str]
+    host: np.ndarray
+    swa_keys: list[str]
+    swa_host: np.ndarray
+
+
 class BufferModePipeline:
     """Storage writes and prefetches of a buffer-only host (one per attached backend)."""
 
@@ -71,6 +91,9 @@ class BufferModePipeline:
         self.policy = policy
         self.existence = StorageExistenceCache(existence_entries)
         self.host = host
+        hy = cache.hybrid
+        # FULL+SWA: the SWA pages go with the KV pages (None: a FULL-only cache).
+        self.swa = SWABuffer(cache, backend, existence_entries) if hy is not None else None
         self._ps = cache.page_size
         pool = host.num_slots
         self._write_margin = int(pool * WRITE_MARGIN)
@@ -127,10 +150,10 @@ class BufferModePipeline:
             if nid in self._intents:
                 continue
             keys = tree.node_page_keys(nid)
-            if self.existence.covered(keys):
-                self._metric_intent("covered", len(keys) * self._ps)
-                continue
             n = len(keys) * self._ps
+            if self.existence.covered(keys) and not self._swa_todo(nid, n, keys):
+                self._metric_intent("covered", n)
+                continue
             if self._queued_tokens + n > self.backlog_cap:
                 self._sweep_stale()
                 if self._queued_tokens + n > self.backlog_cap:
@@ -144,6 +167,15 @@ class BufferModePipeline:
         if self._intents and not self._launch_pending:
             self._launch_pending = True
             asyncio.get_running_loop().call_soon(self._launch_soon)
+
+    def _swa_todo(self, nid: int, num_tokens: int, keys: list[str]) -> list[int]:
+        """Pages of the span whose SWA is live, pinnable and not believed stored."""
+        if self.swa is None:
+            return []
+        slots = self.cache.tree.tail_slots(nid, num_tokens)
+        if slots is None:
+            return []
+        return self.swa.write_pages(nid, slots, keys)
 
     def _drop(self, nid: int) -> _Intent:
         intent = self._intents.pop(nid)
@@ -172,7 +204,10 @@ class BufferModePipeline:
         room = self.write_window() - self.write_staged
         dev_parts: list[np.ndarray] = []
         keys: list[str] = []
+        swa_parts: list[np.ndarray] = []
+        swa_keys: list[str] = []
         nodes: list[int] = []
+        swa_room = self.swa.available if self.swa is not None else 0
         while self._intents and room >= ps:
             intent = next(iter(self._intents.values()))
             slots = tree.tail_slots(intent.node_id, intent.num_tokens)
@@ -180,33 +215,73 @@ class BufferModePipeline:
                 self._metric_intent("stale", self._drop(intent.node_id).num_tokens)
                 continue
             todo = self.existence.missing(intent.keys)
-            if not todo:
+            swa_todo = self.swa.write_pages(intent.node_id, slots, intent.keys) \
+                if self.swa is not None else []
+            if not todo and not swa_todo:
                 self._metric_intent("covered", self._drop(intent.node_id).num_tokens)
                 continue
             fit = todo[: room // ps]
+            whole = len(fit) == len(todo)
+            short = False  # the host SWA pool cannot stage all of this intent's SWA pages
+            if swa_todo:
+                if not whole:  # the SWA of the pages that wait stays with them
+                    swa_todo = [j for j in swa_todo if j <= fit[-1]]
+                if len(swa_todo) > swa_room // ps:
+                    cut = swa_todo[swa_room // ps]  # the first SWA page without staging
+                    swa_todo = swa_todo[: swa_room // ps]
+                    fit = [j for j in fit if j < cut]
+                    whole = False
+                    short = True
+                    if not fit and not swa_todo:
+                        break  # wait at the head of the queue for host SWA staging
             for j in fit:
                 dev_parts.append(slots[j * ps : (j + 1) * ps])
                 keys.append(intent.keys[j])
             self.existence.begin_write(intent.keys[j] for j in fit)
+            if swa_todo:
+                assert self.swa is not None
+                for j in swa_todo:
+                    swa_parts.append(slots[j * ps : (j + 1) * ps])
+                    swa_keys.append(intent.keys[j])
+                self.swa.existence.begin_write(intent.keys[j] for j in swa_todo)
+                swa_room -= len(swa_todo) * ps
             nodes.append(intent.node_id)
             room -= len(fit) * ps
-            if len(fit) == len(todo):
+            if whole:
                 self._drop(intent.node_id)
                 self._metric_intent("staged")
             # else: the rest of the node waits at the head of the queue for the next window
-        if not keys:
+            if short:
+                break
+        if not keys and not swa_keys:
             return 0
         n = len(keys) * ps
-        host = cache.take_host(n, evict=False)
-        if host is None:  # the window allows it but the pool is held by reads: later
+        host = cache.take_host(n, evict=False) if n else EMPTY
+        swa_host: np.ndarray | None = EMPTY
+        if host is not None and swa_keys:
+            assert self.swa is not None
+            swa_host = self.swa.take(len(swa_keys) * ps, read=False)  # fits: swa_room
+            if swa_host is None:
+                cache.free_host(host)
+        if host is None or swa_host is None:  # the pools are held by reads: later
             self.existence.end_write(keys, [False] * len(keys))
+            if self.swa is not None:
+                self.swa.existence.end_write(swa_keys, [False] * len(swa_keys))
             self._requeue_front(nodes)
             return 0
         receipts = [tree.lock(nid) for nid in nodes]
         self.write_staged += n
-        handle = cache.engine_submit_d2h(np.concatenate(dev_parts), host)
+        batch = _Batch(keys, host, swa_keys, swa_host)
+        handles: list[CopyHandle] = []
+        if n:
+            handles.append(cache.engine_submit_d2h(np.concatenate(dev_parts), host))
+        if swa_keys:
+            assert self.swa is not None
+            swa_dev = self.swa.device_slots(np.concatenate(swa_parts))
+            handles.append(self.swa.submit_d2h(swa_dev, swa_host))
+        handle = handles[0] if len(handles) == 1 else GroupHandle(handles)
         self._copies.add(handle)
-        handle.add_done_callback(lambda h: self._copied(h, keys, host, receipts))
+        handle.add_done_callback(lambda h: self._copied(h, batch, receipts))
         return n
 
     def _requeue_front(self, nodes: list[int]) -> None:
@@ -219,8 +294,7 @@ class BufferModePipeline:
                 self._queued_tokens += len(keys) * self._ps
                 self._intents.move_to_end(nid, last=False)
 
-    def _copied(self, handle: CopyHandle, keys: list[str], host: np.ndarray,
-                receipts: list[LockReceipt]) -> None:
+    def _copied(self, handle: CopyHandle, batch: _Batch, receipts: list[LockReceipt]) -> None:
         self._copies.discard(handle)
         cache = self.cache
         for r in receipts:
@@ -228,44 +302,58 @@ class BufferModePipeline:
         try:
             result = handle.result()
         except Exception as exc:
-            _log.warning("buffer_write_copy_failed", pages=len(keys), error=repr(exc))
-            self._write_done(keys, host, [False] * len(keys))
+            _log.warning("buffer_write_copy_failed", pages=len(batch.keys),
+                         swa_pages=len(batch.swa_keys), error=repr(exc))
+            self._write_done(batch, [False] * len(batch.keys), [False] * len(batch.swa_keys))
             return
         m = cache.metrics
-        m.backup_tokens.inc(result.num_tokens)
+        m.backup_tokens.inc(len(batch.host))
         m.backup_bytes.inc(result.num_bytes)
         m.backup_duration.observe(result.duration_s)
-        task = asyncio.get_running_loop().create_task(self._store(keys, host))
+        task = asyncio.get_running_loop().create_task(self._store(batch))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _store(self, keys: list[str], host: np.ndarray) -> None:
+    async def _store(self, batch: _Batch) -> None:
         ps = self._ps
+        keys, host = batch.keys, batch.host
         ok: list[bool] = []
+        swa_ok: list[bool] = []
         metrics = self.cache.metrics
         try:
             for i in range(0, len(keys), BATCH_PAGES):
-                batch = keys[i : i + BATCH_PAGES]
-                bufs = page_buffers(self.host, host[i * ps : (i + len(batch)) * ps], fill=True)
+                part = keys[i : i + BATCH_PAGES]
+                bufs = page_buffers(self.host, host[i * ps : (i + len(part)) * ps], fill=True)
                 t0 = time.perf_counter()
-                got = await self.backend.set_batch(batch, bufs)
+                got = await self.backend.set_batch(part, bufs)
                 dt = time.perf_counter() - t0
                 ok.extend(bool(g) for g in got)
                 written = sum(got)
                 if written and dt > 0:
                     metrics.storage_backup_bandwidth.observe(written * self.host.page_bytes / dt)
+            if batch.swa_keys:
+                assert self.swa is not None
+                await self.swa.store(batch.swa_keys, batch.swa_host, swa_ok)
         except Exception as exc:  # a closed backend or a bug: the pages stay unwritten
-            _log.warning("buffer_storage_write_failed", pages=len(keys), error=repr(exc))
+            _log.warning("buffer_storage_write_failed", pages=len(keys),
+                         swa_pages=len(batch.swa_keys), error=repr(exc))
         finally:
             ok.extend([False] * (len(keys) - len(ok)))
-            self._write_done(keys, host, ok)
+            swa_ok.extend([False] * (len(batch.swa_keys) - len(swa_ok)))
+            self._write_done(batch, ok, swa_ok)
 
-    def _write_done(self, keys: list[str], host: np.ndarray, ok: list[bool]) -> None:
+    def _write_done(self, batch: _Batch, ok: list[bool], swa_ok: list[bool]) -> None:
         ps = self._ps
+        keys, host = batch.keys, batch.host
         written = sum(ok)
         self.existence.end_write(keys, ok)
         self.cache.free_host(host)
         self.write_staged -= len(host)
+        if self.swa is not None:
+            self.swa.existence.end_write(batch.swa_keys, swa_ok)
+            self.swa.give(batch.swa_host, read=False)
+            if not all(swa_ok):
+                _log.warning("buffer_swa_write_failed", pages=len(swa_ok) - sum(swa_ok))
         m = self.cache.metrics
         m.storage_backup_tokens.inc(written * ps)
         if written < len(keys):
@@ -309,6 +397,8 @@ class BufferModePipeline:
     def clear_beliefs(self) -> None:
         """Forget what was believed stored (the backend was cleared)."""
         self.existence.clear()
+        if self.swa is not None:
+            self.swa.existence.clear()
 
     async def close(self) -> None:
         """Write what is queued, wait for every write, drop fetches and parked bounces."""
@@ -338,3 +428,12 @@ class BufferModePipeline:
             raise AssertionError(f"reads hold {reads.occupied} host tokens, parked bounces {staged}")
         if not self._copies and not self._writes and self.write_staged:
             raise AssertionError(f"{self.write_staged} write staging tokens with nothing in flight")
+        if self.swa is not None:
+            self.swa.check()
+            if not self._copies and not self._writes and self.swa.write_staged:
+                raise AssertionError(
+                    f"{self.swa.write_staged} SWA write staging slots with nothing in flight")
+            if not reads.busy and self.swa.read_held != reads.staged_swa_tokens:
+                raise AssertionError(
+                    f"reads hold {self.swa.read_held} host SWA slots, parked bounces "
+                    f"{reads.staged_swa_tokens}")

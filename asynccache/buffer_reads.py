@@ -6,6 +6,13 @@ pool has no room. The bounce is parked for the request; its load-back copies it 
 layer by layer, inserts the loaded prefix into the tree like computed KV, and frees the bounce
 when the copy lands. Read bounces may hold up to 90 % of the host pool minus the staging of
 writes in flight (:mod:`asynccache.buffer_mode`).
+
+FULL+SWA caches: the bounce also holds, in the host SWA pool, the ``.swa`` pages of the
+trailing window of what was fetched (:mod:`asynccache.buffer_swa`). The prefetch is all or
+nothing per window: when a window page is missing it falls back to the longest shorter prefix
+whose window is whole (if still above the prefetch threshold, else a miss). The load-back
+gives the whole prefix FULL slots and only the window fresh SWA slots, copies both, and
+inserts with the SWA floor at the window's start (the pages before it are SWA tombstones).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
 from asynccache.tree import LockReceipt, RadixKey
 from transfers.handles import CopyHandle
+from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.buffer_mode import BufferModePipeline
@@ -46,6 +54,8 @@ class BufferFetch:
     started: float
     want_pages: int = 0
     host_slots: np.ndarray | None = None
+    swa_slots: np.ndarray | None = None  # host SWA slots of the window (FULL+SWA caches)
+    swa_ready: bool = False  # the window's SWA pages of completed_tokens have arrived
     hit_tokens: int = 0
     completed_tokens: int = 0
     outcome: str = "issued"
@@ -61,6 +71,7 @@ class _Staged:
     key: RadixKey
     start: int
     host_slots: np.ndarray
+    swa_slots: np.ndarray | None = None  # the SWA of the last len(swa_slots) tokens
 
 
 class StagedReads:
@@ -78,6 +89,7 @@ class StagedReads:
         self._parked: deque[BufferFetch] = deque()
         self._staged: dict[CacheRequest, _Staged] = {}
         self._loads: set[CopyHandle] = set()  # H->D copies of parked bounces
+        self.swa = pipeline.swa
 
     @property
     def staged_requests(self) -> int:
@@ -86,6 +98,10 @@ class StagedReads:
     @property
     def staged_tokens(self) -> int:
         return sum(len(s.host_slots) for s in self._staged.values())
+
+    @property
+    def staged_swa_tokens(self) -> int:
+        return sum(len(s.swa_slots) for s in self._staged.values() if s.swa_slots is not None)
 
     @property
     def busy(self) -> bool:
@@ -158,7 +174,10 @@ class StagedReads:
         metrics.storage_hit_tokens.inc(hit * ps)
         metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
         want = min(hit, self.load_limit // ps)
-        if want * ps < max(self.pipeline.policy.prefetch_threshold, ps):
+        min_pages = -(-max(self.pipeline.policy.prefetch_threshold, ps) // ps)
+        if self.swa is not None and want >= min_pages:
+            want = await self.swa.usable_pages(op.keys, want, min_pages)
+        if want < min_pages:
             op.outcome = "revoked_insufficient"
             return
         op.want_pages = want
@@ -178,21 +197,38 @@ class StagedReads:
         if op.completed_tokens and dt > 0:
             metrics.prefetch_bandwidth.observe(
                 op.completed_tokens // ps * self._host.page_bytes / dt)
+        if self.swa is not None and op.completed_tokens:
+            assert op.swa_slots is not None
+            pages = await self.swa.fetch_window(op.keys, op.completed_tokens // ps, min_pages,
+                                                op.swa_slots)
+            op.completed_tokens = pages * ps
+            op.swa_ready = True
+            if not pages:  # no window read whole above the threshold: a miss
+                op.outcome = "revoked_insufficient"
 
-    def _try_bounce(self, num_tokens: int) -> np.ndarray | None:
+    def _try_bounce(self, op: BufferFetch) -> bool:
+        """Give ``op`` its bounce (and its SWA window's) if the budget and the pools allow."""
+        num_tokens = op.want_pages * self._ps
         if self.occupied + self.pipeline.write_staged + num_tokens > self.load_limit:
-            return None
+            return False
+        swa = None
+        if self.swa is not None:
+            swa = self.swa.take(min(num_tokens, self.swa.window_span), read=True)
+            if swa is None:
+                return False
         slots = self.cache.take_host(num_tokens, evict=False)
-        if slots is not None:
-            self.occupied += num_tokens
-        return slots
+        if slots is None:
+            if self.swa is not None:
+                self.swa.give(swa, read=True)
+            return False
+        self.occupied += num_tokens
+        op.host_slots, op.swa_slots = slots, swa
+        return True
 
     async def _staging_for(self, op: BufferFetch) -> None:
         """Give ``op`` its bounce now, or park it (FIFO) until staging frees up."""
-        if not self._parked:
-            op.host_slots = self._try_bounce(op.want_pages * self._ps)
-            if op.host_slots is not None:
-                return
+        if not self._parked and self._try_bounce(op):
+            return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         op.parked = fut
         self._parked.append(op)
@@ -214,17 +250,20 @@ class StagedReads:
             if fut.done():  # cancelled while parked
                 self._parked.popleft()
                 continue
-            slots = self._try_bounce(op.want_pages * self._ps)
-            if slots is None:
+            if not self._try_bounce(op):
                 return
             self._parked.popleft()
-            op.host_slots = slots
             fut.set_result(None)
 
     def _free_bounce(self, slots: np.ndarray) -> None:
         if len(slots):
             self.cache.free_host(slots)
             self.occupied -= len(slots)
+            self.wake_parked()
+
+    def _free_swa(self, slots: np.ndarray | None) -> None:
+        if self.swa is not None and slots is not None and len(slots):
+            self.swa.give(slots, read=True)
             self.wake_parked()
 
     async def _end_fetch(self, op: BufferFetch, req: CacheRequest | None) -> int:
@@ -239,12 +278,19 @@ class StagedReads:
         self._fetches.discard(op)
         done = op.completed_tokens if req is not None and not cancelled and not req.finished \
             and not self.closed else 0
-        host = op.host_slots
-        op.host_slots = None
+        if self.swa is not None and not op.swa_ready:
+            done = 0  # stopped before its window's SWA arrived: all or nothing
+        host, swa = op.host_slots, op.swa_slots
+        op.host_slots = op.swa_slots = None
+        keep_swa = min(done, self.swa.window_span) if self.swa is not None else 0
+        if swa is not None:
+            self._free_swa(swa[keep_swa:])
         if host is not None:
             self._free_bounce(host[done:])
             if done:
-                self._staged[req] = _Staged(op.key, op.start, host[:done])  # type: ignore[index]
+                self._staged[req] = _Staged(  # type: ignore[index]
+                    op.key, op.start, host[:done],
+                    swa[:keep_swa] if swa is not None else None)
                 req.host_hit_length += done  # type: ignore[union-attr]
         outcomes = self.cache.metrics.prefetch_outcomes
         if req is None or cancelled:
@@ -265,6 +311,7 @@ class StagedReads:
         staged = self._staged.pop(req, None)
         if staged is not None:
             self._free_bounce(staged.host_slots)
+            self._free_swa(staged.swa_slots)
 
     async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int:
         """Copy ``req``'s parked bounce onto the device and insert it after its prefix.
@@ -277,6 +324,7 @@ class StagedReads:
         if staged is None:
             return 0
         bounce: np.ndarray | None = None
+        swa: np.ndarray | None = staged.swa_slots
         cache = self.cache
         try:
             bounce = staged.host_slots
@@ -287,31 +335,49 @@ class StagedReads:
                 return 0
             self._free_bounce(bounce[:skip])
             bounce = bounce[skip:]
+            w = 0  # tokens at the end with SWA (the window of the loaded end)
+            if self.swa is not None:
+                assert swa is not None
+                w = min(n, self.swa.window_span)
+                self._free_swa(swa[: len(swa) - w])
+                swa = swa[len(swa) - w :]
             prefix = req.slots[: req.prefix_len]
             pin = cache.tree.lock(req.last_node)
             try:
-                slots = await cache.alloc_device(n)
+                if self.swa is not None:
+                    slots = await self.swa.alloc_device(n, w)
+                else:
+                    slots = await cache.alloc_device(n)
             except PoolExhaustedError:
                 cache.tree.unlock(pin)
                 return 0
             except BaseException:
                 cache.tree.unlock(pin)
                 raise
-            handle = cache.engine_submit_h2d(bounce, slots)
-            owned, bounce = bounce, None  # the completion callback frees it from here on
+            handle: CopyHandle = cache.engine_submit_h2d(bounce, slots)
+            if self.swa is not None and w:
+                assert swa is not None
+                swa_dev = self.swa.device_slots(slots[n - w :])
+                handle = GroupHandle([handle, self.swa.submit_h2d(swa, swa_dev)])
+            owned, bounce = bounce, None  # the completion callback frees them from here on
+            owned_swa, swa = swa, None
             self._loads.add(handle)
             outcome: list[int] = []
             key = req.key[: req.prefix_len + n]
+            floor = req.prefix_len + n - w
             handle.add_done_callback(
-                lambda h: self._loaded(h, key, prefix, slots, owned, pin, outcome))
+                lambda h: self._loaded(h, key, prefix, slots, owned, owned_swa, floor, pin,
+                                       outcome))
             await handle.done()
             return outcome[0] if outcome else 0
         finally:
             if bounce is not None:
                 self._free_bounce(bounce)
+            self._free_swa(swa)
 
     def _loaded(self, handle: CopyHandle, key: RadixKey, prefix: np.ndarray, slots: np.ndarray,
-                bounce: np.ndarray, pin: LockReceipt, outcome: list[int]) -> None:
+                bounce: np.ndarray, swa: np.ndarray | None, floor: int, pin: LockReceipt,
+                outcome: list[int]) -> None:
         cache = self.cache
         self._loads.discard(handle)
         try:
@@ -322,7 +388,9 @@ class StagedReads:
             outcome.append(0)
         else:
             if cache._state == "running":
-                cache.insert(key, np.concatenate([prefix, slots]), prev_prefix_len=len(prefix))
+                extra = {"swa_evicted_seqlen": floor} if self.swa is not None else {}
+                cache.insert(key, np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
+                             **extra)
                 outcome.append(len(slots))
             else:  # closing: nothing may join the tree any more
                 cache.free_device(slots)
@@ -334,6 +402,7 @@ class StagedReads:
         finally:
             cache.tree.unlock(pin)
             self._free_bounce(bounce)
+            self._free_swa(swa)
 
     async def close(self) -> None:
         """Drop every fetch and every parked bounce."""

@@ -31,7 +31,8 @@ class CacheConfig:
     ``host_bytes``; zero or unset host capacity means no L2 tier). ``load_back_threshold``: host
     hits shorter than this many tokens are recomputed rather than loaded.
     ``host_mode``: ``"cache"`` (host memory is the L2 tier) or ``"buffer_only"`` (host memory is
-    only staging between device and an attached storage backend; see docs/cache.md).
+    only staging between device and an attached storage backend; FULL and FULL+SWA caches
+    only, Mamba is refused; see docs/cache.md).
     """
 
     page_size: int = 16
@@ -132,11 +133,11 @@ class CacheConfig:
             isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
         ):
             raise ConfigError(f"mamba_state_shape must be a tuple of positive ints, got {shape!r}")
-        if self.hybrid and self.host_enabled and self.host_mode != "cache":
+        if self.mamba_states and self.host_enabled and self.host_mode == "buffer_only":
             raise ConfigError(
-                f"host_mode {self.host_mode!r} with SWA / Mamba components is not implemented: "
-                "use host_mode='cache' (the L2 tier) or no host memory "
-                f"(sliding_window={self.sliding_window}, mamba_states={self.mamba_states})"
+                "host_mode 'buffer_only' supports FULL and FULL+SWA caches only: Mamba is not "
+                f"supported in buffer_only mode (mamba_states={self.mamba_states}, "
+                f"sliding_window={self.sliding_window}); use host_mode='cache' or no host memory"
             )
         try:
             dev = torch.device(self.device)

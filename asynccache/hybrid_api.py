@@ -40,6 +40,8 @@ class HybridMixin:
         self._outstanding -= max(0, res.cached_len - prev_prefix_len)
         if res.backups:
             self._start_backups(res.backups)
+        if res.intents and self._buffer is not None:  # buffer-only host (FULL+SWA)
+            self._buffer.enqueue(res.intents)
         return res
 
     def release_swa(self: HierarchicalCache, receipt: LockReceipt) -> None:

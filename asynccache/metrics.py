@@ -37,9 +37,11 @@ class CacheMetrics:
             self.dropped_tokens.labels(reason=reason)
         self.hybrid_skipped = Counter(
             "asynccache_hybrid_skipped", "Hybrid backups / load-backs skipped as a whole because "
-            "a component pool (SWA, Mamba) fell short", ["op"], registry=r
+            "a component pool (SWA, Mamba) fell short; swa_window: a buffer-only prefetch fell "
+            "back to a shorter prefix because an SWA page of its window was missing", ["op"],
+            registry=r
         )
-        for op in ("backup", "load_back"):
+        for op in ("backup", "load_back", "swa_window"):
             self.hybrid_skipped.labels(op=op)
         self.prefetch_component_fallback_tokens = Counter(
             "asynccache_prefetch_component_fallback_tokens",

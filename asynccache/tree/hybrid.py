@@ -318,6 +318,7 @@ def insert(
     touch_rq = tree._touch_requeues
     hit_rq = tree._hit_requeues
     prio_rq = tree._prio_requeues
+    intents = tree._intents
     ck = tree._child_key(node, data[:pb], ns)
     # The caller's duplicate slots come back as runs (one array per run, not per node):
     # FULL [fa, fb), SWA [sa, sb).
@@ -343,6 +344,8 @@ def insert(
         if hi > inserted_len:
             child.hit_count += 1
             requeue = requeue or hit_rq
+            if intents and child.hit_count >= tree._threshold:
+                res.intents.append(child.id)
         lo = pos if pos > prev_prefix_len else prev_prefix_len
         if hi > lo:
             own = child.value
@@ -398,8 +401,17 @@ def insert(
     fresh = off < end
     queued: list[Node] = []  # new SWA leaves, queued once stamped (see _commit_tail)
     if fresh:
+        top = node
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
                             floor, floor_a, swa_frees, near, swa_near, queued)
+        if intents and tree._threshold <= 1:  # every new node, root first
+            new = res.intents
+            at = len(new)
+            n = node
+            while n is not top:
+                new.insert(at, n.id)
+                assert n.parent is not None
+                n = n.parent
     if node.parent is not None:
         # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
         # New values join their LRU only once stamped: the newest entry of a heap costs one

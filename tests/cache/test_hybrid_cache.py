@@ -95,8 +95,9 @@ async def test_hybrid_cache_closes_with_every_pool_empty(make_cache) -> None:
 
 
 def test_hybrid_config_errors() -> None:
-    with pytest.raises(ConfigError, match="host_mode 'buffer_only' with SWA"):
-        CacheConfig(device_tokens=16, host_tokens=16, sliding_window=4, host_mode="buffer_only")
+    CacheConfig(device_tokens=16, host_tokens=16, sliding_window=4, host_mode="buffer_only")
+    with pytest.raises(ConfigError, match="Mamba is not supported in buffer_only mode"):
+        CacheConfig(device_tokens=16, host_tokens=16, mamba_states=2, host_mode="buffer_only")
     CacheConfig(device_tokens=16, host_tokens=16, mamba_states=2, retraction_backup=True)
     with pytest.raises(ConfigError, match="mamba_state_shape"):
         CacheConfig(device_tokens=16, mamba_states=2, mamba_state_shape=(0,))

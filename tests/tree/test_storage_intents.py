@@ -60,3 +60,32 @@ def test_tail_slots_follow_splits_and_end_at_eviction() -> None:
     res = t.evict(10**6)
     assert res.num_evicted == 16
     assert t.tail_slots(node, 12) is None
+
+
+
+
+def test_hybrid_insert_names_every_new_node_root_first() -> None:
+    t = RadixTree(page_size=4, write_policy="write_through", sliding_window=8)
+    t.set_storage_intents(True)
+    toks = list(range(1, 25))
+    res = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524))
+    # The cap-split leaves a 16-token node and a leaf of one window (8 tokens).
+    assert len(res.intents) == 2 and res.intents[-1] == res.last_node
+    assert [len(t.node_key(n)) for n in res.intents] == [16, 24]
+    assert t.held_locks == 0 and t.pending_ops == 0
+    # Below an SWA floor the tombstone part is a node of its own: three new nodes.
+    other = list(range(100, 124))
+    res = t.insert(other, np.arange(24, 48), swa_value=np.arange(600, 624),
+                   component_evicted_seqlens={"swa": 8})
+    assert [len(t.node_key(n)) for n in res.intents] == [8, 16, 24]
+
+
+def test_hybrid_selective_names_a_node_at_its_second_hit() -> None:
+    t = RadixTree(page_size=4, write_policy="write_through_selective", sliding_window=8)
+    t.set_storage_intents(True)
+    toks = list(range(1, 25))
+    first = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524))
+    assert first.intents == []
+    again = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524), prev_prefix_len=24)
+    assert [len(t.node_key(n)) for n in again.intents] == [16, 24]
+    assert again.intents[-1] == first.last_node
