@@ -128,6 +128,26 @@ def test_duplicates_below_the_floor_free_the_full_side_only() -> None:
     assert (r.device_frees, r.component_frees["swa"], r.prefix_len) == ([], [], 6)
 
 
+def test_duplicates_come_back_as_one_array_per_run_of_nodes() -> None:
+    tree = RadixTree(page_size=2, sliding_window=4, mamba=True)
+    tree.insert([1, 2, 3, 4, 5, 6], np.arange(6), swa_value=np.arange(100, 106), mamba_value=0)
+    tree.insert([1, 2, 3, 4, 7, 8], np.arange(10, 16), swa_value=np.arange(110, 116),
+                mamba_value=1)  # splits [1..6] after 4: the path now has two nodes
+    r = tree.insert([1, 2, 3, 4, 5, 6, 9, 9], np.arange(20, 28), swa_value=np.arange(120, 128),
+                    mamba_value=2)
+    tree.sanity_check()
+    # One run over both cached nodes, for each pool.
+    assert [a.tolist() for a in r.device_frees] == [[20, 21, 22, 23, 24, 25]]
+    assert [a.tolist() for a in r.component_frees["swa"]] == [[120, 121, 122, 123, 124, 125]]
+    # The tree's own slots for the first node break the run: only the second node's come back.
+    r = tree.insert([1, 2, 3, 4, 5, 6, 9, 9], np.array([0, 1, 2, 3, 34, 35, 26, 27]),
+                    swa_value=np.array([100, 101, 102, 103, 134, 135, 126, 127]), mamba_value=2)
+    tree.sanity_check()
+    assert [a.tolist() for a in r.device_frees] == [[34, 35]]
+    assert [a.tolist() for a in r.component_frees["swa"]] == [[134, 135]]
+    assert r.mamba_exist and flat(r.component_frees["mamba"]) == []
+
+
 def test_swa_lock_pins_one_window_and_release_swa_frees_it_early() -> None:
     tree = RadixTree(page_size=2, sliding_window=3)  # window rounds up to 4 tokens
     tree.insert(list(range(10)), np.arange(10), swa_value=np.arange(100, 110))
