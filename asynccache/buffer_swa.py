@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asynccache.errors import ConfigError, PoolExhaustedError
+from asynccache.errors import ConfigError
 from asynccache.existence import StorageExistenceCache
 from asynccache.hostpages import page_buffers, read_pages
 from asynccache.l3 import BATCH_PAGES
@@ -189,27 +189,28 @@ class SWABuffer:
         :class:`PoolExhaustedError` when the pools cannot hold them."""
         cache = self.cache
         smap = self.map
-        for _ in range(64):
+
+        def attempt() -> np.ndarray | None:
             full_free, swa_free = smap.full.available_size, smap.swa.available_size
             if full_free < num_tokens or swa_free < swa_tokens:
                 cache.evict(max(0, num_tokens - full_free),
                             swa_num_tokens=max(0, swa_tokens - swa_free))
             full = smap.full.alloc(num_tokens)
-            if full is not None:
-                swa = smap.swa.alloc(swa_tokens) if swa_tokens else EMPTY
-                if swa is not None:
-                    if swa_tokens:
-                        smap.adopt(full[num_tokens - swa_tokens :], swa)
-                    cache._outstanding += len(full)
-                    return full
+            if full is None:
+                return None
+            swa = smap.swa.alloc(swa_tokens) if swa_tokens else EMPTY
+            if swa is None:
                 smap.full.free(full)
-            in_flight = list(cache._inflight.values())
-            if not in_flight:
-                break
-            await cache._settle(in_flight)
-        raise PoolExhaustedError(
-            f"cannot allocate {num_tokens} device slots with {swa_tokens} SWA slots (FULL, SWA "
-            f"free: {smap.full.available_size}, {smap.swa.available_size})"
+                return None
+            if swa_tokens:
+                smap.adopt(full[num_tokens - swa_tokens :], swa)
+            cache._outstanding += len(full)
+            return full
+
+        return await cache._alloc_waiting(
+            attempt,
+            lambda: f"cannot allocate {num_tokens} device slots with {swa_tokens} SWA slots "
+                    f"(FULL, SWA free: {smap.full.available_size}, {smap.swa.available_size})",
         )
 
     def check(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -420,20 +420,12 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._check_open()
         need = self._round_up(num_tokens)
         if self.hybrid is not None:
-            got = self.try_alloc_device(need)
-            for _ in range(64):
-                # Write-back copies (and write-through ones) pin their victims until they land.
-                in_flight = list(self._inflight.values())
-                if got is not None or not in_flight:
-                    break
-                await self._settle(in_flight)
-                got = self.try_alloc_device(need)
-            if got is None:
-                raise PoolExhaustedError(
-                    f"cannot allocate {need} device slots (FULL, SWA free: "
-                    f"{self.hybrid.available()}), {self.tree.protected_size} locked"
-                )
-            return got
+            hy = self.hybrid
+            return await self._alloc_waiting(
+                lambda: self.try_alloc_device(need),
+                lambda: f"cannot allocate {need} device slots (FULL, SWA free: "
+                        f"{hy.available()}), {self.tree.protected_size} locked",
+            )
         alloc = self.device_pool.allocator
         for _ in range(64):
             slots = alloc.alloc(need)
@@ -457,6 +449,25 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             f"cannot allocate {need} device slots: {alloc.available_size} free, "
             f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
         )
+
+    async def _alloc_waiting(self, attempt: Callable[[], np.ndarray | None],
+                             error: Callable[[], str]) -> np.ndarray:
+        """Call ``attempt`` (an allocation that evicts synchronously) until it gives slots.
+        Between tries it waits for copies in flight, which pin their victims until they land
+        (write-back and write-through), and for storage writes, which pin theirs on host.
+        Raises :class:`PoolExhaustedError` with ``error()`` when nothing is left to wait for."""
+        for _ in range(64):
+            got = attempt()
+            if got is not None:
+                return got
+            in_flight = list(self._inflight.values())
+            if not in_flight:
+                if self._storage is not None and self._storage.writes_pending:
+                    await self._storage.drain()
+                    continue
+                break
+            await self._settle(in_flight)
+        raise PoolExhaustedError(error())
 
     def free_device(self, slots: Any) -> None:
         """Return slots obtained from :meth:`alloc_device` (whole pages)."""

@@ -305,21 +305,20 @@ class RetractionMixin:
         """FULL slots without an SWA side (tokens below a restored request's SWA floor),
         evicting and waiting for copies in flight as :meth:`alloc_device` does."""
         alloc = self.device_pool.allocator
-        for _ in range(64):
+
+        def attempt() -> np.ndarray | None:
             got: np.ndarray | None = alloc.alloc(num_tokens)
             if got is None:
                 self.evict(num_tokens - alloc.available_size)
                 got = alloc.alloc(num_tokens)
             if got is not None:
                 self._outstanding += len(got)
-                return got
-            in_flight = list(self._inflight.values())
-            if not in_flight:
-                break
-            await self._settle(in_flight)
-        raise PoolExhaustedError(
-            f"cannot allocate {num_tokens} device slots: {alloc.available_size} free, "
-            f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
+            return got
+
+        return await self._alloc_waiting(
+            attempt,
+            lambda: f"cannot allocate {num_tokens} device slots: {alloc.available_size} free, "
+                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked",
         )
 
     def _submit_parts(self: HierarchicalCache, submits: list[Callable[[], CopyHandle]], *,
