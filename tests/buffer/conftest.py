@@ -94,6 +94,24 @@ async def make_cache(backends: list[Any], cache_factory: Any,
         yield make
 
 
+async def serve_plain(cache: HierarchicalCache, seq: Any) -> tuple[int, int]:
+    """Serve one request with no timeouts around its awaits (so a cancellation sweep reaches
+    each of them): prefetch (wait_complete), load back, compute the rest, check every token,
+    finish; a failure or cancellation aborts it. Returns (fetched, loaded) tokens."""
+    req = cache.admit(seq)
+    try:
+        got = await cache.prefetch_request(req, policy="wait_complete")
+        loaded = await cache.load_back_request(req)
+        await l3.compute_rest(cache, req)
+        l3.assert_kv(cache, seq, req.slots, "served")
+    except BaseException:
+        if not req.finished:
+            cache.abort_req(req)
+        raise
+    cache.cache_finished_req(req)
+    return got, loaded
+
+
 @pytest.fixture
 def kit() -> types.SimpleNamespace:
     return types.SimpleNamespace(
@@ -111,6 +129,7 @@ def kit() -> types.SimpleNamespace:
         key_tokens=l3._key_tokens,
         write_sequences=l3.write_sequences,
         serve=l3.serve,
+        serve_plain=serve_plain,
         assert_at_rest=assert_at_rest,
         quiesce=quiesce,
         config=config,

@@ -42,18 +42,7 @@ async def test_cancel_a_request_at_every_await(kit, make_cache, make_file_backen
     results: list[tuple[int, int]] = []
 
     async def serve() -> tuple[int, int]:
-        req = c.admit(s)
-        try:
-            got = await c.prefetch_request(req, policy="wait_complete")
-            loaded = await c.load_back_request(req)
-            await kit.compute_rest(c, req)
-            kit.assert_kv(c, s, req.slots, "served")
-        except BaseException:
-            if not req.finished:
-                c.abort_req(req)
-            raise
-        c.cache_finished_req(req)
-        return got, loaded
+        return await kit.serve_plain(c, s)
 
     async def check(outcome: Any) -> None:
         await _settled(c)
