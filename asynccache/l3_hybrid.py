@@ -10,22 +10,23 @@ a prefix shorter than the window needs all of its pages). States exist only at n
 
 * the hit query trims the KV hit to the deepest restorable prefix (existence queries, deepest
   first: the state at the hit's end alone and its SWA window in one call, which is the usual
-  answer, then concurrent chunks of single-object queries); only that prefix is read, and below the prefetch threshold the prefetch is revoked
-  like a short hit;
+  answer, then concurrent chunks of single-object queries); only that prefix is read, and
+  below the prefetch threshold the prefetch is revoked like a short hit;
 * host memory for a shorter prefix only: it is cut back to its deepest restorable prefix
   before anything is read;
 * after each KV batch but the last, and once the read is over, the components of the deepest
   restorable prefix that has arrived are fetched (deeper ones replace the held ones only once
-  all of them arrived; a component pool too small for both gives the held ones up first). When the KV read ends early (a ``best_effort`` / ``timeout`` stop, a
-  failed page read) the deepest restorable prefix within what arrived is inserted, if it still
-  reaches the threshold (a stop fetches its components itself if they are not held yet); the
-  KV pages past it are freed;
+  all of them arrived; a component pool too small for both gives the held ones up first).
+  When the KV read ends early (a ``best_effort`` / ``timeout`` stop, a failed page read) the
+  deepest restorable prefix within what arrived is inserted, if it still reaches the threshold
+  (a stop fetches its components itself if they are not held yet); the KV pages past it are
+  freed;
 * a component object that cannot be read (missing, corrupt, a backend error) counts as not
   stored: the prefetch falls back to the next shallower restorable prefix, or inserts nothing.
 
 What is inserted is always a prefix whose KV pages, SWA window and state all arrived and were
-verified. Every fallback is a ``prefetch_component_fallback`` log
-event and adds the KV tokens given up to ``asynccache_prefetch_component_fallback_tokens``.
+verified. Every fallback is a ``prefetch_component_fallback`` log event and adds the KV tokens
+given up to ``asynccache_prefetch_component_fallback_tokens``.
 """
 
 from __future__ import annotations
