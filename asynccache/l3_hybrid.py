@@ -24,7 +24,9 @@ a prefix shorter than the window needs all of its pages). States exist only at n
   stored: the prefetch falls back to the next shallower restorable prefix, or inserts nothing.
 
 What is inserted is always a prefix whose KV pages, SWA window and state all arrived and were
-verified. Every fallback is a ``prefetch_component_fallback`` log
+verified. On several ranks the names carry the rank like the KV pages' (the backend's layout),
+and the steps above that touch the tree or a pool are agreed at ticks instead
+(:mod:`asynccache.l3_hybrid_ranks`); the existence searches and reads here are shared. Every fallback is a ``prefetch_component_fallback`` log
 event and adds the KV tokens given up to ``asynccache_prefetch_component_fallback_tokens``.
 """
 
