@@ -119,7 +119,7 @@ class PrefetchOp:
     # hybrid caches on several ranks (asynccache/l3_hybrid_ranks.py): the deepest restorable
     # arrived prefix found here (-1: searching) within ``cap`` pages, the agreed prefix whose
     # components are being read (0: none) and this rank's state of that read, whether no host
-    # slots were left for components, agreed component reads that failed on some rank, and the
+    # slots were left for components, the targets some rank could not read (agreed), and the
     # rank-local tasks reading components or searching
     cand: int = -1
     cand_gen: int = 0
@@ -127,7 +127,7 @@ class PrefetchOp:
     target: int = 0
     target_status: int = 2
     blocked: bool = False
-    component_faults: int = 0
+    failed_targets: set[int] = field(default_factory=set)
     side: list[asyncio.Task[None]] = field(default_factory=list)
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set once _release is over
 

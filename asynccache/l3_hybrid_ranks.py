@@ -17,8 +17,9 @@ agreement ticks (:mod:`asynccache.agreement`), from values reduced over the rank
   (evicting host copies, or giving the held components up, exactly alike on every rank) and each
   rank reads its own objects into them. A later tick retires the target once every rank
   finished: held on every rank -> it replaces the held components; failed on some rank (an
-  object missing or unreadable there) -> its slots are freed everywhere and that rank's ``cand``
-  drops below it, so the next target is shallower;
+  object missing or unreadable there) -> its slots are freed everywhere and no rank proposes it
+  again (every rank searches its ``cand`` anew, skipping failed targets), so every target is a
+  new prefix and the protocol ends;
 * **termination**: once the ranks agree to stop (as for FULL caches), ``cand`` is capped at the
   pages that arrived on every rank at that tick; targets go on until none is deeper than the held
   components. What is inserted is the prefix the held components restore (every rank holds the
@@ -114,8 +115,13 @@ class AgreedComponents:
         limit = min(op.completed_tokens // self.storage.cache.page_size, op.cap)
         lowest = max(self.storage._floor_pages(), op.parts_pages + 1)
         try:
-            found = (await self.hy.restorable(self.storage.backend, op, limit, lowest)
-                     if limit >= lowest else 0)
+            found = 0
+            while limit >= lowest:  # the deepest one that is no failed target
+                p = await self.hy.restorable(self.storage.backend, op, limit, lowest)
+                if p not in op.failed_targets:
+                    found = p
+                    break
+                limit = p - 1
         except Exception as exc:  # a storage fault: nothing deeper found here
             _log.warning("prefetch_component_query_failed", error=repr(exc))
             found = 0
@@ -138,10 +144,13 @@ class AgreedComponents:
             if status == HELD:  # every rank holds it: it replaces the held components
                 self.hy._give(op.parts, free=True)
                 op.parts, op.parts_pages = parts, op.target
-            else:
+                op.target = 0
+            else:  # no rank searches it again; every rank's cand may be it: search again
                 self.hy._give(parts, free=True)
-                op.component_faults += 1
-            op.target = 0
+                op.failed_targets.add(op.target)
+                op.target = 0
+                self._side(op, self.refresh(op))  # cand is -1 from here on
+                return
         if op.blocked or cand <= op.parts_pages:
             return
         parts = self._alloc(op, cand)
@@ -186,14 +195,8 @@ class AgreedComponents:
             ok = False
             last = op.keys[p - 1]
             op.stored[f"{last}.mamba" if "mamba" in parts else f"{last}.swa"] = False
-        if ok:
-            op.target_status = HELD
-            self._progress()
-            return
-        op.cand_gen += 1  # this rank's cand (at least this prefix) is stale: search again
-        op.cand = -1
-        op.target_status = FAILED
-        await self.refresh(op)
+        op.target_status = HELD if ok else FAILED
+        self._progress()
 
     # ------------------------------------------------------------------ termination
     def stop(self, op: PrefetchOp, pages: int) -> None:
@@ -206,6 +209,6 @@ class AgreedComponents:
         """Stopping and nothing deeper left to fetch: insert the held components' prefix."""
         if op.target or not (op.blocked or 0 <= cand <= op.parts_pages):
             return False
-        reason = "fault" if op.component_faults else "stopped"
+        reason = "fault" if op.failed_targets else "stopped"
         self.hy.note_fallback(op, reason, op.want_pages, op.parts_pages)
         return True

@@ -416,15 +416,21 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
     keys = [cache.tree.chain_keys(cache.tree.root_id, toks, 0) for toks, _ in convs]
     rules = [FaultRule(FaultKind.DELAY, rate=0.05 * (1 + rank), ops=frozenset({"read"}),
                        delay_s=0.002 * (1 + rank))]
+    def last(conv: int, turn: int) -> str:  # the key of the last page of a turn
+        return keys[conv][convs[conv][1][turn] // L3_PS - 1]
+
+    # Conversation 0 (turns 200 / 400 / 600): the state at 600 is gone on rank 1, the one at
+    # 400 on rank 0 (the queries find 400 and 600: the MIN, 400, is not restorable on rank 0,
+    # so the ranks ask again and agree on 200).
+    # Conversation 1 (100 / 300 / 600): on rank 0 the state at 600 is listed but cannot be
+    # read (its component read fails); on rank 1 the last SWA page of 300 is gone: 300 is
+    # restorable on rank 0 only, 600 on rank 1 only (once the read failed): both end at 100.
     if rank == 1:
-        # conversation 0: its deepest state is gone on rank 1 only (found missing by the query)
-        (toks, turns) = convs[0]
-        assert await inner.delete([f"{keys[0][turns[-1] // L3_PS - 1]}.mamba"]) == 1
+        assert await inner.delete([f"{last(0, 2)}.mamba", f"{last(1, 1)}.swa"]) == 2
     else:
-        # conversation 1: its deepest state is listed but cannot be read on rank 0 only
-        (toks, turns) = convs[1]
+        assert await inner.delete([f"{last(0, 1)}.mamba"]) == 1
         rules.append(FaultRule(FaultKind.EIO, ops=frozenset({"read"}),
-                               keys=frozenset({f"{keys[1][turns[-1] // L3_PS - 1]}.mamba"})))
+                               keys=frozenset({f"{last(1, 2)}.mamba"})))
     backend = FaultInjectingBackend(inner, rules, seed=rank)
     try:
         cache.attach_storage(backend, StoragePolicy(prefetch_threshold=16))
