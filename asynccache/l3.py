@@ -127,6 +127,7 @@ class PrefetchOp:
     target: int = 0
     target_status: int = 2
     blocked: bool = False
+    no_room: int = 0  # the cand last found no component host slots (while transferring)
     failed_targets: set[int] = field(default_factory=set)
     side: list[asyncio.Task[None]] = field(default_factory=list)
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set once _release is over

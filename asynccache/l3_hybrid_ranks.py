@@ -151,12 +151,16 @@ class AgreedComponents:
                 op.target = 0
                 self._side(op, self.refresh(op))  # cand is -1 from here on
                 return
-        if op.blocked or cand <= op.parts_pages:
+        if op.blocked or cand <= op.parts_pages or (cand == op.no_room
+                                                     and op.phase == "transfer"):
             return
         parts = self._alloc(op, cand)
         if parts is None:  # no host slots for the components: keep what is held
-            op.blocked = True
-            self.hy.note_fallback(op, "host_memory", cand, op.parts_pages)
+            if op.phase == "stopping":  # nothing more arrives: give up deeper ones
+                op.blocked = True
+                self.hy.note_fallback(op, "host_memory", cand, op.parts_pages)
+            else:  # try again for another cand (host copies may be evictable by then)
+                op.no_room = cand
             return
         op.parts_new, op.target, op.target_status = parts, cand, FETCHING
         self._side(op, self._fetch(op, cand, parts))

@@ -399,7 +399,8 @@ def _l3_served(cache: Any, toks: list[int], n: int, rank: int) -> None:
 
 
 async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
-                   convs: list[tuple[list[int], tuple[int, ...]]], die: bool) -> dict[str, Any]:
+                   convs: list[tuple[list[int], tuple[int, ...]]], die: bool,
+                   mamba_host: int) -> dict[str, Any]:
     from asynccache import HierarchicalCache
     from asynccache.errors import RankGroupError
     from asynccache.l3 import StoragePolicy
@@ -410,7 +411,7 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
     rank = group.rank
     out: dict[str, Any] = {"rank": rank}
     cache = HierarchicalCache(_l3_config(device_tokens=1024, host_tokens=1536,
-                                         mamba_host_states=4), ranks=group)
+                                         mamba_host_states=mamba_host), ranks=group)
     await cache.start()
     inner = await open_backend(url, cache.storage_layout(), **kwargs)
     keys = [cache.tree.chain_keys(cache.tree.root_id, toks, 0) for toks, _ in convs]
@@ -486,9 +487,11 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
         out["digest"] = tree_digest(cache)
         out["kv"] = kv_digest(cache)
         out["injected"] = backend.injected_total()
+        out["host_states"] = len(cache.tree.component_host_slots("mamba"))
         out["fallbacks"] = {
             reason: _counter(cache, "asynccache_prefetch_component_fallback_tokens_total",
-                             reason=reason) for reason in ("not_stored", "fault", "stopped")}
+                             reason=reason)
+            for reason in ("not_stored", "fault", "stopped", "host_memory")}
         out["in_flight"] = (cache.in_flight, cache._host_inflight,
                             dict(cache.hybrid.tier.inflight), cache.tree.held_locks)
     finally:
@@ -509,8 +512,10 @@ def l3_convs() -> list[tuple[list[int], tuple[int, ...]]]:
 
 
 def hybrid_l3(rank: int, world_size: int, init_method: str, url: str, kwargs: dict[str, Any],
-              die: bool = False) -> dict[str, Any]:
-    """Write with 2 ranks, then prefetch with a fresh pair of caches (see _l3_read)."""
+              die: bool = False, mamba_host: int = 4) -> dict[str, Any]:
+    """Write with 2 ranks, then prefetch with a fresh pair of caches (see _l3_read) with
+    ``mamba_host`` host states (1: every component target evicts a host state or gives the
+    held one up, at the tick)."""
     from asynccache.ranks import TorchRankGroup
 
     torch.set_num_threads(1)
@@ -519,6 +524,6 @@ def hybrid_l3(rank: int, world_size: int, init_method: str, url: str, kwargs: di
     try:
         convs = l3_convs()
         asyncio.run(_l3_write(group, url, kwargs, convs))
-        return asyncio.run(_l3_read(group, url, kwargs, convs, die))
+        return asyncio.run(_l3_read(group, url, kwargs, convs, die, mamba_host))
     finally:
         group.close()
