@@ -207,6 +207,8 @@ class AgreedComponents:
         """The ranks agreed to stop with ``pages`` pages arrived everywhere: restore no deeper."""
         op.phase = "stopping"
         op.cap = min(op.cap, pages)
+        if op.task is not None:  # pages past the cap are not needed: stop reading them
+            op.task.cancel()  # (the first ``cap`` arrived here already)
         self._side(op, self.refresh(op))
 
     def settled(self, op: PrefetchOp, cand: int) -> bool:
