@@ -1,5 +1,6 @@
-"""Code that runs inside the spawned rank processes of tests/scale/test_hybrid_ranks.py
-(loaded by file path): a hybrid cache (FULL + SWA + Mamba) with a host tier on every rank.
+"""Code that runs inside the spawned rank processes of tests/scale/test_hybrid_ranks.py and
+tests/scale/test_hybrid_l3_ranks.py (loaded by file path): a hybrid cache (FULL + SWA + Mamba)
+with a host tier on every rank (the storage scenarios are at the end of the file).
 
 Every rank drives the same seeded random workload (inserts, evictions, host evictions,
 awaited and unawaited load-backs, write-back demotions, retraction and restore of requests) through its own cache; the ranks'
@@ -419,6 +420,13 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
                        delay_s=0.002 * (1 + rank))]
     def last(conv: int, turn: int) -> str:  # the key of the last page of a turn
         return keys[conv][convs[conv][1][turn] // L3_PS - 1]
+
+    # What the 2-rank backups wrote under this rank's names: every page's KV and SWA page,
+    # and the state of every turn (each turn's node was backed up with its state).
+    out["stored"] = [
+        (await inner.exists_prefix(k), await inner.exists_prefix([f"{x}.swa" for x in k]),
+         [await inner.exists_prefix([f"{last(c, t)}.mamba"]) for t in range(len(turns))])
+        for c, (k, (_toks, turns)) in enumerate(zip(keys, convs, strict=True))]
 
     # Conversation 0 (turns 200 / 400 / 600): the state at 600 is gone on rank 1, the one at
     # 400 on rank 0 (the queries find 400 and 600: the MIN, 400, is not restorable on rank 0,

@@ -33,7 +33,8 @@ def _check(results: list[dict[str, Any]], pressure: bool = False) -> None:
         assert r1[what] == r0[what], what
     # each rank's bytes are its own (the objects of the two TP ranks differ)
     assert r0["kv"] != r1["kv"]
-    for r in results:
+    for r in results:  # each rank's backup wrote every KV page, SWA page and turn state
+        assert r["stored"] == [(300, 300, [1, 1, 1]), (300, 300, [1, 1, 1]), (300, 300, [1, 1])]
         assert r["in_flight"] == (0, 0, {"swa": 0, "mamba": 0}, 0), r["in_flight"]
         assert r["closed_clean"]
     assert r0["fallbacks"]["not_stored"] > 0 and r1["fallbacks"]["not_stored"] > 0
