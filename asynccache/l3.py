@@ -101,7 +101,7 @@ class PrefetchOp:
     staging: list[torch.Tensor] = field(default_factory=list)
     reserved_tokens: int = 0  # counted against the prefetch capacity until released
     # multi-rank (see asynccache/agreement.py): the agreed phase and figures
-    phase: str = "query"  # query -> transfer -> stopped (or done: revoked)
+    phase: str = "query"  # query -> transfer -> [stopping: hybrid] -> stopped (done: revoked)
     local_hit: int = -1  # pages this rank found (-1: query still running)
     want_pages: int = 0
     stop_policy: str | None = None  # set by finish_prefetch
