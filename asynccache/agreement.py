@@ -56,7 +56,7 @@ NO_FAILURE = 2**62
 #: disagree on how many there are get a clear error, not a collective of mismatched sizes —
 #: which gloo answers by aborting the process). Later ones wait for a following tick.
 TICK_PREFETCHES = 32
-ENTRY_WIDTH = 3
+ENTRY_WIDTH = 6
 #: How long a tick with nothing retired waits for local progress before the next one.
 IDLE_WAIT_S = 0.005
 

@@ -66,12 +66,6 @@ class StorageAttachmentMixin:
             else:
                 tier.policy = policy
             return
-        if self.hybrid is not None and self._agree is not None:
-            raise ConfigError(
-                "storage (L3) for hybrid models (SWA / Mamba components) runs on a single rank "
-                f"only: sliding_window={self.config.sliding_window}, "
-                f"mamba_states={self.config.mamba_states}"
-            )
         layout = getattr(backend, "layout", None)
         if layout is not None and layout.page_size != self.page_size:
             raise ConfigError(

@@ -31,6 +31,7 @@ from asynccache.tree import LockReceipt, MatchResult, RadixKey
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
     from asynccache.l3_hybrid import HybridStorage
+    from asynccache.l3_hybrid_ranks import AgreedComponents
 
 _log = get_logger("l3")
 
@@ -100,7 +101,7 @@ class PrefetchOp:
     staging: list[torch.Tensor] = field(default_factory=list)
     reserved_tokens: int = 0  # counted against the prefetch capacity until released
     # multi-rank (see asynccache/agreement.py): the agreed phase and figures
-    phase: str = "query"  # query -> transfer -> stopped (or done: revoked)
+    phase: str = "query"  # query -> transfer -> [stopping: hybrid] -> stopped (done: revoked)
     local_hit: int = -1  # pages this rank found (-1: query still running)
     want_pages: int = 0
     stop_policy: str | None = None  # set by finish_prefetch
@@ -115,6 +116,20 @@ class PrefetchOp:
     parts_new: dict[str, np.ndarray] | None = None  # being fetched to replace ``parts``
     parts_settled: bool = False
     stored: dict[str, bool] = field(default_factory=dict)
+    # hybrid caches on several ranks (asynccache/l3_hybrid_ranks.py): the deepest restorable
+    # arrived prefix found here (-1: searching) within ``cap`` pages, the agreed prefix whose
+    # components are being read (0: none) and this rank's state of that read, whether no host
+    # slots were left for components, the targets some rank could not read (agreed), and the
+    # rank-local tasks reading components or searching
+    cand: int = -1
+    cand_gen: int = 0
+    cap: int = 0
+    target: int = 0
+    target_status: int = 2
+    blocked: bool = False
+    no_room: int = 0  # the cand last found no component host slots (while transferring)
+    failed_targets: set[int] = field(default_factory=set)
+    side: list[asyncio.Task[None]] = field(default_factory=list)
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set once _release is over
 
 
@@ -137,10 +152,14 @@ class StorageTier:
         self._host = host
         self._page_bytes = host.page_bytes
         self._hybrid: HybridStorage | None = None
+        self._agreed_hy: AgreedComponents | None = None
         if cache.hybrid is not None:
             from asynccache.l3_hybrid import HybridStorage
+            from asynccache.l3_hybrid_ranks import AgreedComponents
 
             self._hybrid = HybridStorage(cache)
+            if cache._agree is not None:
+                self._agreed_hy = AgreedComponents(self, self._hybrid)
         self.set_policy(policy)
 
     def set_policy(self, policy: StoragePolicy) -> None:
@@ -192,7 +211,10 @@ class StorageTier:
         pin = tree.lock_host(nid)
         host_slots = tree.host_slots_of(nid)
         assert host_slots is not None and self.cache._agree is not None
-        task = asyncio.get_running_loop().create_task(self._write(keys, host_slots, None))
+        # hybrid: the node's SWA pages and state, read now (at the agreed commit)
+        extra = self._hybrid.node_objects(nid, keys) if self._hybrid is not None else None
+        task = asyncio.get_running_loop().create_task(
+            self._write(keys, host_slots, None, extra))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
         self.cache._agree.defer_task(task, lambda: tree.unlock_host(pin))
@@ -456,6 +478,8 @@ class StorageTier:
         # The backend never touches our buffers once its call returned or was cancelled. If our
         # caller is cancelled meanwhile, finish the release first, then let the cancel through.
         cancelled = await stop_and_wait(task, "prefetch_failed")
+        for side in op.side:  # multi-rank hybrid: component reads and searches
+            cancelled = await stop_and_wait(side, "prefetch_failed") or cancelled
         if (insert and not cancelled and self._hybrid is not None and op.host_slots is not None
                 and op.agreed_tokens is None and not op.parts_settled):
             # Stopped early: the components of the deepest restorable prefix that arrived.
@@ -521,11 +545,16 @@ class StorageTier:
     # at agreement ticks (asynccache/agreement.py): the existence-query hit (MIN over ranks,
     # then the host allocation, identically everywhere), whether it may stop (MAX of "cannot
     # stop") and how many fetched tokens to keep (MIN). Each op in ``_agreeing`` contributes
-    # three ints to a tick: [local hit or -1, -1 if it cannot stop else 0, local pages read].
+    # ENTRY_WIDTH ints to a tick: [local hit or -1, its negation (for the MAX), -1 if it cannot
+    # stop else 0, local pages read, hybrid cand, hybrid target state] (the hybrid ones: see
+    # asynccache/l3_hybrid_ranks.py; FULL caches send 0 there).
 
     async def _query(self, op: PrefetchOp) -> None:
         try:
-            op.local_hit = await self._hits(op)
+            hit = await self._hits(op)
+            if self._hybrid is not None:  # the deepest prefix every pool can restore here
+                hit = await self._hybrid.query(op, self.backend, hit, self._floor_pages())
+            op.local_hit = hit
         except Exception as exc:  # a storage fault is a miss
             _log.warning("prefetch_query_failed", error=repr(exc))
             op.local_hit = 0
@@ -537,6 +566,8 @@ class StorageTier:
         policy = op.stop_policy
         if policy is None:
             return True
+        if op.phase == "stopping":
+            return False
         if policy == "best_effort":
             return False
         if op.phase == "query":
@@ -551,7 +582,8 @@ class StorageTier:
 
     def locally_busy(self) -> bool:
         """An agreeing prefetch still has local work (a query or a read) in progress."""
-        return any(op.task is not None and not op.task.done() for op in self._agreeing)
+        return any((op.task is not None and not op.task.done())
+                   or any(not t.done() for t in op.side) for op in self._agreeing)
 
     def agreement_entries(self) -> tuple[list[PrefetchOp], list[list[int]]]:
         """This rank's view of every agreeing prefetch, for one tick."""
@@ -560,18 +592,22 @@ class StorageTier:
         entries = []
         for op in ops:
             hit = op.local_hit if op.phase == "query" else 0
-            pages = op.completed_tokens // ps if op.phase == "transfer" else 0
-            entries.append([hit, -1 if self._cannot_stop(op) else 0, pages])
+            pages = op.completed_tokens // ps if op.phase in ("transfer", "stopping") else 0
+            cand, status = (self._agreed_hy.entry(op) if self._agreed_hy is not None
+                            else (0, 0))
+            entries.append([hit, -hit if hit >= 0 else 0, -1 if self._cannot_stop(op) else 0,
+                            pages, cand, status])
         return ops, entries
 
     def apply_agreement(self, ops: Sequence[PrefetchOp], agreed: Sequence[Sequence[int]]) -> None:
         """Apply a tick's reduced values (identical on every rank) to ``ops``."""
         ps = self.cache.page_size
-        for op, (hit, stop, pages) in zip(ops, agreed, strict=True):
+        hy = self._agreed_hy
+        for op, (hit, neg_max_hit, stop, pages, cand, status) in zip(ops, agreed, strict=True):
             if op.finished or op.phase in ("stopped", "done"):
                 continue
             was = op.phase
-            if was == "query" and hit >= 0:
+            if was == "query" and hit >= 0 and (hy is None or hy.converged(op, hit, -neg_max_hit)):
                 try:
                     op.want_pages = self._take_hit(op, hit)
                 except Exception as exc:  # e.g. the cache is closing: identical on every rank
@@ -579,14 +615,25 @@ class StorageTier:
                     op.want_pages = 0
                 if op.want_pages:
                     op.phase = "transfer"
-                    op.task = asyncio.get_running_loop().create_task(
-                        self._read(op, op.want_pages))
+                    if hy is not None:
+                        hy.start(op)
+                    else:
+                        op.task = asyncio.get_running_loop().create_task(
+                            self._read(op, op.want_pages))
                 else:
                     op.phase = "done"
                     op.agreed_tokens = 0
+            if hy is not None and was in ("transfer", "stopping"):
+                hy.apply(op, cand, status)
             if stop == 0 and op.phase in ("query", "transfer"):
+                if hy is not None and was == "transfer":
+                    hy.stop(op, pages)
+                else:
+                    op.phase = "stopped"
+                    op.agreed_tokens = pages * ps if was == "transfer" else 0
+            if hy is not None and op.phase == "stopping" and hy.settled(op, cand):
                 op.phase = "stopped"
-                op.agreed_tokens = pages * ps if was == "transfer" else 0
+                op.agreed_tokens = op.parts_pages * ps
             if op.phase in ("stopped", "done") and op in self._agreeing:
                 self._agreeing.remove(op)
 

@@ -25,8 +25,11 @@ a prefix shorter than the window needs all of its pages). States exist only at n
   stored: the prefetch falls back to the next shallower restorable prefix, or inserts nothing.
 
 What is inserted is always a prefix whose KV pages, SWA window and state all arrived and were
-verified. Every fallback is a ``prefetch_component_fallback`` log event and adds the KV tokens
-given up to ``asynccache_prefetch_component_fallback_tokens``.
+verified. On several ranks the names carry the rank like the KV pages' (the backend's layout),
+and the steps above that touch the tree or a pool are agreed at ticks instead
+(:mod:`asynccache.l3_hybrid_ranks`); the existence searches and reads here are shared. Every
+fallback is a ``prefetch_component_fallback`` log event and adds the KV tokens given up to
+``asynccache_prefetch_component_fallback_tokens``.
 """
 
 from __future__ import annotations
@@ -225,51 +228,63 @@ class HybridStorage:
         held parts when all came (True). False: one did not (it counts as missing from now
         on); None: host memory is short. Nothing new is held then."""
         ps = self.cache.page_size
-        keys = op.keys[:p]
         parts: dict[str, np.ndarray] = {}
         op.parts_new = parts
-        want_k: list[str] = []
-        bufs: list[torch.Tensor] = []
         try:
             if self.swa:
-                w = min(p, self.window_pages)
-                slots = self._take(op, "swa", w * ps)
+                slots = self._take(op, "swa", min(p, self.window_pages) * ps)
                 if slots is None:
                     return None
                 parts["swa"] = slots
-                assert self.tier.swa_host is not None
-                want_k += [f"{k}.swa" for k in keys[p - w :]]
-                bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
-                         for _ in range(w)]
             if self.mamba:
                 slots = self._take(op, "mamba", 1)
                 if slots is None:
                     return None
                 parts["mamba"] = slots
-                assert self.tier.mamba_host is not None
-                row = self.tier.mamba_host.states[0]
-                want_k.append(f"{keys[-1]}.mamba")
-                bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
-            ok = await backend.get_batch(want_k, bufs)
-            if not all(ok):
-                for k, good in zip(want_k, ok, strict=True):
-                    if not good:
-                        op.stored[k] = False
+            if not await self.read_into(op, backend, p, parts):
                 return False
-            if "swa" in parts:
-                assert self.tier.swa_host is not None
-                for first, buf in zip(parts["swa"][::ps].tolist(), bufs, strict=False):
-                    self.tier.swa_host.write_page(first, buf)
-            if "mamba" in parts:
-                assert self.tier.mamba_host is not None
-                dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
-                dst.view(-1).view(torch.uint8).copy_(bufs[-1])
             self._give(op.parts, free=True)  # the shallower parts held so far
             op.parts, op.parts_pages, parts = parts, p, {}
             return True
         finally:  # what did not become the held parts (a cancel lands here too)
             self._give(parts, free=True)
             op.parts_new = None
+
+    async def read_into(self, op: PrefetchOp, backend: Any, p: int,
+                        parts: dict[str, np.ndarray]) -> bool:
+        """Read the SWA window and the state of the ``p``-page prefix into the host slots
+        ``parts`` (one slot group per component pool). False when one object did not come (it
+        counts as missing on ``op`` from now on); the slots then hold nothing meaningful."""
+        ps = self.cache.page_size
+        keys = op.keys[:p]
+        want_k: list[str] = []
+        bufs: list[torch.Tensor] = []
+        if "swa" in parts:
+            assert self.tier.swa_host is not None
+            w = len(parts["swa"]) // ps
+            want_k += [f"{k}.swa" for k in keys[p - w :]]
+            bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
+                     for _ in range(w)]
+        if "mamba" in parts:
+            assert self.tier.mamba_host is not None
+            row = self.tier.mamba_host.states[0]
+            want_k.append(f"{keys[-1]}.mamba")
+            bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
+        ok = await backend.get_batch(want_k, bufs)
+        if not all(ok):
+            for k, good in zip(want_k, ok, strict=True):
+                if not good:
+                    op.stored[k] = False
+            return False
+        if "swa" in parts:
+            assert self.tier.swa_host is not None
+            for first, buf in zip(parts["swa"][::ps].tolist(), bufs, strict=False):
+                self.tier.swa_host.write_page(first, buf)
+        if "mamba" in parts:
+            assert self.tier.mamba_host is not None
+            dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
+            dst.view(-1).view(torch.uint8).copy_(bufs[-1])
+        return True
 
     def _take(self, op: PrefetchOp, name: str, n: int) -> np.ndarray | None:
         """``n`` host slots of pool ``name`` for a deeper prefix's components; when short, the
