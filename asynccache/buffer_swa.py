@@ -190,7 +190,7 @@ class SWABuffer:
         cache = self.cache
         smap = self.map
 
-        def attempt() -> np.ndarray | None:
+        async def attempt() -> np.ndarray | None:
             full_free, swa_free = smap.full.available_size, smap.swa.available_size
             if full_free < num_tokens or swa_free < swa_tokens:
                 cache.evict(max(0, num_tokens - full_free),

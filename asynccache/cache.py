@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -421,43 +421,40 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         need = self._round_up(num_tokens)
         if self.hybrid is not None:
             hy = self.hybrid
+
+            async def attempt() -> np.ndarray | None:
+                return self.try_alloc_device(need)
+
             return await self._alloc_waiting(
-                lambda: self.try_alloc_device(need),
+                attempt,
                 lambda: f"cannot allocate {need} device slots (FULL, SWA free: "
                         f"{hy.available()}), {self.tree.protected_size} locked",
             )
         alloc = self.device_pool.allocator
-        for _ in range(64):
-            slots = alloc.alloc(need)
+
+        async def attempt_full() -> np.ndarray | None:
+            slots: np.ndarray | None = alloc.alloc(need)
+            if slots is None:
+                await self.evict_async(need - alloc.available_size)  # writes back if needed
+                slots = alloc.alloc(need)
             if slots is not None:
                 self._outstanding += len(slots)
-                return slots
-            await self.evict_async(need - alloc.available_size)
-            if alloc.available_size >= need:
-                continue
-            # What is left may be pinned by copies in flight (write-through backups hold their
-            # nodes until they land): wait for those, then evict again.
-            in_flight = list(self._inflight.values())
-            if not in_flight:
-                # Storage writes pin their nodes on host, which protects them on the device too.
-                if self._storage is not None and self._storage.writes_pending:
-                    await self._storage.drain()
-                    continue
-                break
-            await self._settle(in_flight)
-        raise PoolExhaustedError(
-            f"cannot allocate {need} device slots: {alloc.available_size} free, "
-            f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked"
+            return slots
+
+        return await self._alloc_waiting(
+            attempt_full,
+            lambda: f"cannot allocate {need} device slots: {alloc.available_size} free, "
+                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked",
         )
 
-    async def _alloc_waiting(self, attempt: Callable[[], np.ndarray | None],
+    async def _alloc_waiting(self, attempt: Callable[[], Awaitable[np.ndarray | None]],
                              error: Callable[[], str]) -> np.ndarray:
-        """Call ``attempt`` (an allocation that evicts synchronously) until it gives slots.
+        """Await ``attempt`` (an allocation that evicts as needed) until it gives slots.
         Between tries it waits for copies in flight, which pin their victims until they land
         (write-back and write-through), and for storage writes, which pin theirs on host.
         Raises :class:`PoolExhaustedError` with ``error()`` when nothing is left to wait for."""
         for _ in range(64):
-            got = attempt()
+            got = await attempt()
             if got is not None:
                 return got
             in_flight = list(self._inflight.values())

@@ -306,7 +306,7 @@ class RetractionMixin:
         evicting and waiting for copies in flight as :meth:`alloc_device` does."""
         alloc = self.device_pool.allocator
 
-        def attempt() -> np.ndarray | None:
+        async def attempt() -> np.ndarray | None:
             got: np.ndarray | None = alloc.alloc(num_tokens)
             if got is None:
                 self.evict(num_tokens - alloc.available_size)
