@@ -32,6 +32,7 @@ from asynccache.errors import ConfigError
 from asynccache.existence import StorageExistenceCache
 from asynccache.hostpages import page_buffers, read_pages
 from asynccache.l3 import BATCH_PAGES
+from asynccache.l3_hybrid import swa_object
 from asynccache.logs import get_logger
 from transfers.handles import CopyHandle
 
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
 _log = get_logger("buffer_swa")
 
 EMPTY = np.empty(0, dtype=np.int64)
-
-
-def swa_object(key: str) -> str:
-    """The storage name of the SWA KV of page ``key``."""
-    return f"{key}.swa"
 
 
 class SWABuffer:

@@ -49,6 +49,16 @@ if TYPE_CHECKING:
 
 _log = get_logger("l3_hybrid")
 
+def swa_object(key: str) -> str:
+    """The storage name of the SWA KV of page ``key``."""
+    return f"{key}.swa"
+
+
+def mamba_object(key: str) -> str:
+    """The storage name of the Mamba state after page ``key``."""
+    return f"{key}.mamba"
+
+
 #: Component objects asked about at once (concurrently) once the deepest candidate failed.
 STORED_QUERY_CHUNK: Final = 16
 
@@ -77,13 +87,13 @@ class HybridStorage:
             if host is not None:
                 assert self.tier.swa_host is not None
                 for i, first in enumerate(host[::ps].tolist()):
-                    out_k.append(f"{keys[i]}.swa")
+                    out_k.append(swa_object(keys[i]))
                     out_b.append(self.tier.swa_host.read_page(first))
         if self.mamba:
             state = tree.component_host_slots_of(nid, "mamba")
             if state is not None:
                 assert self.tier.mamba_host is not None
-                out_k.append(f"{keys[-1]}.mamba")
+                out_k.append(mamba_object(keys[-1]))
                 row = self.tier.mamba_host.states[int(state[0])].contiguous()
                 out_b.append(row.view(torch.uint8).reshape(-1).clone())
         return out_k, out_b
@@ -103,14 +113,14 @@ class HybridStorage:
                     return 0
             if self.swa:
                 lo = max(0, p - self.window_pages)
-                ask = [f"{k}.swa" for k in reversed(op.keys[max(0, p - span) : p])]
+                ask = [swa_object(k) for k in reversed(op.keys[max(0, p - span) : p])]
                 if span == self.window_pages:  # usually all stored: one call for the window
                     await self._exists_run(backend, op, ask)
                 else:
                     await self._exists(backend, op, ask)
                 # the deepest page of the window not stored (those above it are known stored)
                 miss = next((i for i in range(p - 1, lo - 1, -1)
-                             if not op.stored[f"{op.keys[i]}.swa"]), None)
+                             if not op.stored[swa_object(op.keys[i])]), None)
                 if miss is not None:  # try the prefix ending before it
                     p = miss
                     span = max(self.window_pages, STORED_QUERY_CHUNK)
@@ -125,7 +135,7 @@ class HybridStorage:
         size = 1
         while hi >= floor:
             cands = list(range(hi, max(floor, hi - size + 1) - 1, -1))
-            names = [f"{op.keys[q - 1]}.mamba" for q in cands]
+            names = [mamba_object(op.keys[q - 1]) for q in cands]
             await self._exists(backend, op, names)
             for q, name in zip(cands, names, strict=True):
                 if op.stored[name]:
@@ -262,13 +272,13 @@ class HybridStorage:
         if "swa" in parts:
             assert self.tier.swa_host is not None
             w = len(parts["swa"]) // ps
-            want_k += [f"{k}.swa" for k in keys[p - w :]]
+            want_k += [swa_object(k) for k in keys[p - w :]]
             bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
                      for _ in range(w)]
         if "mamba" in parts:
             assert self.tier.mamba_host is not None
             row = self.tier.mamba_host.states[0]
-            want_k.append(f"{keys[-1]}.mamba")
+            want_k.append(mamba_object(keys[-1]))
             bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
         ok = await backend.get_batch(want_k, bufs)
         if not all(ok):

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from asynccache.l3_hybrid import mamba_object, swa_object
 from asynccache.logs import get_logger
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ class AgreedComponents:
             _log.warning("prefetch_component_read_failed", error=repr(exc))
             ok = False
             last = op.keys[p - 1]
-            op.stored[f"{last}.mamba" if "mamba" in parts else f"{last}.swa"] = False
+            op.stored[mamba_object(last) if "mamba" in parts else swa_object(last)] = False
         op.target_status = HELD if ok else FAILED
         self._progress()
 
