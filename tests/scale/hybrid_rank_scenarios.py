@@ -17,86 +17,30 @@ import asyncio
 import hashlib
 import os
 import random
+import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# Loaded by file path in the rank processes: the repository root makes ``tests`` importable.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from tests.hybrid_driver import Driver, kv, tag  # noqa: E402
 
 PS = 2
 HYBRID = dict(sliding_window=4, swa_tokens=40, mamba_states=6, mamba_state_shape=(2, 3))
 
 
-def tag(prefix: tuple[int, ...]) -> float:
-    return float(zlib.crc32(repr(prefix).encode()) % 100_003)
-
-
-def kv(pool: Any, toks: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-    L, _, _, H, D = pool.kv.shape
-    vals = torch.tensor([tag(toks[: i + 1]) for i in range(lo, hi)], dtype=pool.kv.dtype)
-    return vals.view(1, 1, -1, 1, 1).expand(L, 2, hi - lo, H, D)
-
-
-class Driver:
-    """One sequential scheduler: the same calls in the same order on every rank."""
+class RankDriver(Driver):
+    """The shared driver as every rank runs it: a load-back that fails (here or on a peer)
+    is logged, and requests are also retracted and restored."""
 
     def __init__(self, cache: Any, rng: random.Random) -> None:
-        self.cache = cache
-        self.rng = rng
-        self.hy = cache.hybrid
-        self.history: list[tuple[int, ...]] = []
-        self.pending: list[Any] = []
-        self.log: list[Any] = []
-
-    def key(self) -> tuple[int, ...]:
-        base: tuple[int, ...] = ()
-        if self.history and self.rng.random() < 0.7:
-            b = self.rng.choice(self.history)
-            base = b[: self.rng.randrange(0, len(b) + 1, PS)]
-        tail = tuple(self.rng.randrange(3) for _ in range(PS * self.rng.randrange(0, 4)))
-        return base + tail
-
-    def insert(self) -> None:
-        c, hy = self.cache, self.hy
-        toks = self.key()
-        if not toks:
-            return
-        slots = c.try_alloc_device(len(toks))
-        if slots is None:
-            self.log.append(("insert", len(toks), None))
-            return
-        idx = torch.from_numpy(slots.copy())
-        c.device_pool.kv.index_copy_(2, idx, kv(c.device_pool, toks, 0, len(toks)))
-        swa = torch.from_numpy(hy.swa_map.translate(slots).copy())
-        hy.swa_pool.kv.index_copy_(2, swa, kv(hy.swa_pool, toks, 0, len(toks)))
-        state = c.alloc_mamba_state()
-        if state is not None:
-            hy.mamba_pool.states[state].fill_(tag(toks))
-        res = c.insert(list(toks), slots, mamba_value=state)
-        if res.cached_len < len(toks):  # stopped before a node still loading: ours again
-            c.free_device(slots[res.cached_len :])
-        self.history.append(toks)
-        self.log.append(("insert", len(toks), res.cached_len))
-
-    async def load(self, wait: bool) -> None:
-        c = self.cache
-        if not self.history:
-            return
-        m = c.match_prefix(list(self.rng.choice(self.history)))
-        if wait:
-            from asynccache.errors import TransferError
-
-            try:
-                lb = await c.load_back(m)
-            except TransferError:  # failed here or on a peer: every rank raises, nothing loaded
-                self.log.append(("load", m.device_prefix_len, m.host_hit_length, "failed"))
-                return
-            if lb is not None:
-                c.release_load(lb)
-        else:
-            lb = c.begin_load_back(m)
-            if lb is not None:
-                self.pending.append(lb)
-        self.log.append(("load", m.device_prefix_len, m.host_hit_length, lb is not None))
+        super().__init__(cache, rng, transfer_errors=True)
 
     async def retract_round(self) -> None:
         """A request is computed, retracted (FULL, SWA window and Mamba state to host),
@@ -147,28 +91,6 @@ class Driver:
         self.history.append(toks)
         self.log.append(("retract", len(toks), backup.num_tokens, lo))
 
-    async def settle(self) -> None:
-        await self.cache.flush()
-        for lb in self.pending:
-            self.cache.release_load(lb)
-        self.pending.clear()
-
-    def check_served(self) -> None:
-        c, hy = self.cache, self.hy
-        for toks in self.history:
-            m = c.match_prefix(list(toks), cow_mamba=True)
-            n = m.device_prefix_len
-            if not n:
-                continue
-            idx = torch.from_numpy(m.device_indices.copy())
-            got = c.device_pool.kv.index_select(2, idx)
-            assert torch.equal(got, kv(c.device_pool, toks, 0, n)), toks[:n]
-            w = min(4, n)
-            swa = torch.from_numpy(hy.swa_map.translate(m.device_indices[n - w :]).copy())
-            assert torch.equal(hy.swa_pool.kv.index_select(2, swa),
-                               kv(hy.swa_pool, toks, n - w, n)), toks[:n]
-            assert bool((hy.mamba_pool.states[m.mamba_cow_slot] == tag(toks[:n])).all())
-
 
 def kv_digest(cache: Any) -> str:
     """SHA-256 over the bytes every tree node's slots hold, in every pool: FULL and SWA KV and
@@ -216,7 +138,7 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
               copy_faults(tier.swa_engine, delay_s=slow * 0.7 if rank else 0.0),
               copy_faults(cache._engine, delay_s=0.0 if rank else 0.001,
                           fail={5} if fail_at and rank == 0 else ())]
-    d = Driver(cache, random.Random(f"hybrid-ranks/{policy}"))
+    d = RankDriver(cache, random.Random(f"hybrid-ranks/{policy}"))
     out: dict[str, Any] = {"rank": rank}
     try:
         for step in range(steps):
