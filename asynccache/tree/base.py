@@ -203,6 +203,20 @@ class TreeBase:
         self._clock += 1
         return self._clock
 
+    def _touch_path(self, path: list[Node]) -> None:
+        """A match walked ``path`` (root first): stamp each node's access, deepest newest, and
+        re-file the queued ones under access-ordered policies."""
+        if not path:
+            return
+        base = self._clock
+        for i, n in enumerate(path):
+            n.last_access = base + i + 1
+        self._clock = base + len(path)
+        if self._touch_requeues:
+            for n in path:
+                if n.qe[0] is not None or n.qe[1] is not None or n.qe[2] is not None:
+                    self._requeue(n)
+
     def _child_key(self, parent: Node, page: bytes, ns: Any) -> Any:
         if parent is self._root and ns is not DEFAULT_NAMESPACE:
             return (ns, page)

@@ -155,15 +155,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
             best_count = len(path)
         children = child.children
         ck = data[off : off + pb]
-    if path:
-        base = tree._clock
-        for i, n in enumerate(path):
-            n.last_access = base + i + 1
-        tree._clock = base + len(path)
-        if tree._touch_requeues:
-            for n in path:
-                if n.qe[DLEAF] is not None:
-                    tree._requeue(n)
+    tree._touch_path(path)
     touch_aux(tree, best)
     indices: np.ndarray | None
     if best_count == 0:

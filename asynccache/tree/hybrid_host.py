@@ -136,15 +136,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
             best_count = len(path)
         node = child
         children = child.children
-    if path:
-        base = tree._clock
-        for i, n in enumerate(path):
-            n.last_access = base + i + 1
-        tree._clock = base + len(path)
-        if tree._touch_requeues:
-            for n in path:
-                if n.qe[0] is not None or n.qe[1] is not None or n.qe[2] is not None:
-                    tree._requeue(n)
+    tree._touch_path(path)
     touch_aux(tree, best)
     indices: np.ndarray
     if dev_count == 0:

@@ -87,15 +87,7 @@ class RadixTree(HostTier):
             node = child
             children = child.children
             off += nb
-        if path:
-            base = self._clock
-            for i, n in enumerate(path):
-                n.last_access = base + i + 1
-            self._clock = base + len(path)
-            if self._touch_requeues:
-                for n in path:
-                    if n.qe[0] is not None or n.qe[1] is not None or n.qe[2] is not None:
-                        self._requeue(n)
+        self._touch_path(path)
         if not values:
             indices = EMPTY_SLOTS
         elif len(values) == 1:
