@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import struct
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -39,6 +38,7 @@ from asynccache.tree import (
     RadixKey,
     RadixTree,
 )
+from tests.tree.stateful_cases import machine_case, stateful_settings
 
 NAMESPACES = (None, "lora")
 # A cached token position: (extra_key, tokens up to the end of its page, offset in the page).
@@ -682,26 +682,12 @@ class TreeMachine(RuleBasedStateMachine):
         assert self.router[Medium.CPU_PINNED] == want_cpu
 
 
-# A soak run: ASYNCCACHE_STATEFUL_EXAMPLES=2000 ASYNCCACHE_STATEFUL_RANDOM=1 pytest ...
-SETTINGS = settings(
-    max_examples=int(os.environ.get("ASYNCCACHE_STATEFUL_EXAMPLES", "200")),
-    stateful_step_count=int(os.environ.get("ASYNCCACHE_STATEFUL_STEPS", "40")),
-    deadline=None,
-    database=None,
-    derandomize=not os.environ.get("ASYNCCACHE_STATEFUL_RANDOM"),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = stateful_settings(200)
 
 
 def _machine(host: bool, write_policy: str) -> Any:
-    cls = type(
-        f"TreeMachine_{'host' if host else 'device'}_{write_policy}",
-        (TreeMachine,),
-        {"HOST": host, "WRITE_POLICY": write_policy},
-    )
-    case = cls.TestCase
-    case.settings = SETTINGS
-    return case
+    return machine_case(TreeMachine, f"TreeMachine_{'host' if host else 'device'}_{write_policy}",
+                        SETTINGS, HOST=host, WRITE_POLICY=write_policy)
 
 
 TestDeviceOnly = _machine(False, "write_through_selective")

@@ -11,16 +11,16 @@ held exactly once or was given back exactly once.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asynccache.errors import LockError
 from asynccache.tree import POLICIES, RadixKey, RadixTree
+from tests.tree.stateful_cases import machine_case, stateful_settings
 
 NAMESPACES = (None, "lora")
 Pos = tuple[str | None, tuple[int, ...], int]  # (namespace, tokens to the end of the page, offset)
@@ -413,22 +413,12 @@ class HybridMachine(RuleBasedStateMachine):
             assert set(h) | self.back[pool] == self.given[pool], f"a {pool} slot leaked"
 
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("ASYNCCACHE_STATEFUL_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("ASYNCCACHE_STATEFUL_STEPS", "40")),
-    deadline=None,
-    database=None,
-    derandomize=not os.environ.get("ASYNCCACHE_STATEFUL_RANDOM"),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = stateful_settings(60)
 
 
 def _machine(swa: bool, mamba: bool) -> Any:
-    cls = type(f"HybridMachine_swa{int(swa)}_mamba{int(mamba)}", (HybridMachine,),
-               {"SWA": swa, "MAMBA": mamba})
-    case = cls.TestCase
-    case.settings = SETTINGS
-    return case
+    return machine_case(HybridMachine, f"HybridMachine_swa{int(swa)}_mamba{int(mamba)}",
+                        SETTINGS, SWA=swa, MAMBA=mamba)
 
 
 TestFull = _machine(False, False)

@@ -12,16 +12,16 @@ given back exactly once. A load-back committed at once turns the host hit into a
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asynccache.errors import InvalidInputError
 from asynccache.tree import RadixTree
+from tests.tree.stateful_cases import machine_case, stateful_settings
 
 POOLS = ("full", "swa", "mamba", "hfull", "hswa", "hmamba")
 HOST = {"full": "hfull", "swa": "hswa", "mamba": "hmamba"}
@@ -308,22 +308,12 @@ class HostHybridMachine(RuleBasedStateMachine):
         t.sanity_check()
 
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("ASYNCCACHE_STATEFUL_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("ASYNCCACHE_STATEFUL_STEPS", "40")),
-    deadline=None,
-    database=None,
-    derandomize=not os.environ.get("ASYNCCACHE_STATEFUL_RANDOM"),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = stateful_settings(60)
 
 
 def _machine(swa: bool, mamba: bool) -> Any:
-    cls = type(f"HostHybridMachine_swa{int(swa)}_mamba{int(mamba)}", (HostHybridMachine,),
-               {"SWA": swa, "MAMBA": mamba})
-    case = cls.TestCase
-    case.settings = SETTINGS
-    return case
+    return machine_case(HostHybridMachine, f"HostHybridMachine_swa{int(swa)}_mamba{int(mamba)}",
+                        SETTINGS, SWA=swa, MAMBA=mamba)
 
 
 TestHostFullSWA = _machine(True, False)
