@@ -17,7 +17,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["Driver", "kv", "tag"]
+__all__ = ["Driver", "kv", "randomize", "tag"]
+
+
+def randomize(cache: Any, seed: int) -> torch.Generator:
+    """Fill the device KV pool and every component pool (SWA KV, Mamba states) of a hybrid
+    cache with seeded random values; returns the generator, to draw further values from."""
+    g = torch.Generator().manual_seed(seed)
+    hy = cache.hybrid
+    pools = [cache.device_pool.kv]
+    if hy.swa_pool is not None:
+        pools.append(hy.swa_pool.kv)
+    if hy.mamba_pool is not None:
+        pools.append(hy.mamba_pool.states)
+    for t in pools:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return g
 
 
 def tag(prefix: tuple[int, ...]) -> float:

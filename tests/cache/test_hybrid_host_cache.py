@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.hybrid_driver import randomize
+
 COMBOS = {
     "full+swa": {"sliding_window": 4, "swa_tokens": 32},
     "full+mamba": {"mamba_states": 4, "mamba_state_shape": (3, 5)},
@@ -20,18 +22,6 @@ COMBOS = {
 BASE = {"page_size": 2, "device_tokens": 32, "host_tokens": 64, "write_policy": "write_through",
         "load_back_threshold": 0}
 TOKENS = list(range(100, 112))
-
-
-def randomize(cache: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    hy = cache.hybrid
-    pools = [cache.device_pool.kv]
-    if hy.swa_pool is not None:
-        pools.append(hy.swa_pool.kv)
-    if hy.mamba_pool is not None:
-        pools.append(hy.mamba_pool.states)
-    for t in pools:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
 def zero_device(cache: Any) -> None:

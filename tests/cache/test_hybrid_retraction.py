@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError
+from tests.hybrid_driver import randomize
 
 COMBOS = {
     "full+swa": {"sliding_window": 4, "swa_tokens": 48},
@@ -33,15 +34,8 @@ async def running(make_cache: Any, combo: str, *, cached: int = 12, computed: in
     """A cache with random pool contents and a request mid-flight: its first ``cached`` tokens
     in the tree (with a Mamba checkpoint), ``computed`` tokens computed, a fresh state value."""
     cache = await make_cache(**{**BASE, **COMBOS[combo], **kw})
-    g = torch.Generator().manual_seed(seed)
+    g = randomize(cache, seed)
     hy = cache.hybrid
-    pools = [cache.device_pool.kv]
-    if hy.swa_pool is not None:
-        pools.append(hy.swa_pool.kv)
-    if hy.mamba_pool is not None:
-        pools.append(hy.mamba_pool.states)
-    for t in pools:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     req = cache.admit(TOKENS)
     await cache.extend(req, cached)
     cache.cache_unfinished_req(req)
