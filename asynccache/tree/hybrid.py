@@ -1,9 +1,11 @@
 """Match, insert, evict and lock for hybrid trees (FULL plus SWA and/or Mamba components).
 
-The FULL-only tree keeps its own tight loops in :mod:`asynccache.tree.tree`; a tree with
-auxiliary components routes these four operations here for a device-only tree, where every
-node holds FULL device KV and nothing is in flight. With a host tier, match and evict run in
-:mod:`asynccache.tree.hybrid_host` and the insert here is wrapped by it.
+A tree with auxiliary components routes these four operations here for a device-only tree,
+where every node holds FULL device KV and nothing is in flight. With a host tier, match and
+evict run in :mod:`asynccache.tree.hybrid_host` and the insert here is wrapped by it. The insert
+also serves FULL-only trees without a host tier (its component branches are skipped); the
+FULL-only match, evict, lock and host-tier insert keep their own loops in
+:mod:`asynccache.tree.tree`.
 """
 
 from __future__ import annotations
@@ -274,9 +276,10 @@ def insert(
     floor: int,
     state: int | None,
 ) -> InsertResult:
-    """The walk inlines the per-node work (tick, page match, duplicate checks) that the
-    FULL-only insert does through helpers: a hybrid insert walks more nodes (the cap-split)
-    and pays for the SWA slots on each, so every call saved per node counts."""
+    """The insert of every tree without a host tier, FULL-only included (with no components
+    their branches are skipped), and of hybrid trees with one (after hybrid_host.prepare_insert).
+    The walk inlines the per-node work (tick, page match, duplicate checks): every call saved
+    per node counts."""
     data = key.data
     pb = tree._pb
     ps = tree.page_size
@@ -565,7 +568,7 @@ def _commit_tail(
                 queued.append(leaf)
             else:
                 swa.queue.push(leaf)
-        else:
+        elif tree._aux:
             leaf.aux = [CompData(), CompData()] if two else [CompData()]
         node = leaf
         a = b

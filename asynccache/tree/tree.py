@@ -66,14 +66,17 @@ class RadixTree(HostTier):
         ns = key.namespace
         pb = self._pb
         children = root.children
+        ck = self._child_key(root, data[:pb], ns)
         while off < end:
-            page = data[off : off + pb]
-            child = children.get(self._child_key(node, page, ns))
+            child = children.get(ck)
             if child is None:
                 break
-            nb = self._match_bytes(child.key, data, off, end)
-            if nb < len(child.key):
-                child = self._split(child, nb)
+            ckey = child.key
+            nb = len(ckey)
+            if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
+                nb = self._match_bytes(ckey, data, off, end)
+                if nb < len(ckey):
+                    child = self._split(child, nb)
             if child.pending and self._pending[child.pending].kind == "load":
                 # Still copying in: a host hit until the load commits.
                 pending.append(child.pending)
@@ -87,6 +90,7 @@ class RadixTree(HostTier):
             node = child
             children = child.children
             off += nb
+            ck = data[off : off + pb]
         self._touch_path(path)
         if not values:
             indices = EMPTY_SLOTS
@@ -149,7 +153,10 @@ class RadixTree(HostTier):
             )
         if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
             raise InvalidInputError(f"priority must be an int, got {priority!r}")
-        if self._aux or swa_value is not None or mamba_value is not None or (
+        # Every tree without a host tier takes the walk of hybrid.insert (with no components it
+        # skips their branches); FULL-only trees with a host tier take the walk below, which
+        # also adopts slots for host-only nodes, stops at loads and queues write-through backups.
+        if not self._host or self._aux or swa_value is not None or mamba_value is not None or (
             component_evicted_seqlens
         ):
             swa_slots, floor, state = hybrid.check_insert_args(
