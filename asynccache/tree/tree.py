@@ -181,18 +181,22 @@ class RadixTree(HostTier):
         off = 0
         result = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
         frees = result.device_frees
+        children = root.children
+        ck = self._child_key(root, data[:pb], ns)
         while off < end:
-            page = data[off : off + pb]
-            child = node.children.get(self._child_key(node, page, ns))
+            child = children.get(ck)
             if child is None:
                 break
             if child.pending and self._pending[child.pending].kind == "load":
                 # Its KV is still being copied in: the caller keeps its own slots from here on.
                 result.cached_len = off >> 2
                 break
-            nb = self._match_bytes(child.key, data, off, end)
-            if nb < len(child.key):
-                child = self._split(child, nb)
+            ckey = child.key
+            nb = len(ckey)
+            if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
+                nb = self._match_bytes(ckey, data, off, end)
+                if nb < len(ckey):
+                    child = self._split(child, nb)
             pos = off >> 2
             m = nb >> 2
             child.last_access = self._tick()
@@ -221,7 +225,9 @@ class RadixTree(HostTier):
             if requeue and (child.qe[0] or child.qe[1] or child.qe[2]):
                 self._requeue(child)
             node = child
+            children = child.children
             off += nb
+            ck = data[off : off + pb]
         result.prefix_len = off >> 2
         if off < end and result.cached_len == n_tok:
             leaf = Node(next(self._ids), node, data[off:end], ns)
