@@ -170,23 +170,29 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     pb = tree._pb
     end = len(data) - len(data) % pb
     ns = key.namespace
-    node = tree._root
+    root = tree._root
+    children = root.children
+    ck = tree._child_key(root, data[:pb], ns)
     off = 0
     while off < end:
-        child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
+        child = children.get(ck)
         if child is None:
             break
         if _is_loading(tree, child):
             return off >> 2
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        ckey = child.key
+        nb = len(ckey)
+        if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
+            nb = tree._match_bytes(ckey, data, off, end)
+            if nb < len(ckey):
+                child = tree._split(child, nb)
         if child.value is None:
             pos = off >> 2
             tree._unevict(child, slots[pos : pos + (nb >> 2)])
             refresh_aux(tree, child)
-        node = child
+        children = child.children
         off += nb
+        ck = data[off : off + pb]
     return len(key)
 
 
