@@ -242,6 +242,15 @@ class TreeBase:
                 hi = mid - 1
         return lo * pb
 
+    def _match_child(self, child: Node, data: bytes, off: int, end: int) -> tuple[Node, int]:
+        """The whole pages of ``child``'s key that ``data[off:end]`` matches, as (node, bytes):
+        a partial match splits ``child`` there and returns the new prefix node. (The hot walks
+        first try ``data.startswith(child.key, off)`` inline and call this only when it fails.)"""
+        nb = self._match_bytes(child.key, data, off, end)
+        if nb < len(child.key):
+            child = self._split(child, nb)
+        return child, nb
+
     def _account(self, n: Node) -> None:
         """Count ``n``'s device tokens as evictable or protected, per its current state.
 

@@ -106,9 +106,7 @@ class HostTier(TreeBase):
             child = node.children.get(self._child_key(node, page, ns))
             if child is None:
                 break
-            nb = self._match_bytes(child.key, data, off, end)
-            if nb < len(child.key):
-                child = self._split(child, nb)
+            child, nb = self._match_child(child, data, off, end)
             pos = off >> 2
             m = nb >> 2
             if pos + m > start:

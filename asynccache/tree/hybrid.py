@@ -129,9 +129,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-            nb = tree._match_bytes(ckey, data, off, end)
-            if nb < len(ckey):
-                child = tree._split(child, nb)
+            child, nb = tree._match_child(child, data, off, end)
         path.append(child)
         off += nb
         aux = child.aux
@@ -325,9 +323,7 @@ def insert(
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):
-            nb = tree._match_bytes(ckey, data, off, end)
-            if nb < len(ckey):
-                child = tree._split(child, nb)
+            child, nb = tree._match_child(child, data, off, end)
         pos = off >> 2
         hi = pos + (nb >> 2)
         clock += 1

@@ -88,9 +88,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
         child = children.get(tree._child_key(node, data[off : off + pb], ns))
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        child, nb = tree._match_child(child, data, off, end)
         path.append(child)
         off += nb
         ntok = nb >> 2
@@ -183,9 +181,7 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-            nb = tree._match_bytes(ckey, data, off, end)
-            if nb < len(ckey):
-                child = tree._split(child, nb)
+            child, nb = tree._match_child(child, data, off, end)
         if child.value is None:
             pos = off >> 2
             tree._unevict(child, slots[pos : pos + (nb >> 2)])

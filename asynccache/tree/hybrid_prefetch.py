@@ -76,9 +76,7 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
         if child is None:
             break
-        nb = tree._match_bytes(child.key, data, off, end)
-        if nb < len(child.key):
-            child = tree._split(child, nb)
+        child, nb = tree._match_child(child, data, off, end)
         pos = off >> 2
         hi = pos + (nb >> 2)
         if hi > start:

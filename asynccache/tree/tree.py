@@ -74,9 +74,7 @@ class RadixTree(HostTier):
             ckey = child.key
             nb = len(ckey)
             if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-                nb = self._match_bytes(ckey, data, off, end)
-                if nb < len(ckey):
-                    child = self._split(child, nb)
+                child, nb = self._match_child(child, data, off, end)
             if child.pending and self._pending[child.pending].kind == "load":
                 # Still copying in: a host hit until the load commits.
                 pending.append(child.pending)
@@ -194,9 +192,7 @@ class RadixTree(HostTier):
             ckey = child.key
             nb = len(ckey)
             if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-                nb = self._match_bytes(ckey, data, off, end)
-                if nb < len(ckey):
-                    child = self._split(child, nb)
+                child, nb = self._match_child(child, data, off, end)
             pos = off >> 2
             m = nb >> 2
             child.last_access = self._tick()
