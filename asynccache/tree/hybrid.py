@@ -17,8 +17,8 @@ import numpy as np
 
 from asynccache.errors import InvalidInputError, LockError
 from asynccache.tree.components.base import Component
-from asynccache.tree.components.layout import ACCT, LOCK, QE, STAMP
-from asynccache.tree.config import _check_count, as_slots
+from asynccache.tree.components.layout import ACCT, LOCK, STAMP
+from asynccache.tree.config import _INT64, _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen, state_slot
@@ -195,8 +195,6 @@ def set_branching(tree: TreeBase, res: MatchResult, swa_bound: int, mamba_bound:
 
 # ---------------------------------------------------------------------------- insert
 def _slot(value: Any, what: str) -> int:
-    if type(value) is int and value >= 0:
-        return value
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise InvalidInputError(f"{what} must be one state slot, got {value.numel()} values")
@@ -240,7 +238,10 @@ def check_insert_args(
     if swa_value is not None:
         if "swa" not in names:
             raise InvalidInputError("swa_value given but the tree has no SWA component")
-        swa_slots = as_slots(swa_value, "swa_value")
+        if type(swa_value) is np.ndarray and swa_value.dtype is _INT64 and swa_value.ndim == 1:
+            swa_slots = swa_value  # as_slots' usual case, inline
+        else:
+            swa_slots = as_slots(swa_value, "swa_value")
         if len(swa_slots) != total:
             raise InvalidInputError(
                 f"swa_value has {len(swa_slots)} slots but the key has {total} tokens"
@@ -255,7 +256,10 @@ def check_insert_args(
     if mamba_value is not None:
         if "mamba" not in names:
             raise InvalidInputError("mamba_value given but the tree has no Mamba component")
-        state = _slot(mamba_value, "mamba_value")
+        if type(mamba_value) is int and mamba_value >= 0:
+            state = mamba_value  # _slot's usual case, inline
+        else:
+            state = _slot(mamba_value, "mamba_value")
     return swa_slots, floor, state
 
 
@@ -668,9 +672,7 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
                 else:
                     swa.protected -= len(n.key) >> 2
                 aux[at + ACCT] = 0
-            if aux[at + QE] is not None:  # swa.queue.discard(n), inline
-                aux[at + QE] = None
-                swa.queue._live -= 1
+            swa.queue.discard(n)
         if mamba is not None:
             at = mamba.at
             v = aux[at]
@@ -686,9 +688,7 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
                 else:
                     mamba.protected -= 1
                 aux[at + ACCT] = 0
-            if aux[at + QE] is not None:
-                aux[at + QE] = None
-                mamba.queue._live -= 1
+            mamba.queue.discard(n)
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)

@@ -37,24 +37,25 @@ class LruQueue:
         return self._live
 
     def push(self, node: Node) -> None:
-        """Add ``node`` or re-key it (its stamp changed) if it is already queued."""
+        """Queue ``node`` (not queued) under its current stamp."""
         aux = node.aux
-        assert aux is not None
-        if aux[self._qe] is None:
-            self._live += 1
+        assert aux is not None and aux[self._qe] is None
+        self._live += 1
         self._seq += 1
         entry = (aux[self._stamp], self._seq, node)
         aux[self._qe] = entry
         heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * self._live + 64:
-            self._compact()
 
     def discard(self, node: Node) -> None:
+        """Take ``node`` out (its entry becomes an orphan; only this makes orphans, so only
+        this compacts)."""
         aux = node.aux
         assert aux is not None
         if aux[self._qe] is not None:
             aux[self._qe] = None
             self._live -= 1
+            if len(self._heap) > 2 * self._live + 64:
+                self._compact()
 
     def pop(self) -> Node | None:
         """Remove and return the least recently used node, or None when empty."""
