@@ -170,9 +170,7 @@ class HybridSlots:
             if paired != used:
                 raise AssertionError(f"SWA accounting: {used} slots used but {paired} paired")
             for n in tree.iter_nodes():
-                aux = n.aux
-                assert aux is not None
-                swa = aux[0].value
+                swa = tree.component_slots_of(n.id, "swa")
                 if n.value is None:
                     continue
                 if swa is not None and not np.array_equal(self.swa_map.full_to_swa[n.value],

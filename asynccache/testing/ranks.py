@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from asynccache.errors import AsyncCacheError
 from asynccache.ranks import free_port
 
@@ -133,11 +135,11 @@ def tree_digest(cache: Any) -> str:
                        n.hit_count)).encode())
         for part in (dev, host, hashes):
             h.update(len(part).to_bytes(8, "little") + part)
-        for d in n.aux or ():  # hybrid components: device and host values, pins, LRU stamp
-            for v in (d.value, d.host_value):
-                part = v.tobytes() if v is not None else b"-"
-                h.update(len(part).to_bytes(8, "little") + part)
-            h.update(repr((d.lock_ref, d.stamp)).encode())
+        for v in n.aux or ():  # hybrid components: device and host values, pins, LRU stamps
+            if isinstance(v, np.ndarray):
+                h.update(len(v).to_bytes(8, "little") + v.tobytes())
+            elif not isinstance(v, tuple):  # a queue entry says nothing the rest does not
+                h.update(repr(v).encode())
     h.update(repr((cache.device_pool.allocator.used_size,
                    cache.host_pool.allocator.used_size if cache.host_pool else 0)).encode())
     hy = getattr(cache, "hybrid", None)

@@ -20,6 +20,7 @@ from asynccache.errors import (
 )
 from asynccache.tree import hybrid, hybrid_host
 from asynccache.tree.components import Component, MambaComponent, SWAComponent
+from asynccache.tree.components.layout import EMPTY
 from asynccache.tree.config import TreeConfig
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
@@ -91,6 +92,7 @@ class TreeBase:
         self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
         self._aux_low_first = self._aux[::-1]
         self._aux_names = frozenset(c.name for c in comps)
+        self._aux_empty: list[Any] = list(EMPTY) * len(comps)  # Node.aux of a new node (copied)
         self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()
 
@@ -114,7 +116,7 @@ class TreeBase:
         for c in self._aux:
             c.reset()
         if self._aux:
-            self._root.aux = hybrid.new_aux(self)
+            self._root.aux = self._aux_empty[:]
 
     def enable_page_hashes(self) -> None:
         """Compute page hashes eagerly from now on (storage attached); existing nodes get theirs
@@ -165,9 +167,17 @@ class TreeBase:
         """(evictable, protected) units of a component: tokens (full, swa) or states (mamba)."""
         if name == "full":
             return self._evictable, self._protected
+        c = self._component(name)
+        return c.evictable, c.protected
+
+    def component_slots_of(self, node_id: int, name: str) -> np.ndarray | None:
+        """Component ``name``'s device slots on ``node_id`` (None: a tombstone); read-only."""
+        return self._component(name).value(self._node(node_id))
+
+    def _component(self, name: str) -> Component:
         for c in self._aux:
             if c.name == name:
-                return c.evictable, c.protected
+                return c
         raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
 
     def component_slots(self, name: str) -> np.ndarray:
@@ -414,7 +424,9 @@ class TreeBase:
         x.parent = p
         self._refresh(p)
         if self._aux:
-            p.aux = [c.split(x, p, m) for c in self._aux]
+            p.aux = self._aux_empty[:]
+            for c in self._aux:
+                c.split(x, p, m)
             if self._host:
                 hybrid_host.split_host(self, x, p, m)
             hybrid.refresh_aux(self, p)

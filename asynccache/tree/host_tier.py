@@ -145,11 +145,7 @@ class HostTier(TreeBase):
 
     def component_host_slots_of(self, node_id: int, name: str) -> np.ndarray | None:
         """The host copy of component ``name``'s value on ``node_id`` (None: none); read-only."""
-        n = self._node(node_id)
-        for c in self._aux:
-            if c.name == name:
-                return c.data(n).host_value
-        raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
+        return self._component(name).host_value(self._node(node_id))
 
     def _cached_bytes(self, key: RadixKey, end: int) -> int:
         """Bytes of ``key.data[:end]`` the tree holds (whole pages), without changing anything."""

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynccache.errors import InvalidInputError, LockError
-from asynccache.tree.components.base import CompData, Component
-from asynccache.tree.config import _check_count, as_slots
+from asynccache.tree.components.base import Component
+from asynccache.tree.components.layout import ACCT, LOCK, STAMP
+from asynccache.tree.config import _INT64, _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen, state_slot
@@ -43,7 +44,7 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
     locked_below = False
     for c in tree._aux_low_first:
         c.refresh(n, locked_below)
-        if aux[c.index].lock_ref:
+        if aux[c.at + LOCK]:
             locked_below = True
 
 
@@ -57,17 +58,16 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
     clock = tree._clock
     swa = tree._swa
     if swa is not None:
-        si = swa.index
+        si = swa.at
         limit = (swa.window + swa.page_size) * 4  # in key bytes
         span = 0
-        hit: list[CompData] = []
+        hit: list[list[Any]] = []
         n = node
         while True:
             aux = n.aux
             assert aux is not None
-            d = aux[si]
-            if d.value is not None:
-                hit.append(d)
+            if aux[si] is not None:
+                hit.append(aux)
             span += len(n.key)
             parent = n.parent
             assert parent is not None
@@ -75,8 +75,9 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
                 break
             n = parent
         k = len(hit)
-        for d in hit:
-            d.stamp = clock + k
+        st = si + STAMP
+        for aux in hit:
+            aux[st] = clock + k
             k -= 1
         clock += len(hit)
     tree._clock = _stamp_state(tree, node, clock)
@@ -88,15 +89,10 @@ def _stamp_state(tree: TreeBase, node: Node, clock: int) -> int:
     if mamba is not None:
         aux = node.aux
         assert aux is not None
-        d = aux[mamba.index]
-        if d.value is not None:
+        if aux[mamba.at] is not None:
             clock += 1
-            d.stamp = clock
+            aux[mamba.at + STAMP] = clock
     return clock
-
-
-def new_aux(tree: TreeBase) -> list[CompData]:
-    return [CompData() for _ in tree._aux]
 
 
 # ---------------------------------------------------------------------------- match
@@ -110,8 +106,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
     ns = key.namespace
     swa = tree._swa
     mamba = tree._mamba
-    si = swa.index if swa is not None else -1
-    mi = mamba.index if mamba is not None else -1
+    si = swa.at if swa is not None else -1
+    mi = mamba.at if mamba is not None else -1
     window = swa.window if swa is not None else 0
     live = _INF  # SWA-live tokens since the last SWA tombstone
     swa_bound = mamba_bound = 0  # deepest boundary (bytes) each component accepts
@@ -136,7 +132,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         assert aux is not None
         ok = True
         if si >= 0:
-            if aux[si].value is None:
+            if aux[si] is None:
                 live = 0
                 ok = False
             else:
@@ -146,7 +142,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
                 else:
                     ok = False
         if mi >= 0:
-            if aux[mi].value is None:
+            if aux[mi] is None:
                 ok = False
             else:
                 mamba_bound = off
@@ -192,15 +188,13 @@ def set_branching(tree: TreeBase, res: MatchResult, swa_bound: int, mamba_bound:
         if b > mamba_bound >> 2:
             res.mamba_branching_seqlen = b
         if cow_node is not None and cow_node is not tree._root:
-            state = mamba.data(cow_node).value
+            state = mamba.value(cow_node)
             assert state is not None
             res.mamba_cow_slot = int(state[0])
 
 
 # ---------------------------------------------------------------------------- insert
 def _slot(value: Any, what: str) -> int:
-    if type(value) is int and value >= 0:
-        return value
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise InvalidInputError(f"{what} must be one state slot, got {value.numel()} values")
@@ -244,7 +238,10 @@ def check_insert_args(
     if swa_value is not None:
         if "swa" not in names:
             raise InvalidInputError("swa_value given but the tree has no SWA component")
-        swa_slots = as_slots(swa_value, "swa_value")
+        if type(swa_value) is np.ndarray and swa_value.dtype is _INT64 and swa_value.ndim == 1:
+            swa_slots = swa_value  # as_slots' usual case, inline
+        else:
+            swa_slots = as_slots(swa_value, "swa_value")
         if len(swa_slots) != total:
             raise InvalidInputError(
                 f"swa_value has {len(swa_slots)} slots but the key has {total} tokens"
@@ -259,7 +256,10 @@ def check_insert_args(
     if mamba_value is not None:
         if "mamba" not in names:
             raise InvalidInputError("mamba_value given but the tree has no Mamba component")
-        state = _slot(mamba_value, "mamba_value")
+        if type(mamba_value) is int and mamba_value >= 0:
+            state = mamba_value  # _slot's usual case, inline
+        else:
+            state = _slot(mamba_value, "mamba_value")
     return swa_slots, floor, state
 
 
@@ -295,9 +295,9 @@ def insert(
     # The LRU refresh of touch_aux, gathered on the way down: the SWA data of the path nodes
     # ending past ``near`` (within window + page of the end, where the insert ends), top first.
     near = end
-    swa_near: list[CompData] = []
+    swa_near: list[list[Any]] = []
     if swa is not None:
-        si = swa.index
+        si = swa.at
         recover_from = max(floor_a, n_tok - swa.window_span)
         res.component_frees["swa"] = swa_frees
         near = end - (swa.window + ps) * 4
@@ -353,7 +353,7 @@ def insert(
             if swa_slots is not None:
                 aux = child.aux
                 assert aux is not None and swa is not None
-                live = aux[si].value
+                live = aux[si]
                 if live is None:
                     if sb > sa:  # keep the frees in position order
                         swa_frees.append(swa_slots[sa:sb])
@@ -381,7 +381,7 @@ def insert(
         if off > near:
             aux = child.aux
             assert aux is not None
-            swa_near.append(aux[si])
+            swa_near.append(aux)
     tree._clock = clock
     if fb > fa:
         frees.append(slots[fa:fb])
@@ -408,28 +408,31 @@ def insert(
         # New values join their LRU only once stamped: the newest entry of a heap costs one
         # comparison to push, and eviction has nothing to re-file.
         clock = tree._clock
-        for sd in swa_near:
-            if sd.value is not None:
-                clock += 1
-                sd.stamp = clock
+        if swa_near:
+            st = si + STAMP
+            for aux in swa_near:
+                if aux[si] is not None:
+                    clock += 1
+                    aux[st] = clock
         if mamba is not None:
             aux = node.aux
             assert aux is not None
-            d = aux[mamba.index]
-            if d.value is not None:
+            mv = mamba.at
+            v = aux[mv]
+            if v is not None:
                 res.mamba_exist = True
-                if state is not None and int(d.value[0]) != state:
+                if state is not None and int(v[0]) != state:
                     mamba_frees.append(state_slot(state))
                 clock += 1
-                d.stamp = clock
+                aux[mv + STAMP] = clock
             elif state is not None:
-                d.value = state_slot(state)
+                aux[mv] = state_slot(state)
                 clock += 1
-                d.stamp = clock
+                aux[mv + STAMP] = clock
                 if fresh:
                     # refresh_aux on a new leaf (unlocked, nothing in flight, SWA already
                     # counted): the state becomes evictable and joins the Mamba LRU.
-                    d.acct = 1
+                    aux[mv + ACCT] = 1
                     mamba.evictable += 1
                     mamba.queue.push(node)
                 else:
@@ -458,24 +461,26 @@ def _swa_overlap(
 ) -> None:
     """The caller's SWA slots over an already cached span ``[lo, hi)`` of ``child``: duplicates
     are freed; an in-window SWA tombstone is recovered from them instead."""
-    d = swa.data(child)
+    aux = child.aux
+    assert aux is not None
+    at = swa.at
     s_lo = max(lo, floor)  # below the floor the caller has no SWA slots any more
-    if d.value is None:
+    if aux[at] is None:
         r = _ceil_page(max(lo, recover_from), tree.page_size)
         if r < hi:
             if s_lo < r:
                 swa_frees.append(swa_slots[s_lo:r])
             if r > pos:
                 tree._split(child, (r - pos) * 4)  # child keeps the recovered suffix
-            d.value = frozen(swa_slots[r:hi])
+            aux[at] = frozen(swa_slots[r:hi])
             assert child.value is not None
-            adopted.append((child.value, d.value))
+            adopted.append((child.value, aux[at]))
             refresh_aux(tree, child)
         elif s_lo < hi:
             swa_frees.append(swa_slots[s_lo:hi])
     elif s_lo < hi:
         mine = swa_slots[s_lo:hi]
-        own = d.value[s_lo - pos :]
+        own = aux[at][s_lo - pos :]
         if mine[0] != own[0] or not np.array_equal(mine, own):
             swa_frees.append(mine)
 
@@ -493,7 +498,7 @@ def _commit_tail(
     floor_a: int,
     swa_frees: list[np.ndarray],
     near: int,
-    swa_near: list[CompData],
+    swa_near: list[list[Any]],
     queued: list[Node],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
@@ -505,7 +510,7 @@ def _commit_tail(
     live = None
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
-        assert swa.index == 0  # the aux lists below put SWA first
+        assert swa.at == 0  # the new aux lists below put SWA first
         live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
             cuts.append(live_from)
@@ -527,7 +532,7 @@ def _commit_tail(
     ns = key.namespace
     full = slots[start:n_tok].copy()  # frozen(): one copy; the segments are read-only views
     full.setflags(write=False)
-    two = len(tree._aux) == 2
+    empty = tree._aux_empty
     nodes = tree._nodes
     ids = tree._ids
     tick = tree._clock
@@ -555,17 +560,17 @@ def _commit_tail(
             tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
-            d = CompData(live if one else live[a - start : b - start])
-            d.acct = 1  # counted and queued as evictable
+            leaf.aux = aux = empty[:]
+            aux[0] = live if one else live[a - start : b - start]
+            aux[ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
-            leaf.aux = [d, CompData()] if two else [d]
             if b * 4 > near:
-                swa_near.append(d)
+                swa_near.append(aux)
                 queued.append(leaf)
             else:
                 swa.queue.push(leaf)
-        elif tree._aux:
-            leaf.aux = [CompData(), CompData()] if two else [CompData()]
+        elif empty:
+            leaf.aux = empty[:]
         node = leaf
         a = b
         ck = data[a * 4 : a * 4 + pb]
@@ -618,7 +623,7 @@ def _free_aux(c: Component, n: Node, res: EvictResult) -> None:
 def _tombstone(tree: TreeBase, n: Node, trigger: Component, res: EvictResult) -> None:
     """Drop ``trigger``'s value on ``n`` and, by cascade, every lower-priority component's."""
     for c in tree._aux:
-        if c.priority <= trigger.priority and c.data(n).value is not None:
+        if c.priority <= trigger.priority and c.value(n) is not None:
             _free_aux(c, n, res)
     refresh_aux(tree, n)
 
@@ -653,39 +658,37 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         aux = n.aux
         assert aux is not None
         if swa is not None:
-            d = aux[swa.index]
-            v = d.value
+            at = swa.at
+            v = aux[at]
             if v is not None:
-                assert d.lock_ref == 0
-                d.value = None
+                assert aux[at + LOCK] == 0
+                aux[at] = None
                 swa_frees.append(v)
                 res.swa_num_evicted += len(v)
-            if d.acct:
-                if d.acct == 1:
+            acct = aux[at + ACCT]
+            if acct:
+                if acct == 1:
                     swa.evictable -= len(n.key) >> 2
                 else:
                     swa.protected -= len(n.key) >> 2
-                d.acct = 0
-            if d.qe is not None:  # swa.queue.discard(n), inline
-                d.qe = None
-                swa.queue._live -= 1
+                aux[at + ACCT] = 0
+            swa.queue.discard(n)
         if mamba is not None:
-            d = aux[mamba.index]
-            v = d.value
+            at = mamba.at
+            v = aux[at]
             if v is not None:
-                assert d.lock_ref == 0
-                d.value = None
+                assert aux[at + LOCK] == 0
+                aux[at] = None
                 mamba_frees.append(v)
                 res.mamba_num_evicted += 1
-            if d.acct:
-                if d.acct == 1:
+            acct = aux[at + ACCT]
+            if acct:
+                if acct == 1:
                     mamba.evictable -= 1
                 else:
                     mamba.protected -= 1
-                d.acct = 0
-            if d.qe is not None:
-                d.qe = None
-                mamba.queue._live -= 1
+                aux[at + ACCT] = 0
+            mamba.queue.discard(n)
         tree._detach(n)
         if n.anchors:
             tree._move_anchors(n, parent)
@@ -698,7 +701,7 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
             or parent.children
             or parent.lock_ref
             or parent.pending
-            or all(d.value is not None for d in paux)
+            or all(paux[c.at] is not None for c in tree._aux)
         ):
             tree._refresh(parent)
             return
@@ -744,10 +747,6 @@ def release_swa(tree: TreeBase, token: int) -> None:
 
 
 def slots_of(tree: TreeBase, name: str) -> np.ndarray:
-    comp = next((c for c in tree._aux if c.name == name), None)
-    if comp is None:
-        raise InvalidInputError(
-            f"the tree has no component {name!r}; it has {[c.name for c in tree._aux]}"
-        )
-    parts = [v for n in tree.iter_nodes() if (v := comp.data(n).value) is not None]
+    comp = tree._component(name)
+    parts = [v for n in tree.iter_nodes() if (v := comp.value(n)) is not None]
     return np.concatenate(parts) if parts else EMPTY_SLOTS

@@ -1,8 +1,8 @@
 """The host (L2) tier of hybrid trees: host copies of the SWA and Mamba component values.
 
 A node backed up to host keeps, next to its FULL ``host_value``, a host copy of each component
-value it had on device when the backup was taken (``CompData.host_value``: one host SWA slot
-per token, or one host Mamba state slot). A component host copy exists only on a node with a
+value it had on device when the backup was taken (its ``HOST`` entry of ``Node.aux``: one host
+SWA slot per token, or one host Mamba state slot). A component host copy exists only on a node with a
 FULL host copy and goes with it (host eviction, deletion).
 
 * Match (behavior.md §1.3 step 2): two validator sets walk together. Device-or-host validators
@@ -26,6 +26,7 @@ import numpy as np
 
 from asynccache.errors import InvalidInputError
 from asynccache.tree.components.base import Component
+from asynccache.tree.components.layout import HOST
 from asynccache.tree.config import as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.hybrid import refresh_aux, set_branching, touch_aux
@@ -50,10 +51,13 @@ def split_host(tree: TreeBase, x: Node, p: Node, m: int) -> None:
     every part of ``x``'s in-flight op (the Mamba state stays on the suffix ``x``)."""
     swa = tree._swa
     if swa is not None:
-        dx = swa.data(x)
-        if dx.host_value is not None:
-            swa.data(p).host_value = dx.host_value[:m]
-            dx.host_value = dx.host_value[m:]
+        ax = x.aux
+        ap = p.aux
+        assert ax is not None and ap is not None
+        h = swa.at + HOST
+        if ax[h] is not None:
+            ap[h] = ax[h][:m]
+            ax[h] = ax[h][m:]
     if x.pending:
         parts = tree._pending[x.pending].aux
         if parts is not None:
@@ -70,8 +74,8 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
     ns = key.namespace
     swa = tree._swa
     mamba = tree._mamba
-    si = swa.index if swa is not None else -1
-    mi = mamba.index if mamba is not None else -1
+    si = swa.at if swa is not None else -1
+    mi = mamba.at if mamba is not None else -1
     window = swa.window if swa is not None else 0
     dlive = hlive = _INF  # SWA-live tokens since the last tombstone: device / device-or-host
     swa_bound = mamba_bound = 0  # deepest boundary (bytes) each component accepts (dev or host)
@@ -102,14 +106,14 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
         dev_ok = not blocked
         host_ok = True
         if si >= 0:
-            d = aux[si]
-            if d.value is None or blocked:
+            v = aux[si]
+            if v is None or blocked:
                 dlive = 0
                 dev_ok = False
             else:
                 dlive += ntok
                 dev_ok = dev_ok and dlive >= window
-            if d.value is None and d.host_value is None:
+            if v is None and aux[si + HOST] is None:
                 hlive = 0
                 host_ok = False
             else:
@@ -119,10 +123,10 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
                 else:
                     host_ok = False
         if mi >= 0:
-            d = aux[mi]
-            if d.value is None or blocked:
+            v = aux[mi]
+            if v is None or blocked:
                 dev_ok = False
-            if d.value is None and d.host_value is None:
+            if v is None and aux[mi + HOST] is None:
                 host_ok = False
             else:
                 mamba_bound = off
@@ -217,7 +221,7 @@ def backup_parts(tree: HostTier, n: Node, op: _PendingOp) -> dict[str, np.ndarra
     out: dict[str, np.ndarray] = {}
     parts: dict[str, set[int]] = {}
     for c in tree._aux:
-        v = c.data(n).value
+        v = c.value(n)
         if v is not None:
             out[c.name] = v
             parts[c.name] = {n.id}
@@ -255,23 +259,29 @@ def attach_backup(tree: HostTier, op: _PendingOp, stored: dict[str, np.ndarray])
         slots = stored.get(c.name)
         if slots is None:
             continue
+        h = c.at + HOST
         if c.name == "mamba":
-            c.data(op.fragments[-1]).host_value = slots  # the state stays on the suffix
+            aux = op.fragments[-1].aux  # the state stays on the suffix
+            assert aux is not None
+            aux[h] = slots
             continue
         ids = (op.aux or {})[c.name]
         pos = 0
         for f in op.fragments:
             if f.id in ids:
-                c.data(f).host_value = slots[pos : pos + f.ntok]
+                aux = f.aux
+                assert aux is not None
+                aux[h] = slots[pos : pos + f.ntok]
                 pos += f.ntok
 
 
 # ---------------------------------------------------------------------------- eviction
 def _free_device(c: Component, n: Node, res: EvictResult) -> None:
-    d = c.data(n)
-    value = d.value
+    aux = n.aux
+    assert aux is not None
+    value = aux[c.at]
     assert value is not None
-    d.value = None
+    aux[c.at] = None
     res.component_frees[c.name].append(value)
     if c.name == "swa":
         res.swa_num_evicted += len(value)
@@ -281,11 +291,13 @@ def _free_device(c: Component, n: Node, res: EvictResult) -> None:
 
 def drop_host_parts(n: Node, comps: tuple[Component, ...], out: dict[str, list[np.ndarray]]) -> None:
     """``n`` loses its FULL host copy: its component host copies go too (into ``out``)."""
+    aux = n.aux
+    assert aux is not None
     for c in comps:
-        d = c.data(n)
-        if d.host_value is not None:
-            out.setdefault(c.name, []).append(d.host_value)
-            d.host_value = None
+        h = c.at + HOST
+        if aux[h] is not None:
+            out.setdefault(c.name, []).append(aux[h])
+            aux[h] = None
 
 
 def _strip(tree: HostTier, top: Node, res: EvictResult) -> None:
@@ -295,7 +307,7 @@ def _strip(tree: HostTier, top: Node, res: EvictResult) -> None:
         n = stack.pop()
         stack.extend(n.children.values())
         for c in tree._aux:
-            if c.data(n).value is not None:
+            if c.value(n) is not None:
                 _free_device(c, n, res)
             c.refresh(n, False)
         drop_host_parts(n, tree._aux, res.component_host_frees)
@@ -320,7 +332,7 @@ def delete_subtree(tree: HostTier, top: Node, res: EvictResult) -> None:
             or parent.pending
             or parent.host_lock_ref
             or parent.host_value is not None
-            or all(d.value is not None or d.host_value is not None for d in paux)
+            or all(paux[c.at] is not None or paux[c.at + HOST] is not None for c in tree._aux)
         ):
             return
         tree._queues[DLEAF].discard(parent)
@@ -330,7 +342,7 @@ def delete_subtree(tree: HostTier, top: Node, res: EvictResult) -> None:
 def demote(tree: HostTier, n: Node, res: EvictResult) -> None:
     """The backed-up device leaf ``n`` goes host only: its device component values are freed."""
     for c in tree._aux:
-        if c.data(n).value is not None:
+        if c.value(n) is not None:
             _free_device(c, n, res)
     refresh_aux(tree, n)
     tree._demote(n, res)
@@ -370,7 +382,7 @@ def evict(tree: HostTier, num_tokens: int, swa_num_tokens: int, mamba_num: int) 
                 delete_subtree(tree, n, res)
             else:  # tombstone c and every lower-priority component (host copies stay)
                 for o in tree._aux:
-                    if o.priority <= c.priority and o.data(n).value is not None:
+                    if o.priority <= c.priority and o.value(n) is not None:
                         _free_device(o, n, res)
                 refresh_aux(tree, n)
     return res
@@ -386,12 +398,8 @@ def drop(tree: HostTier, n: Node) -> EvictResult:
 
 
 def host_slots_of(tree: TreeBase, name: str) -> np.ndarray:
-    comp = next((c for c in tree._aux if c.name == name), None)
-    if comp is None:
-        raise InvalidInputError(
-            f"the tree has no component {name!r}; it has {[c.name for c in tree._aux]}"
-        )
-    parts = [v for n in tree.iter_nodes() if (v := comp.data(n).host_value) is not None]
+    comp = tree._component(name)
+    parts = [v for n in tree.iter_nodes() if (v := comp.host_value(n)) is not None]
     return np.concatenate(parts) if parts else EMPTY_SLOTS
 
 
@@ -418,13 +426,13 @@ def _load_plan(tree: HostTier, node: Node) -> tuple[list[Node], dict[str, list[N
             break
         ok = True
         if swa is not None:
-            if swa.data(n).value is None:
+            if swa.value(n) is None:
                 live = 0
                 ok = False
             else:
                 live += n.ntok
                 ok = live >= window
-        if mamba is not None and mamba.data(n).value is None:
+        if mamba is not None and mamba.value(n) is None:
             ok = False
         if ok:
             ok_upto = i + 1
@@ -432,11 +440,12 @@ def _load_plan(tree: HostTier, node: Node) -> tuple[list[Node], dict[str, list[N
     parts: dict[str, list[Node]] = {"full": [n for n in below if n.value is None]}
     if swa is not None:
         parts["swa"] = [
-            n for n in below if swa.data(n).value is None and swa.data(n).host_value is not None
+            n for n in below if swa.value(n) is None and swa.host_value(n) is not None
         ]
     if mamba is not None:
-        d = mamba.data(node)
-        loadable = node in below and d.value is None and d.host_value is not None
+        loadable = (
+            node in below and mamba.value(node) is None and mamba.host_value(node) is not None
+        )
         parts["mamba"] = [node] if loadable else []
     need = {id(n) for nodes in parts.values() for n in nodes}
     top = next((i for i, n in enumerate(below) if id(n) in need), None)
@@ -513,12 +522,13 @@ def start_load_back(
         pos = 0
         fulls = []
         for f in nodes:
-            d = c.data(f)
+            aux = f.aux
+            assert aux is not None
             k = 1 if c.name == "mamba" else f.ntok
-            d.value = slots[pos : pos + k]
+            aux[c.at] = slots[pos : pos + k]
             pos += k
-            assert d.host_value is not None and f.value is not None
-            host.setdefault(c.name, []).append(d.host_value)
+            assert aux[c.at + HOST] is not None and f.value is not None
+            host.setdefault(c.name, []).append(aux[c.at + HOST])
             fulls.append(f.value)
         if c.name == "swa":
             pairs = (_concat(fulls), slots)
@@ -562,14 +572,16 @@ def abort_load_back(tree: HostTier, op: _PendingOp) -> list[np.ndarray]:
     tree._dec(op.fragments[-1])
     frees: list[np.ndarray] = []
     for f in reversed(op.fragments):
+        aux = f.aux
+        assert aux is not None
         for c in tree._aux:
             if f.id in parts.get(c.name, ()):
-                c.data(f).value = None
+                aux[c.at] = None
         if f.id in parts.get("full", ()):
             assert not f.dchildren and not f.lock_ref and f.value is not None
             # Nothing builds on a loading node (inserts stop before it), so only what the load
             # gave it is there.
-            assert all(c.data(f).value is None for c in tree._aux)
+            assert all(aux[c.at] is None for c in tree._aux)
             frees.append(tree._drop_device_value(f))
     for f in op.fragments:
         tree._refresh(f)

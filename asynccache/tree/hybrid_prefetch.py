@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asynccache.tree.components.base import CompData
+from asynccache.tree.components.layout import HOST
 from asynccache.tree.events import Medium
 from asynccache.tree.hybrid import refresh_aux
 from asynccache.tree.keys import RadixKey
@@ -36,9 +36,9 @@ def _new_leaf(tree: HostTier, parent: Node, key: RadixKey, a: int, b: int, start
     leaf.host_value = frozen(slots[a - start : b - start])
     leaf.creation = leaf.last_access = tree._tick()
     leaf.hit_count = 1
-    leaf.aux = [CompData() for _ in tree._aux]
+    leaf.aux = tree._aux_empty[:]
     if swa is not None and tree._swa is not None:
-        leaf.aux[tree._swa.index].host_value = frozen(swa[a - start : b - start])
+        leaf.aux[tree._swa.at + HOST] = frozen(swa[a - start : b - start])
     parent.children[tree._child_key(parent, data[a * 4 : a * 4 + tree._pb],
                                     key.namespace)] = leaf
     tree._host_size += b - a
@@ -92,9 +92,10 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
                 res.device_frees.append(span)
             if swa is not None and swa_c is not None:
                 mine = swa[lo - start : hi - start]
-                d = swa_c.data(child)
-                if adopt and lo >= swa_from and d.host_value is None:
-                    d.host_value = frozen(mine)
+                aux = child.aux
+                assert aux is not None
+                if adopt and lo >= swa_from and aux[swa_c.at + HOST] is None:
+                    aux[swa_c.at + HOST] = frozen(mine)
                 elif (mine >= 0).any():
                     swa_dups.append(mine[mine >= 0])
         node = child
@@ -111,10 +112,12 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         one = state_slot(state)
         mamba = tree._mamba
         assert mamba is not None
+        aux = node.aux
+        assert aux is not None
         if node is not tree._root and node.host_value is not None and (
-            mamba.data(node).host_value is None
+            aux[mamba.at + HOST] is None
         ):
-            mamba.data(node).host_value = one
+            aux[mamba.at + HOST] = one
         else:
             state_dups.append(one)
     if node is not tree._root:

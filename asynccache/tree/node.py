@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from asynccache.tree.keys import Namespace
-
-if TYPE_CHECKING:
-    from asynccache.tree.components.base import CompData
 
 # Queue slots of a node (index into Node.qe): evictable device leaf, evictable host leaf,
 # reclaimable host duplicate (on device and on host).
@@ -24,7 +21,8 @@ class Node:
     ``key`` holds whole pages of tokens as uint32 bytes. ``value`` holds the device slot of
     each token (None when the node was demoted to host only); ``host_value`` the host slots
     (None when not backed up). Slot arrays are read-only numpy int64 arrays owned by the tree.
-    ``aux`` holds the auxiliary components' data (SWA, Mamba) in hybrid trees, else None.
+    ``aux`` holds the auxiliary components' entries (SWA, Mamba) in hybrid trees, one flat list
+    laid out as :mod:`asynccache.tree.components.layout` says; else None.
     """
 
     __slots__ = (
@@ -75,7 +73,7 @@ class Node:
         # nodes go last).
         self.anchors: list[int] | None = None
         self.sref = 0
-        self.aux: list[CompData] | None = None  # auxiliary components (hybrid trees only)
+        self.aux: list[Any] | None = None  # auxiliary components (hybrid trees only)
 
     @property
     def ntok(self) -> int:

@@ -100,9 +100,11 @@ def kv_digest(cache: Any) -> str:
     for n in sorted(cache.tree.iter_nodes(), key=lambda n: n.id):
         parts = [(cache.device_pool, n.value), (cache.host_pool, n.host_value)]
         if n.aux:
-            swa, mamba = n.aux
-            parts += [(hy.swa_pool, swa.value), (tier.swa_host, swa.host_value)]
-            for pool, v in ((hy.mamba_pool, mamba.value), (tier.mamba_host, mamba.host_value)):
+            tree = cache.tree
+            parts += [(hy.swa_pool, tree.component_slots_of(n.id, "swa")),
+                      (tier.swa_host, tree.component_host_slots_of(n.id, "swa"))]
+            for pool, v in ((hy.mamba_pool, tree.component_slots_of(n.id, "mamba")),
+                            (tier.mamba_host, tree.component_host_slots_of(n.id, "mamba"))):
                 if v is not None:
                     h.update(pool.states.index_select(0, torch.from_numpy(v.copy()))
                              .contiguous().view(torch.uint8).numpy().tobytes())

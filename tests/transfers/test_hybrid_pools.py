@@ -71,7 +71,7 @@ def test_a_hybrid_tree_and_the_slot_map_stay_in_balance() -> None:
         assert m.full.used_size == tree.device_size + caller
         assert m.swa.used_size == len(tree.component_slots("swa"))
         for n in tree.iter_nodes():
-            swa = n.aux[0].value
+            swa = tree.component_slots_of(n.id, "swa")
             if swa is not None:
                 assert m.full_to_swa[n.value].tolist() == swa.tolist()
 

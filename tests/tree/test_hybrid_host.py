@@ -27,10 +27,12 @@ def node_at(tree: RadixTree, tokens: list[int]) -> Any:
 
 def comp(tree: RadixTree, tokens: list[int], name: str) -> tuple[Any, Any]:
     """(device slots, host slots) of a component on the node ending at ``tokens``."""
-    d = node_at(tree, tokens).aux[tree.components.index(name) - 1]
+    nid = node_at(tree, tokens).id
+    dev = tree.component_slots_of(nid, name)
+    host = tree.component_host_slots_of(nid, name)
     return (
-        None if d.value is None else d.value.tolist(),
-        None if d.host_value is None else d.host_value.tolist(),
+        None if dev is None else dev.tolist(),
+        None if host is None else host.tolist(),
     )
 
 

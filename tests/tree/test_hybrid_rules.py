@@ -14,12 +14,12 @@ def nodes(tree: RadixTree) -> list[tuple[list[int], bool, bool]]:
     out = []
     for n in tree.iter_nodes():
         full = tree.node_key(n.id).tokens
-        aux = dict(zip(tree.components[1:], n.aux, strict=True))
+        names = tree.components[1:]
         out.append((
             list(full),
             list(full[len(full) - n.ntok :]),
-            "swa" in aux and aux["swa"].value is not None,
-            "mamba" in aux and aux["mamba"].value is not None,
+            "swa" in names and tree.component_slots_of(n.id, "swa") is not None,
+            "mamba" in names and tree.component_slots_of(n.id, "mamba") is not None,
         ))
     out.sort(key=lambda t: (len(t[0]), t[0]))
     return [t[1:] for t in out]
@@ -30,7 +30,7 @@ def node_at(tree: RadixTree, tokens: list[int]):
 
 
 def swa_of(tree: RadixTree, tokens: list[int]) -> list[int] | None:
-    v = node_at(tree, tokens).aux[0].value
+    v = tree.component_slots_of(node_at(tree, tokens).id, "swa")
     return None if v is None else v.tolist()
 
 
@@ -384,7 +384,7 @@ def test_component_accepts_hooks_agree_with_the_inline_match_walk() -> None:
         live, depth, best = 1 << 62, 0, 0
         for n in reversed(path):
             depth += n.ntok
-            live = live + n.ntok if n.aux[swa.index].value is not None else 0
+            live = live + n.ntok if swa.value(n) is not None else 0
             if swa.accepts(n, live) and mamba.accepts(n, live):
                 best = depth
         assert m.device_prefix_len == best, probe

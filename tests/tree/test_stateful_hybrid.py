@@ -375,15 +375,15 @@ class HybridMachine(RuleBasedStateMachine):
             key = self.tree.node_key(node.id)
             toks = tuple(key.tokens)
             ns = key.namespace.extra_key
-            aux = dict(zip(names, node.aux or [], strict=True))
+            aux = {name: self.tree.component_slots_of(node.id, name) for name in names}
             start = len(toks) - node.ntok
             for k in range(node.ntok):
                 pos = self._pos(ns, toks, start + k)
                 full[pos] = int(node.value[k])
-                if "swa" in aux and aux["swa"].value is not None:
-                    swa[pos] = int(aux["swa"].value[k])
-            if "mamba" in aux and aux["mamba"].value is not None:
-                state[(ns, toks)] = int(aux["mamba"].value[0])
+                if aux.get("swa") is not None:
+                    swa[pos] = int(aux["swa"][k])
+            if aux.get("mamba") is not None:
+                state[(ns, toks)] = int(aux["mamba"][0])
         assert full == self.full
         assert swa == self.swa
         assert state == self.state

@@ -286,8 +286,9 @@ class HostHybridMachine(RuleBasedStateMachine):
             start = len(key) - n.ntok
             want = [key[: start + j + 1] for j in range(n.ntok)]
             parts = [("full", n.value), ("hfull", n.host_value)]
-            for name, d in zip(names, n.aux, strict=True):
-                parts += [(name, d.value), (HOST[name], d.host_value)]
+            for name in names:
+                parts += [(name, self.tree.component_slots_of(n.id, name)),
+                          (HOST[name], self.tree.component_host_slots_of(n.id, name))]
             for pool, slots in parts:
                 if slots is None:
                     continue

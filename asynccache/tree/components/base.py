@@ -3,9 +3,9 @@
 FULL attention is the tree's primary component and is built into :mod:`asynccache.tree.tree`
 (its value is ``Node.value``; its eviction queue is the policy-ordered device-leaf queue).
 Auxiliary components (sliding-window attention, Mamba state) plug in through
-:class:`Component`: each keeps one :class:`CompData` per node in ``Node.aux[index]`` and
-provides the hooks the hybrid walks call — a match validator (``accepts``), split redistribution,
-lock acquire / release, the LRU refresh after a match or insert, and tombstoning (dropping its
+:class:`Component`: each keeps its per-node entries in ``Node.aux[at : at + WIDTH]`` (see
+:mod:`~asynccache.tree.components.layout`) and provides the hooks the hybrid walks call — a
+match validator (``accepts``), split redistribution, lock acquire / release, the LRU refresh after a match or insert, and tombstoning (dropping its
 value while the node stays). Insert overlap and commit are component-specific and live in the
 hybrid insert (:mod:`asynccache.tree.hybrid`), which asks the component for its rules.
 
@@ -19,34 +19,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from asynccache.tree.components.layout import ACCT, HOST, LOCK, QE, WIDTH
 from asynccache.tree.components.lru import LruQueue
 
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
-
-
-class CompData:
-    """One auxiliary component's state on one node.
-
-    ``value``: read-only int64 slot array (None is a *tombstone*: evicted, structure kept).
-    ``lock_ref``: pins. ``stamp``: the component's own LRU clock value. ``qe``: live LRU queue
-    entry. ``acct``: how the value is counted: 0 not at all, 1 evictable, 2 protected.
-    ``host_value``: the host copy of the value (trees with a host tier; None: not backed up).
-    """
-
-    __slots__ = ("acct", "host_value", "lock_ref", "qe", "stamp", "value")
-
-    def __init__(self, value: np.ndarray | None = None, stamp: int = 0) -> None:
-        self.value = value
-        self.lock_ref = 0
-        self.stamp = stamp
-        self.qe: tuple[int, int, Node] | None = None
-        self.acct = 0
-        self.host_value: np.ndarray | None = None
-
-    def __repr__(self) -> str:
-        v = "tomb" if self.value is None else f"{len(self.value)} slots"
-        return f"CompData({v}, lock={self.lock_ref})"
 
 
 class Component:
@@ -56,9 +33,10 @@ class Component:
     priority: ClassVar[int] = 0
 
     def __init__(self, index: int, page_size: int) -> None:
-        self.index = index
+        self.index = index  # its position among the tree's components
+        self.at = index * WIDTH  # where its entries start in Node.aux
         self.page_size = page_size
-        self.queue = LruQueue(index)
+        self.queue = LruQueue(self.at)
         self.evictable = 0  # units (tokens or states) eviction may free
         self.protected = 0  # units pinned by locks
 
@@ -73,8 +51,8 @@ class Component:
         it and evaluates the same rules inline)."""
         raise NotImplementedError
 
-    def split(self, x: Node, p: Node, m: int) -> CompData:
-        """``x`` loses its first ``m`` tokens to the new prefix ``p``; return ``p``'s data."""
+    def split(self, x: Node, p: Node, m: int) -> None:
+        """``x`` loses its first ``m`` tokens to the new prefix ``p``: fill ``p``'s entries."""
         raise NotImplementedError
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
@@ -87,10 +65,19 @@ class Component:
         raise NotImplementedError
 
     # -------------------------------------------------------------- shared mechanics
-    def data(self, node: Node) -> CompData:
+    def value(self, node: Node) -> np.ndarray | None:
+        """This component's device slots on ``node`` (None: a tombstone)."""
         aux = node.aux
         assert aux is not None
-        return aux[self.index]
+        v: np.ndarray | None = aux[self.at]
+        return v
+
+    def host_value(self, node: Node) -> np.ndarray | None:
+        """This component's host slots on ``node`` (None: no host copy)."""
+        aux = node.aux
+        assert aux is not None
+        v: np.ndarray | None = aux[self.at + HOST]
+        return v
 
     def refresh(self, node: Node, blocked: bool) -> None:
         """Recount ``node``'s value and put it in the LRU queue iff it can be evicted now.
@@ -100,36 +87,39 @@ class Component:
         """
         aux = node.aux
         assert aux is not None
-        d = aux[self.index]
-        if d.value is None:
+        at = self.at
+        if aux[at] is None:
             want = 0
-        elif d.lock_ref:
+        elif aux[at + LOCK]:
             want = 2
         else:
             want = 1
-        if want != d.acct:
+        have = aux[at + ACCT]
+        if want != have:
             k = self.units(node)
-            if d.acct == 1:
+            if have == 1:
                 self.evictable -= k
-            elif d.acct == 2:
+            elif have == 2:
                 self.protected -= k
             if want == 1:
                 self.evictable += k
             elif want == 2:
                 self.protected += k
-            d.acct = want
+            aux[at + ACCT] = want
         if want == 1 and not blocked and node.pending == 0:
-            if d.qe is None:
+            if aux[at + QE] is None:
                 self.queue.push(node)
-        elif d.qe is not None:
+        elif aux[at + QE] is not None:
             self.queue.discard(node)
 
     def drop_value(self, node: Node) -> np.ndarray:
         """Tombstone this component on ``node``; returns the freed slots (the caller refreshes)."""
-        d = self.data(node)
-        value = d.value
-        assert value is not None and d.lock_ref == 0
-        d.value = None
+        aux = node.aux
+        assert aux is not None
+        at = self.at
+        value: np.ndarray | None = aux[at]
+        assert value is not None and aux[at + LOCK] == 0
+        aux[at] = None
         return value
 
     def reset(self) -> None:

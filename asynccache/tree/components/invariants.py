@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from asynccache.tree.components.layout import LOCK, WIDTH
 from asynccache.tree.node import Node
 
 if TYPE_CHECKING:
@@ -53,52 +54,52 @@ def check_components(tree: RadixTree) -> None:
         host_held: list[np.ndarray] = []
         for n in nodes.values():
             aux = n.aux
-            if aux is None or len(aux) != len(comps):
+            if aux is None or len(aux) != len(comps) * WIDTH:
                 _fail(f"node {n.id} has no data for every component")
                 return
-            d = aux[c.index]
+            value, lock_ref, _, qe, acct, host_value = aux[c.at : c.at + WIDTH]
             if n is root:
-                if d.value is not None or d.host_value is not None or d.lock_ref or d.qe:
+                if value is not None or host_value is not None or lock_ref or qe:
                     _fail(f"the root holds {c.name} state")
                 continue
-            if d.lock_ref != expect[i].get(n.id, 0):
-                _fail(f"node {n.id} {c.name} lock_ref {d.lock_ref} != {expect[i].get(n.id, 0)}")
-            if d.lock_ref > n.lock_ref:
+            if lock_ref != expect[i].get(n.id, 0):
+                _fail(f"node {n.id} {c.name} lock_ref {lock_ref} != {expect[i].get(n.id, 0)}")
+            if lock_ref > n.lock_ref:
                 _fail(f"node {n.id} is {c.name}-locked more than FULL-locked")
-            if d.value is not None:
+            if value is not None:
                 if n.value is None:
                     _fail(f"node {n.id} holds {c.name} without FULL KV")
                 want_len = n.ntok if c.name == "swa" else 1
-                if len(d.value) != want_len or d.value.dtype != np.int64:
-                    _fail(f"node {n.id} has {len(d.value)} {c.name} slots, want {want_len}")
-                if d.value.flags.writeable:
+                if len(value) != want_len or value.dtype != np.int64:
+                    _fail(f"node {n.id} has {len(value)} {c.name} slots, want {want_len}")
+                if value.flags.writeable:
                     _fail(f"node {n.id} {c.name} slots are writeable")
-                held.append(d.value)
+                held.append(value)
                 units = c.units(n)
-                if d.lock_ref:
+                if lock_ref:
                     protected += units
                 else:
                     evictable += units
-            elif c.name == "mamba" and d.lock_ref:
+            elif c.name == "mamba" and lock_ref:
                 _fail(f"node {n.id} has a Mamba pin but no state")
-            if d.host_value is not None:
+            if host_value is not None:
                 if n.host_value is None:
                     _fail(f"node {n.id} holds a host copy of {c.name} without a FULL host copy")
                 want_len = n.ntok if c.name == "swa" else 1
-                if len(d.host_value) != want_len or d.host_value.dtype != np.int64:
-                    _fail(f"node {n.id} has {len(d.host_value)} {c.name} host slots, want "
+                if len(host_value) != want_len or host_value.dtype != np.int64:
+                    _fail(f"node {n.id} has {len(host_value)} {c.name} host slots, want "
                           f"{want_len}")
-                if d.host_value.flags.writeable:
+                if host_value.flags.writeable:
                     _fail(f"node {n.id} {c.name} host slots are writeable")
-                host_held.append(d.host_value)
-            want_acct = 0 if d.value is None else (2 if d.lock_ref else 1)
-            if d.acct != want_acct:
-                _fail(f"node {n.id} {c.name} counted in class {d.acct}, not {want_acct}")
+                host_held.append(host_value)
+            want_acct = 0 if value is None else (2 if lock_ref else 1)
+            if acct != want_acct:
+                _fail(f"node {n.id} {c.name} counted in class {acct}, not {want_acct}")
             blocked = any(
-                o.priority < c.priority and aux[o.index].lock_ref for o in comps
+                o.priority < c.priority and aux[o.at + LOCK] for o in comps
             )
             want_q = want_acct == 1 and not blocked and n.pending == 0
-            if want_q != (d.qe is not None):
+            if want_q != (qe is not None):
                 _fail(f"node {n.id} {c.name} LRU membership is {not want_q}, want {want_q}")
             members += want_q
         if len(c.queue) != members:

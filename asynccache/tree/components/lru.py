@@ -1,7 +1,7 @@
 """An O(log n) least-recently-used queue of one component's per-node data.
 
-The same lazy-deletion idea as :mod:`asynccache.tree.queues`: the data remembers its live heap
-entry; a pop skips orphans; the heap is compacted when orphans outnumber live entries. No call
+The same lazy-deletion idea as :mod:`asynccache.tree.queues`: the node remembers its live heap
+entry (in its component's ``QE`` entry of ``Node.aux``); a pop skips orphans; the heap is compacted when orphans outnumber live entries. No call
 re-heaps all nodes.
 
 Recency refreshes are lazier still: stamps only grow, so touching a node just raises its stamp
@@ -15,6 +15,8 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
+from asynccache.tree.components.layout import QE, STAMP
+
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
 
@@ -22,10 +24,11 @@ if TYPE_CHECKING:
 class LruQueue:
     """Min-queue of nodes ordered by their component's access stamp."""
 
-    __slots__ = ("_heap", "_index", "_live", "_seq")
+    __slots__ = ("_heap", "_live", "_qe", "_seq", "_stamp")
 
-    def __init__(self, index: int) -> None:
-        self._index = index  # which entry of node.aux this queue orders
+    def __init__(self, at: int) -> None:
+        self._qe = at + QE  # where the component's entries of node.aux hold its queue entry
+        self._stamp = at + STAMP
         self._heap: list[tuple[int, int, Node]] = []
         self._live = 0
         self._seq = 0
@@ -34,63 +37,64 @@ class LruQueue:
         return self._live
 
     def push(self, node: Node) -> None:
-        """Add ``node`` or re-key it (its stamp changed) if it is already queued."""
-        assert node.aux is not None
-        d = node.aux[self._index]
-        if d.qe is None:
-            self._live += 1
+        """Queue ``node`` (not queued) under its current stamp."""
+        aux = node.aux
+        assert aux is not None and aux[self._qe] is None
+        self._live += 1
         self._seq += 1
-        entry = (d.stamp, self._seq, node)
-        d.qe = entry
+        entry = (aux[self._stamp], self._seq, node)
+        aux[self._qe] = entry
         heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * self._live + 64:
-            self._compact()
 
     def discard(self, node: Node) -> None:
-        assert node.aux is not None
-        d = node.aux[self._index]
-        if d.qe is not None:
-            d.qe = None
+        """Take ``node`` out (its entry becomes an orphan; only this makes orphans, so only
+        this compacts)."""
+        aux = node.aux
+        assert aux is not None
+        if aux[self._qe] is not None:
+            aux[self._qe] = None
             self._live -= 1
+            if len(self._heap) > 2 * self._live + 64:
+                self._compact()
 
     def pop(self) -> Node | None:
         """Remove and return the least recently used node, or None when empty."""
         heap = self._heap
-        i = self._index
+        qe = self._qe
         while heap:
             entry = heapq.heappop(heap)
             node = entry[2]
             aux = node.aux
             assert aux is not None
-            d = aux[i]
-            if d.qe is not entry:
+            if aux[qe] is not entry:
                 continue  # orphaned
-            if entry[0] != d.stamp:  # touched since it was filed: re-file, look again
+            stamp = aux[self._stamp]
+            if entry[0] != stamp:  # touched since it was filed: re-file, look again
                 self._seq += 1
-                fresh = (d.stamp, self._seq, node)
-                d.qe = fresh
+                fresh = (stamp, self._seq, node)
+                aux[qe] = fresh
                 heapq.heappush(heap, fresh)
                 continue
-            d.qe = None
+            aux[qe] = None
             self._live -= 1
             return node
         return None
 
     def clear(self) -> None:
-        i = self._index
+        qe = self._qe
         for entry in self._heap:
             aux = entry[2].aux
-            if aux is not None and aux[i].qe is entry:
-                aux[i].qe = None
+            if aux is not None and aux[qe] is entry:
+                aux[qe] = None
         self._heap = []
         self._live = 0
 
     def _compact(self) -> None:
-        i = self._index
+        qe = self._qe
         live: list[Any] = []
         for e in self._heap:
             aux = e[2].aux
-            if aux is not None and aux[i].qe is e:
+            if aux is not None and aux[qe] is e:
                 live.append(e)
         heapq.heapify(live)
         self._heap = live

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from asynccache.tree.components.base import CompData, Component
+from asynccache.tree.components.base import Component
+from asynccache.tree.components.layout import LOCK, STAMP
 
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
@@ -27,24 +28,28 @@ class MambaComponent(Component):
         return 1
 
     def accepts(self, node: Node, live: int) -> bool:
-        return self.data(node).value is not None
+        return self.value(node) is not None
 
-    def split(self, x: Node, p: Node, m: int) -> CompData:
+    def split(self, x: Node, p: Node, m: int) -> None:
         # The state describes the end of x, which the suffix keeps (with its pins).
-        aux = x.aux
-        assert aux is not None
-        return CompData(stamp=aux[self.index].stamp)
+        ax = x.aux
+        ap = p.aux
+        assert ax is not None and ap is not None
+        ap[self.at + STAMP] = ax[self.at + STAMP]
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
-        if node.parent is None or self.data(node).value is None:
+        aux = node.aux
+        assert aux is not None
+        if node.parent is None or aux[self.at] is None:
             return 0, []
-        self.data(node).lock_ref += 1
+        aux[self.at + LOCK] += 1
         return 1, [node]
 
     def unlock(self, node: Node, extent: int) -> list[Node]:
         if not extent:
             return []
-        d = self.data(node)
-        assert d.lock_ref > 0, f"node {node.id} is not Mamba-locked"
-        d.lock_ref -= 1
+        aux = node.aux
+        assert aux is not None
+        assert aux[self.at + LOCK] > 0, f"node {node.id} is not Mamba-locked"
+        aux[self.at + LOCK] -= 1
         return [node]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-from asynccache.tree.components.base import CompData, Component
+from asynccache.tree.components.base import Component
+from asynccache.tree.components.layout import ACCT, LOCK, STAMP
 
 if TYPE_CHECKING:
     from asynccache.tree.node import Node
@@ -30,19 +31,20 @@ class SWAComponent(Component):
         return len(node.key) >> 2
 
     def accepts(self, node: Node, live: int) -> bool:
-        return self.data(node).value is not None and live >= self.window
+        return self.value(node) is not None and live >= self.window
 
-    def split(self, x: Node, p: Node, m: int) -> CompData:
-        aux = x.aux
-        assert aux is not None
-        dx = aux[self.index]
-        dp = CompData(stamp=dx.stamp)
-        if dx.value is not None:
-            dp.value = dx.value[:m]
-            dx.value = dx.value[m:]
-        dp.lock_ref = dx.lock_ref
-        dp.acct = dx.acct  # the prefix's tokens keep the class they were counted in
-        return dp
+    def split(self, x: Node, p: Node, m: int) -> None:
+        ax = x.aux
+        ap = p.aux
+        assert ax is not None and ap is not None
+        at = self.at
+        v = ax[at]
+        if v is not None:
+            ap[at] = v[:m]
+            ax[at] = v[m:]
+        ap[at + LOCK] = ax[at + LOCK]
+        ap[at + STAMP] = ax[at + STAMP]
+        ap[at + ACCT] = ax[at + ACCT]  # the prefix's tokens keep the class they were counted in
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
         """Pin SWA on the nodes covering ``window`` tokens above ``node`` (tombstones included);
@@ -51,8 +53,11 @@ class SWAComponent(Component):
         span = 0
         pinned = []
         n = node
+        lock = self.at + LOCK
         while n.parent is not None and span < self.window:
-            self.data(n).lock_ref += 1
+            aux = n.aux
+            assert aux is not None
+            aux[lock] += 1
             pinned.append(n)
             span += len(n.key) >> 2
             n = n.parent
@@ -62,11 +67,12 @@ class SWAComponent(Component):
         changed = []
         n = node
         left = extent
+        lock = self.at + LOCK
         while left > 0:
-            assert n.parent is not None, "SWA lock span runs past the root"
-            d = self.data(n)
-            assert d.lock_ref > 0, f"node {n.id} is not SWA-locked"
-            d.lock_ref -= 1
+            aux = n.aux
+            assert n.parent is not None and aux is not None, "SWA lock span runs past the root"
+            assert aux[lock] > 0, f"node {n.id} is not SWA-locked"
+            aux[lock] -= 1
             changed.append(n)
             left -= len(n.key) >> 2
             n = n.parent
