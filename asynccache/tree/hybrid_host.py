@@ -2,8 +2,8 @@
 
 A node backed up to host keeps, next to its FULL ``host_value``, a host copy of each component
 value it had on device when the backup was taken (its ``HOST`` entry of ``Node.aux``: one host
-SWA slot per token, or one host Mamba state slot). A component host copy exists only on a node with a
-FULL host copy and goes with it (host eviction, deletion).
+SWA slot per token, or one host Mamba state slot). A component host copy exists only on a node
+with a FULL host copy and goes with it (host eviction, deletion).
 
 * Match (behavior.md §1.3 step 2): two validator sets walk together. Device-or-host validators
   (a component counts where it has a device *or* a host value) pick ``best_node``; device-only

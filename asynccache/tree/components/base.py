@@ -5,9 +5,10 @@ FULL attention is the tree's primary component and is built into :mod:`asynccach
 Auxiliary components (sliding-window attention, Mamba state) plug in through
 :class:`Component`: each keeps its per-node entries in ``Node.aux[at : at + WIDTH]`` (see
 :mod:`~asynccache.tree.components.layout`) and provides the hooks the hybrid walks call — a
-match validator (``accepts``), split redistribution, lock acquire / release, the LRU refresh after a match or insert, and tombstoning (dropping its
-value while the node stays). Insert overlap and commit are component-specific and live in the
-hybrid insert (:mod:`asynccache.tree.hybrid`), which asks the component for its rules.
+match validator (``accepts``), split redistribution, lock acquire / release, the LRU refresh
+after a match or insert, and tombstoning (dropping its value while the node stays). Insert
+overlap and commit are component-specific and live in the hybrid insert
+(:mod:`asynccache.tree.hybrid`), which asks the component for its rules.
 
 Eviction priority on internal nodes: FULL 2 > SWA 1 > Mamba 0. When a component's value is
 dropped from a node, every component of lower priority on that node goes too.

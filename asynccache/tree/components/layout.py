@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+# The value comes first, so the hot walks read it as ``aux[at]``.
 VALUE = 0  # read-only int64 slot array; None is a *tombstone* (evicted, structure kept)
 LOCK = 1  # pins
 STAMP = 2  # the component's own LRU clock value

@@ -1,8 +1,9 @@
 """An O(log n) least-recently-used queue of one component's per-node data.
 
 The same lazy-deletion idea as :mod:`asynccache.tree.queues`: the node remembers its live heap
-entry (in its component's ``QE`` entry of ``Node.aux``); a pop skips orphans; the heap is compacted when orphans outnumber live entries. No call
-re-heaps all nodes.
+entry (in its component's ``QE`` entry of ``Node.aux``); a pop skips orphans; a discard (the
+only way to make one) compacts the heap when orphans outnumber live entries. No call re-heaps
+all nodes.
 
 Recency refreshes are lazier still: stamps only grow, so touching a node just raises its stamp
 (O(1), no heap work). A pop that meets an entry whose key is older than the node's stamp re-files
