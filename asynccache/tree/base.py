@@ -178,7 +178,10 @@ class TreeBase:
         for c in self._aux:
             if c.name == name:
                 return c
-        raise InvalidInputError(f"the tree has no component {name!r}; it has {self.components}")
+        raise InvalidInputError(
+            f"the tree has no auxiliary component {name!r}; its auxiliary components are "
+            f"{[c.name for c in self._aux]} (FULL's slots are the node's own)"
+        )
 
     def component_slots(self, name: str) -> np.ndarray:
         """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset)."""

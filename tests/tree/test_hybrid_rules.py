@@ -390,3 +390,25 @@ def test_component_accepts_hooks_agree_with_the_inline_match_walk() -> None:
         assert m.device_prefix_len == best, probe
         accepted_somewhere += best > 0
     assert 0 < accepted_somewhere < len(probes)
+
+
+def test_component_slots_of_reads_one_node_and_rejects_bad_names_and_ids() -> None:
+    from asynccache.errors import UnknownNodeError
+
+    tree = RadixTree(page_size=1, sliding_window=4, mamba=True)
+    r = tree.insert(list(range(8)), np.arange(8), swa_value=np.arange(100, 108),
+                    component_evicted_seqlens={"swa": 4}, mamba_value=7)
+    tail = node_at(tree, list(range(8)))
+    head = node_at(tree, [0, 1, 2, 3])
+    assert r.last_node == tail.id
+    assert tree.component_slots_of(tail.id, "swa").tolist() == [104, 105, 106, 107]
+    assert tree.component_slots_of(tail.id, "mamba").tolist() == [7]
+    assert tree.component_slots_of(head.id, "swa") is None  # a tombstone from birth
+    assert tree.component_slots_of(head.id, "mamba") is None
+    assert tree.component_host_slots_of(tail.id, "swa") is None  # no host tier
+    with pytest.raises(InvalidInputError, match=r"no auxiliary component 'full'.*\['swa', 'mamba'\]"):
+        tree.component_slots_of(tail.id, "full")
+    with pytest.raises(InvalidInputError, match="no auxiliary component 'nope'"):
+        tree.component_host_slots_of(tail.id, "nope")
+    with pytest.raises(UnknownNodeError, match="no node with id 999"):
+        tree.component_slots_of(999, "swa")
