@@ -71,7 +71,13 @@ class TreeBase:
         key = policy_key(policy)
         if config.enable_sessions:
             key = sessions_last(key)
-        self._queues = (NodeQueue(DLEAF, key), NodeQueue(HLEAF, key), NodeQueue(HDUP, key))
+        # One node map for the tree's lifetime (a reset empties it): the queues find their
+        # entries' nodes in it.
+        self._nodes: dict[int, Node] = {}
+        nodes = self._nodes
+        self._queues = (
+            NodeQueue(DLEAF, key, nodes), NodeQueue(HLEAF, key, nodes), NodeQueue(HDUP, key, nodes)
+        )
         self._events = EventRecorder() if config.enable_kv_events else None
         self._eager_hashes = config.enable_page_hashes
         self._owner = threading.get_ident()
@@ -82,11 +88,12 @@ class TreeBase:
         self._swa: SWAComponent | None = None
         self._mamba: MambaComponent | None = None
         if config.sliding_window:
-            self._swa = SWAComponent(len(comps), config.page_size, config.sliding_window)
+            self._swa = SWAComponent(len(comps), config.page_size, nodes, config.sliding_window)
             comps.append(self._swa)
         if config.mamba:
             self._mamba = MambaComponent(
-                len(comps), config.page_size, config.mamba_track_interval or config.page_size
+                len(comps), config.page_size, nodes,
+                config.mamba_track_interval or config.page_size,
             )
             comps.append(self._mamba)
         self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
@@ -97,9 +104,14 @@ class TreeBase:
         self._reset_state()
 
     def _reset_state(self) -> None:
+        for q in self._queues:
+            q.clear()
+        for c in self._aux:
+            c.reset()
+        self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
         self._root = Node(0, None, b"", DEFAULT_NAMESPACE)
         self._root.lock_ref = 1  # the root is never evicted
-        self._nodes: dict[int, Node] = {0: self._root}
+        self._nodes[0] = self._root
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -108,13 +120,9 @@ class TreeBase:
         self._receipts: dict[int, tuple[Node, bool]] = {}
         old = getattr(self, "_srefs", {})
         self._srefs: dict[int, Node] = dict.fromkeys(old, self._root)  # refs survive a reset
-        for q in self._queues:
-            q.clear()
         # Hybrid trees: per device receipt, each component's lock extent (0: not held).
         self._aux_locks: dict[int, list[int]] = {}
         self._swa_released: set[int] = set()
-        for c in self._aux:
-            c.reset()
         if self._aux:
             self._root.aux = self._aux_empty[:]
 

@@ -33,11 +33,11 @@ class Component:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
 
-    def __init__(self, index: int, page_size: int) -> None:
+    def __init__(self, index: int, page_size: int, nodes: dict[int, Node]) -> None:
         self.index = index  # its position among the tree's components
         self.at = index * WIDTH  # where its entries start in Node.aux
         self.page_size = page_size
-        self.queue = LruQueue(self.at)
+        self.queue = LruQueue(self.at, nodes)
         self.evictable = 0  # units (tokens or states) eviction may free
         self.protected = 0  # units pinned by locks
 

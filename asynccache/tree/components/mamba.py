@@ -20,8 +20,10 @@ class MambaComponent(Component):
     name: ClassVar[str] = "mamba"
     priority: ClassVar[int] = 0
 
-    def __init__(self, index: int, page_size: int, track_interval: int) -> None:
-        super().__init__(index, page_size)
+    def __init__(
+        self, index: int, page_size: int, nodes: dict[int, Node], track_interval: int
+    ) -> None:
+        super().__init__(index, page_size, nodes)
         self.track_interval = track_interval  # the checkpoint grid of branching seqlens
 
     def units(self, node: Node) -> int:

@@ -21,8 +21,8 @@ class SWAComponent(Component):
     name: ClassVar[str] = "swa"
     priority: ClassVar[int] = 1
 
-    def __init__(self, index: int, page_size: int, window: int) -> None:
-        super().__init__(index, page_size)
+    def __init__(self, index: int, page_size: int, nodes: dict[int, Node], window: int) -> None:
+        super().__init__(index, page_size, nodes)
         self.window = window
         # The window rounded up to whole pages: what a capped leaf holds.
         self.window_span = math.ceil(window / page_size) * page_size
