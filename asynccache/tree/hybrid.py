@@ -40,7 +40,6 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
     if n.parent is None:
         return
     aux = n.aux
-    assert aux is not None
     locked_below = False
     for c in tree._aux_low_first:
         c.refresh(n, locked_below)
@@ -65,7 +64,6 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
         n = node
         while True:
             aux = n.aux
-            assert aux is not None
             if aux[si] is not None:
                 hit.append(aux)
             span += len(n.key)
@@ -88,7 +86,6 @@ def _stamp_state(tree: TreeBase, node: Node, clock: int) -> int:
     mamba = tree._mamba
     if mamba is not None:
         aux = node.aux
-        assert aux is not None
         if aux[mamba.at] is not None:
             clock += 1
             aux[mamba.at + STAMP] = clock
@@ -129,7 +126,6 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         path.append(child)
         off += nb
         aux = child.aux
-        assert aux is not None
         ok = True
         if si >= 0:
             if aux[si] is None:
@@ -352,7 +348,7 @@ def insert(
                 fb = hi
             if swa_slots is not None:
                 aux = child.aux
-                assert aux is not None and swa is not None
+                assert swa is not None
                 live = aux[si]
                 if live is None:
                     if sb > sa:  # keep the frees in position order
@@ -372,7 +368,7 @@ def insert(
                                 swa_frees.append(swa_slots[sa:sb])
                             sa = s_lo
                         sb = hi
-        if requeue and child.qe[DLEAF] is not None:
+        if requeue and child.aux[DLEAF] is not None:
             tree._requeue(child)
         node = child
         children = child.children
@@ -380,7 +376,6 @@ def insert(
         ck = data[off : off + pb]
         if off > near:
             aux = child.aux
-            assert aux is not None
             swa_near.append(aux)
     tree._clock = clock
     if fb > fa:
@@ -416,7 +411,6 @@ def insert(
                     aux[st] = clock
         if mamba is not None:
             aux = node.aux
-            assert aux is not None
             mv = mamba.at
             v = aux[mv]
             if v is not None:
@@ -462,7 +456,6 @@ def _swa_overlap(
     """The caller's SWA slots over an already cached span ``[lo, hi)`` of ``child``: duplicates
     are freed; an in-window SWA tombstone is recovered from them instead."""
     aux = child.aux
-    assert aux is not None
     at = swa.at
     s_lo = max(lo, floor)  # below the floor the caller has no SWA slots any more
     if aux[at] is None:
@@ -508,9 +501,10 @@ def _commit_tail(
     swa = tree._swa
     cuts = [start]
     live = None
+    si = 0
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
-        assert swa.at == 0  # the new aux lists below put SWA first
+        si = swa.at
         live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
             cuts.append(live_from)
@@ -544,7 +538,7 @@ def _commit_tail(
         ck = tree._child_key(parent, ck, ns)
     a = start
     for b in cuts[1:]:
-        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
+        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns, empty[:])
         nodes[leaf.id] = leaf
         leaf.value = full if one else full[a - start : b - start]
         tick += 1
@@ -560,17 +554,15 @@ def _commit_tail(
             tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
-            leaf.aux = aux = empty[:]
-            aux[0] = live if one else live[a - start : b - start]
-            aux[ACCT] = 1  # counted and queued as evictable
+            aux = leaf.aux
+            aux[si] = live if one else live[a - start : b - start]
+            aux[si + ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
             if b * 4 > near:
                 swa_near.append(aux)
                 queued.append(leaf)
             else:
                 swa.queue.push(leaf)
-        elif empty:
-            leaf.aux = empty[:]
         node = leaf
         a = b
         ck = data[a * 4 : a * 4 + pb]
@@ -643,8 +635,8 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     while True:
         parent = n.parent
         assert parent is not None and not n.children and n.lock_ref == 0
-        qe = n.qe
-        if qe[0] is not None or qe[1] is not None or qe[2] is not None:
+        aux = n.aux
+        if aux[0] is not None or aux[1] is not None or aux[2] is not None:
             for q in tree._queues:
                 q.discard(n)
         value = n.value
@@ -655,8 +647,6 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         res.num_evicted += len(value)
         n.value = None
         tree._account(n)
-        aux = n.aux
-        assert aux is not None
         if swa is not None:
             at = swa.at
             v = aux[at]
@@ -695,7 +685,6 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         del tree._nodes[n.id]
         parent.dchildren -= 1
         paux = parent.aux
-        assert paux is not None
         if (
             parent is root
             or parent.children

@@ -1,12 +1,14 @@
 """Eviction order: policy keys and an O(log n) queue of evictable nodes.
 
 Each queue is a binary heap with lazy deletion. A node remembers its live entry in
-``node.qe[slot]``; re-keying pushes a new entry and orphans the old one, and a pop skips
-entries that are no longer the node's live entry. Entries name the node by id (looked up in the
-tree's node map), so they hold only ints: the cyclic garbage collector stops tracking them at
-its first pass instead of traversing one more object per queued node in every full collection. The heap is compacted when orphans
+``node.aux[slot]``; re-keying pushes a new entry and orphans the old one, and a pop skips
+entries that are no longer the node's live entry. The heap is compacted when orphans
 outnumber live entries, so memory stays O(live) and every operation is O(log n) amortised —
 no call ever re-heaps all leaves.
+
+Entries name the node by id (looked up in the tree's node map), so they hold only ints: the
+cyclic garbage collector stops tracking them at its first pass, instead of traversing one more
+object per queued node in every full collection.
 """
 
 from __future__ import annotations
@@ -67,18 +69,18 @@ class NodeQueue:
 
     def push(self, node: Node) -> None:
         """Add ``node`` or re-key it if it is already queued."""
-        if node.qe[self._slot] is None:
+        if node.aux[self._slot] is None:
             self._live += 1
         self._seq += 1
         entry = (*self._key(node), self._seq, node.id)
-        node.qe[self._slot] = entry
+        node.aux[self._slot] = entry
         heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * self._live + 64:
             self._compact()
 
     def discard(self, node: Node) -> None:
-        if node.qe[self._slot] is not None:
-            node.qe[self._slot] = None
+        if node.aux[self._slot] is not None:
+            node.aux[self._slot] = None
             self._live -= 1
 
     def pop(self) -> Node | None:
@@ -89,8 +91,8 @@ class NodeQueue:
         while heap:
             entry = heapq.heappop(heap)
             node = nodes.get(entry[-1])
-            if node is not None and node.qe[slot] is entry:
-                node.qe[slot] = None
+            if node is not None and node.aux[slot] is entry:
+                node.aux[slot] = None
                 self._live -= 1
                 return node
         return None
@@ -99,13 +101,15 @@ class NodeQueue:
         nodes = self._nodes
         for entry in self._heap:
             node = nodes.get(entry[-1])
-            if node is not None and node.qe[self._slot] is entry:
-                node.qe[self._slot] = None
+            if node is not None and node.aux[self._slot] is entry:
+                node.aux[self._slot] = None
         self._heap = []
         self._live = 0
 
     def _compact(self) -> None:
         slot = self._slot
         nodes = self._nodes
-        self._heap = [e for e in self._heap if (n := nodes.get(e[-1])) is not None and n.qe[slot] is e]
+        self._heap = [
+            e for e in self._heap if (n := nodes.get(e[-1])) is not None and n.aux[slot] is e
+        ]
         heapq.heapify(self._heap)

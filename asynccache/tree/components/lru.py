@@ -49,7 +49,7 @@ class LruQueue:
     def push(self, node: Node) -> None:
         """Queue ``node`` (not queued) under its current stamp."""
         aux = node.aux
-        assert aux is not None and aux[self._qe] is None
+        assert aux[self._qe] is None
         self._live += 1
         entry = aux[self._stamp] << _ID_BITS | node.id
         aux[self._qe] = entry
@@ -59,7 +59,6 @@ class LruQueue:
         """Take ``node`` out (its entry becomes an orphan; only this makes orphans, so only
         this compacts)."""
         aux = node.aux
-        assert aux is not None
         if aux[self._qe] is not None:
             aux[self._qe] = None
             self._live -= 1
@@ -77,7 +76,6 @@ class LruQueue:
             if node is None:
                 continue  # orphaned (deleted)
             aux = node.aux
-            assert aux is not None
             if aux[qe] != entry:
                 continue  # orphaned
             stamp = aux[self._stamp]
@@ -95,7 +93,6 @@ class LruQueue:
         nodes = self._nodes
         for e in self._live_entries():
             aux = nodes[e & _ID_MASK].aux
-            assert aux is not None
             aux[self._qe] = None
         self._heap = []
         self._live = 0
@@ -106,7 +103,7 @@ class LruQueue:
         live = []
         for e in self._heap:
             node = nodes.get(e & _ID_MASK)
-            if node is not None and node.aux is not None and node.aux[qe] == e:
+            if node is not None and node.aux[qe] == e:
                 live.append(e)
         return live
 

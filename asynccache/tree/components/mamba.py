@@ -41,7 +41,6 @@ class MambaComponent(Component):
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
         aux = node.aux
-        assert aux is not None
         if node.parent is None or aux[self.at] is None:
             return 0, []
         aux[self.at + LOCK] += 1
@@ -51,7 +50,6 @@ class MambaComponent(Component):
         if not extent:
             return []
         aux = node.aux
-        assert aux is not None
         assert aux[self.at + LOCK] > 0, f"node {node.id} is not Mamba-locked"
         aux[self.at + LOCK] -= 1
         return [node]

@@ -56,7 +56,6 @@ class SWAComponent(Component):
         lock = self.at + LOCK
         while n.parent is not None and span < self.window:
             aux = n.aux
-            assert aux is not None
             aux[lock] += 1
             pinned.append(n)
             span += len(n.key) >> 2
@@ -70,7 +69,7 @@ class SWAComponent(Component):
         lock = self.at + LOCK
         while left > 0:
             aux = n.aux
-            assert n.parent is not None and aux is not None, "SWA lock span runs past the root"
+            assert n.parent is not None, "SWA lock span runs past the root"
             assert aux[lock] > 0, f"node {n.id} is not SWA-locked"
             aux[lock] -= 1
             changed.append(n)
