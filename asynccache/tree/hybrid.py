@@ -517,15 +517,14 @@ def _commit_tail(
             if s_lo < s_hi:
                 swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
             if floor_a < n_tok:
-                live = swa_slots[start:n_tok].copy()  # frozen(), as below
-                live.setflags(write=False)
+                live = np.frombuffer(swa_slots[start:n_tok].tobytes(), _INT64)  # frozen()
     cuts.append(n_tok)
     one = len(cuts) == 2  # a single new leaf holds the whole copies
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    full = slots[start:n_tok].copy()  # frozen(): one copy; the segments are read-only views
-    full.setflags(write=False)
+    # frozen(), inline: one copy; the segments are read-only views of it
+    full = np.frombuffer(slots[start:n_tok].tobytes(), _INT64)
     empty = tree._aux_empty
     nodes = tree._nodes
     ids = tree._ids
