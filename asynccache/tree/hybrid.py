@@ -288,10 +288,10 @@ def insert(
     swa_frees: list[np.ndarray] = []
     si = -1
     recover_from = n_tok
-    # The LRU refresh of touch_aux, gathered on the way down: the SWA data of the path nodes
-    # ending past ``near`` (within window + page of the end, where the insert ends), top first.
+    # touch_aux's SWA refresh, on the way down: the path nodes holding SWA that end past
+    # ``near`` (within window + page of the end, where the insert ends) take the next stamps,
+    # top first, so the deepest is the newest; the new nodes (_commit_tail) take later ones.
     near = end
-    swa_near: list[list[Any]] = []
     if swa is not None:
         si = swa.at
         recover_from = max(floor_a, n_tok - swa.window_span)
@@ -376,7 +376,9 @@ def insert(
         ck = data[off : off + pb]
         if off > near:
             aux = child.aux
-            swa_near.append(aux)
+            if aux[si] is not None:
+                clock += 1
+                aux[si + STAMP] = clock
     tree._clock = clock
     if fb > fa:
         frees.append(slots[fa:fb])
@@ -385,11 +387,10 @@ def insert(
         swa_frees.append(swa_slots[sa:sb])
     res.prefix_len = off >> 2
     fresh = off < end
-    queued: list[Node] = []  # new SWA leaves, queued once stamped (see _commit_tail)
     if fresh:
         top = node
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees, near, swa_near, queued)
+                            floor, floor_a, swa_frees, near)
         if intents and tree._threshold <= 1:  # every new node, root first
             new = res.intents
             at = len(new)
@@ -399,16 +400,8 @@ def insert(
                 assert n.parent is not None
                 n = n.parent
     if node.parent is not None:
-        # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
-        # New values join their LRU only once stamped: the newest entry of a heap costs one
-        # comparison to push, and eviction has nothing to re-file.
+        # touch_aux(tree, node)'s Mamba part (its SWA part was done on the way down).
         clock = tree._clock
-        if swa_near:
-            st = si + STAMP
-            for aux in swa_near:
-                if aux[si] is not None:
-                    clock += 1
-                    aux[st] = clock
         if mamba is not None:
             aux = node.aux
             mv = mamba.at
@@ -432,10 +425,6 @@ def insert(
                 else:
                     refresh_aux(tree, node)
         tree._clock = clock
-        if queued:
-            assert swa is not None
-            for n in queued:
-                swa.queue.push(n)
     res.last_node = node.id
     return res
 
@@ -491,13 +480,11 @@ def _commit_tail(
     floor_a: int,
     swa_frees: list[np.ndarray],
     near: int,
-    swa_near: list[list[Any]],
-    queued: list[Node],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
     the live part cap-split so that the leaf holds exactly one page-aligned window. New SWA
-    data ending past ``near`` goes to ``swa_near`` and its node to ``queued``: the insert
-    stamps it, then queues it (see insert); the rest is queued here, unstamped."""
+    data joins the SWA LRU here: stamped with its node's creation tick if it ends past
+    ``near`` (the insert's refresh, see insert), else unstamped."""
     swa = tree._swa
     cuts = [start]
     live = None
@@ -558,10 +545,8 @@ def _commit_tail(
             aux[si + ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
             if b * 4 > near:
-                swa_near.append(aux)
-                queued.append(leaf)
-            else:
-                swa.queue.push(leaf)
+                aux[si + STAMP] = tick
+            swa.queue.push(leaf)
         node = leaf
         a = b
         ck = data[a * 4 : a * 4 + pb]
