@@ -13,7 +13,7 @@ time.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from asynccache.tree.components.layout import QE, STAMP
@@ -49,11 +49,11 @@ class LruQueue:
     def push(self, node: Node) -> None:
         """Queue ``node`` (not queued) under its current stamp."""
         aux = node.aux
-        assert aux[self._qe] is None
+        qe = self._qe
+        assert aux[qe] is None
         self._live += 1
-        entry = aux[self._stamp] << _ID_BITS | node.id
-        aux[self._qe] = entry
-        heapq.heappush(self._heap, entry)
+        aux[qe] = entry = aux[self._stamp] << _ID_BITS | node.id
+        heappush(self._heap, entry)
 
     def discard(self, node: Node) -> None:
         """Take ``node`` out (its entry becomes an orphan; only this makes orphans, so only
@@ -71,7 +71,7 @@ class LruQueue:
         qe = self._qe
         nodes = self._nodes
         while heap:
-            entry = heapq.heappop(heap)
+            entry = heappop(heap)
             node = nodes.get(entry & _ID_MASK)
             if node is None:
                 continue  # orphaned (deleted)
@@ -82,7 +82,7 @@ class LruQueue:
             if entry >> _ID_BITS != stamp:  # touched since it was filed: re-file, look again
                 fresh = stamp << _ID_BITS | node.id
                 aux[qe] = fresh
-                heapq.heappush(heap, fresh)
+                heappush(heap, fresh)
                 continue
             aux[qe] = None
             self._live -= 1
@@ -109,5 +109,5 @@ class LruQueue:
 
     def _compact(self) -> None:
         live = self._live_entries()
-        heapq.heapify(live)
+        heapify(live)
         self._heap = live
