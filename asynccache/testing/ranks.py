@@ -22,6 +22,7 @@ import numpy as np
 
 from asynccache.errors import AsyncCacheError
 from asynccache.ranks import free_port
+from asynccache.tree.components.layout import QE, WIDTH
 
 __all__ = ["RankFailure", "RankOutcome", "run_ranks"]
 
@@ -135,10 +136,10 @@ def tree_digest(cache: Any) -> str:
                        n.hit_count)).encode())
         for part in (dev, host, hashes):
             h.update(len(part).to_bytes(8, "little") + part)
-        for v in n.aux or ():  # hybrid components: device and host values, pins, LRU stamps
+        for i, v in enumerate(n.aux or ()):  # hybrid components: values, pins, LRU stamps
             if isinstance(v, np.ndarray):
                 h.update(len(v).to_bytes(8, "little") + v.tobytes())
-            elif not isinstance(v, tuple):  # a queue entry says nothing the rest does not
+            elif i % WIDTH != QE:  # a queue entry says nothing the rest does not
                 h.update(repr(v).encode())
     h.update(repr((cache.device_pool.allocator.used_size,
                    cache.host_pool.allocator.used_size if cache.host_pool else 0)).encode())

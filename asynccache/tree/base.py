@@ -20,7 +20,7 @@ from asynccache.errors import (
 )
 from asynccache.tree import hybrid, hybrid_host
 from asynccache.tree.components import Component, MambaComponent, SWAComponent
-from asynccache.tree.components.layout import EMPTY
+from asynccache.tree.components.layout import EMPTY, QUEUES
 from asynccache.tree.config import TreeConfig
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
@@ -71,7 +71,13 @@ class TreeBase:
         key = policy_key(policy)
         if config.enable_sessions:
             key = sessions_last(key)
-        self._queues = (NodeQueue(DLEAF, key), NodeQueue(HLEAF, key), NodeQueue(HDUP, key))
+        # One node map for the tree's lifetime (a reset empties it): the queues find their
+        # entries' nodes in it.
+        self._nodes: dict[int, Node] = {}
+        nodes = self._nodes
+        self._queues = (
+            NodeQueue(DLEAF, key, nodes), NodeQueue(HLEAF, key, nodes), NodeQueue(HDUP, key, nodes)
+        )
         self._events = EventRecorder() if config.enable_kv_events else None
         self._eager_hashes = config.enable_page_hashes
         self._owner = threading.get_ident()
@@ -82,24 +88,31 @@ class TreeBase:
         self._swa: SWAComponent | None = None
         self._mamba: MambaComponent | None = None
         if config.sliding_window:
-            self._swa = SWAComponent(len(comps), config.page_size, config.sliding_window)
+            self._swa = SWAComponent(len(comps), config.page_size, nodes, config.sliding_window)
             comps.append(self._swa)
         if config.mamba:
             self._mamba = MambaComponent(
-                len(comps), config.page_size, config.mamba_track_interval or config.page_size
+                len(comps), config.page_size, nodes,
+                config.mamba_track_interval or config.page_size,
             )
             comps.append(self._mamba)
         self._aux: tuple[Component, ...] = tuple(comps)  # highest eviction priority first
         self._aux_low_first = self._aux[::-1]
         self._aux_names = frozenset(c.name for c in comps)
-        self._aux_empty: list[Any] = list(EMPTY) * len(comps)  # Node.aux of a new node (copied)
+        # Node.aux of a new node (copied): not queued; the components' entries empty.
+        self._aux_empty: list[Any] = [None] * QUEUES + list(EMPTY) * len(comps)
         self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._root = Node(0, None, b"", DEFAULT_NAMESPACE)
+        for q in self._queues:
+            q.clear()
+        for c in self._aux:
+            c.reset()
+        self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
+        self._root = Node(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
         self._root.lock_ref = 1  # the root is never evicted
-        self._nodes: dict[int, Node] = {0: self._root}
+        self._nodes[0] = self._root
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -108,15 +121,9 @@ class TreeBase:
         self._receipts: dict[int, tuple[Node, bool]] = {}
         old = getattr(self, "_srefs", {})
         self._srefs: dict[int, Node] = dict.fromkeys(old, self._root)  # refs survive a reset
-        for q in self._queues:
-            q.clear()
         # Hybrid trees: per device receipt, each component's lock extent (0: not held).
         self._aux_locks: dict[int, list[int]] = {}
         self._swa_released: set[int] = set()
-        for c in self._aux:
-            c.reset()
-        if self._aux:
-            self._root.aux = self._aux_empty[:]
 
     def enable_page_hashes(self) -> None:
         """Compute page hashes eagerly from now on (storage attached); existing nodes get theirs
@@ -227,7 +234,7 @@ class TreeBase:
         self._clock = base + len(path)
         if self._touch_requeues:
             for n in path:
-                if n.qe[0] is not None or n.qe[1] is not None or n.qe[2] is not None:
+                if n.aux[0] is not None or n.aux[1] is not None or n.aux[2] is not None:
                     self._requeue(n)
 
     def _child_key(self, parent: Node, page: bytes, ns: Any) -> Any:
@@ -304,27 +311,27 @@ class TreeBase:
             and n.dchildren == 0
             and not (n.host_value is None and n.host_lock_ref > 0)
         ):
-            if n.qe[DLEAF] is None:
+            if n.aux[DLEAF] is None:
                 dq.push(n)
-        elif n.qe[DLEAF] is not None:
+        elif n.aux[DLEAF] is not None:
             dq.discard(n)
         if free and n.value is None and n.host_value is not None and not n.children and (
             n.host_lock_ref == 0
         ):
-            if n.qe[HLEAF] is None:
+            if n.aux[HLEAF] is None:
                 hq.push(n)
-        elif n.qe[HLEAF] is not None:
+        elif n.aux[HLEAF] is not None:
             hq.discard(n)
         if free and n.value is not None and n.host_value is not None and n.host_lock_ref == 0:
-            if n.qe[HDUP] is None:
+            if n.aux[HDUP] is None:
                 uq.push(n)
-        elif n.qe[HDUP] is not None:
+        elif n.aux[HDUP] is not None:
             uq.discard(n)
 
     def _requeue(self, n: Node) -> None:
         """Re-key ``n`` in the queues it is in (its policy key changed)."""
         for q, slot in zip(self._queues, (DLEAF, HLEAF, HDUP), strict=True):
-            if n.qe[slot] is not None:
+            if n.aux[slot] is not None:
                 q.push(n)
 
     # ------------------------------------------------------------------ hashes / events
@@ -395,7 +402,7 @@ class TreeBase:
         parent = x.parent
         assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
         m = nbytes >> 2
-        p = Node(next(self._ids), parent, x.key[:nbytes], x.ns)
+        p = Node(next(self._ids), parent, x.key[:nbytes], x.ns, self._aux_empty[:])
         self._nodes[p.id] = p
         ck = self._child_key(parent, x.key[: self._pb], x.ns)
         x.key = x.key[nbytes:]
@@ -427,7 +434,6 @@ class TreeBase:
         x.parent = p
         self._refresh(p)
         if self._aux:
-            p.aux = self._aux_empty[:]
             for c in self._aux:
                 c.split(x, p, m)
             if self._host:
@@ -446,7 +452,7 @@ class TreeBase:
                     delta += n.ntok
                 n.lock_ref = 1
                 self._account(n)
-                if n.qe[DLEAF] is not None:
+                if n.aux[DLEAF] is not None:
                     self._queues[DLEAF].discard(n)
             else:
                 n.lock_ref += 1

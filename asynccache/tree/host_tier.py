@@ -123,7 +123,7 @@ class HostTier(TreeBase):
             off += nb
         result.prefix_len = off >> 2
         if off < end:
-            leaf = Node(next(self._ids), node, data[off:end], ns)
+            leaf = Node(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
             self._nodes[leaf.id] = leaf
             leaf.host_value = frozen(slots[(off >> 2) - start :])
             leaf.creation = leaf.last_access = self._tick()
@@ -272,7 +272,7 @@ class HostTier(TreeBase):
         n.pending = op_id
         self._inc(n)
         self._refresh(n)
-        if n.aux is not None:
+        if self._aux:
             parts = hybrid_host.backup_parts(self, n, self._pending[op_id])
             return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value,
                                  write_back=write_back, component_slots=parts)
@@ -557,7 +557,7 @@ class HostTier(TreeBase):
                 res.num_evicted += n.ntok
                 self._host_size -= n.ntok
                 n.host_value = None
-                if n.aux is not None:
+                if self._aux:
                     hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
                 if slot == HLEAF:
                     parent = n.parent

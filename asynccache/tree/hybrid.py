@@ -40,7 +40,6 @@ def refresh_aux(tree: TreeBase, n: Node) -> None:
     if n.parent is None:
         return
     aux = n.aux
-    assert aux is not None
     locked_below = False
     for c in tree._aux_low_first:
         c.refresh(n, locked_below)
@@ -65,7 +64,6 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
         n = node
         while True:
             aux = n.aux
-            assert aux is not None
             if aux[si] is not None:
                 hit.append(aux)
             span += len(n.key)
@@ -88,7 +86,6 @@ def _stamp_state(tree: TreeBase, node: Node, clock: int) -> int:
     mamba = tree._mamba
     if mamba is not None:
         aux = node.aux
-        assert aux is not None
         if aux[mamba.at] is not None:
             clock += 1
             aux[mamba.at + STAMP] = clock
@@ -129,7 +126,6 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         path.append(child)
         off += nb
         aux = child.aux
-        assert aux is not None
         ok = True
         if si >= 0:
             if aux[si] is None:
@@ -292,10 +288,10 @@ def insert(
     swa_frees: list[np.ndarray] = []
     si = -1
     recover_from = n_tok
-    # The LRU refresh of touch_aux, gathered on the way down: the SWA data of the path nodes
-    # ending past ``near`` (within window + page of the end, where the insert ends), top first.
+    # touch_aux's SWA refresh, on the way down: the path nodes holding SWA that end past
+    # ``near`` (within window + page of the end, where the insert ends) take the next stamps,
+    # top first, so the deepest is the newest; the new nodes (_commit_tail) take later ones.
     near = end
-    swa_near: list[list[Any]] = []
     if swa is not None:
         si = swa.at
         recover_from = max(floor_a, n_tok - swa.window_span)
@@ -352,7 +348,7 @@ def insert(
                 fb = hi
             if swa_slots is not None:
                 aux = child.aux
-                assert aux is not None and swa is not None
+                assert swa is not None
                 live = aux[si]
                 if live is None:
                     if sb > sa:  # keep the frees in position order
@@ -372,7 +368,7 @@ def insert(
                                 swa_frees.append(swa_slots[sa:sb])
                             sa = s_lo
                         sb = hi
-        if requeue and child.qe[DLEAF] is not None:
+        if requeue and child.aux[DLEAF] is not None:
             tree._requeue(child)
         node = child
         children = child.children
@@ -380,8 +376,9 @@ def insert(
         ck = data[off : off + pb]
         if off > near:
             aux = child.aux
-            assert aux is not None
-            swa_near.append(aux)
+            if aux[si] is not None:
+                clock += 1
+                aux[si + STAMP] = clock
     tree._clock = clock
     if fb > fa:
         frees.append(slots[fa:fb])
@@ -390,11 +387,10 @@ def insert(
         swa_frees.append(swa_slots[sa:sb])
     res.prefix_len = off >> 2
     fresh = off < end
-    queued: list[Node] = []  # new SWA leaves, queued once stamped (see _commit_tail)
     if fresh:
         top = node
         node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees, near, swa_near, queued)
+                            floor, floor_a, swa_frees, near)
         if intents and tree._threshold <= 1:  # every new node, root first
             new = res.intents
             at = len(new)
@@ -404,19 +400,10 @@ def insert(
                 assert n.parent is not None
                 n = n.parent
     if node.parent is not None:
-        # touch_aux(tree, node): stamps from the clock, deepest newest; then the Mamba state.
-        # New values join their LRU only once stamped: the newest entry of a heap costs one
-        # comparison to push, and eviction has nothing to re-file.
+        # touch_aux(tree, node)'s Mamba part (its SWA part was done on the way down).
         clock = tree._clock
-        if swa_near:
-            st = si + STAMP
-            for aux in swa_near:
-                if aux[si] is not None:
-                    clock += 1
-                    aux[st] = clock
         if mamba is not None:
             aux = node.aux
-            assert aux is not None
             mv = mamba.at
             v = aux[mv]
             if v is not None:
@@ -438,10 +425,6 @@ def insert(
                 else:
                     refresh_aux(tree, node)
         tree._clock = clock
-        if queued:
-            assert swa is not None
-            for n in queued:
-                swa.queue.push(n)
     res.last_node = node.id
     return res
 
@@ -462,7 +445,6 @@ def _swa_overlap(
     """The caller's SWA slots over an already cached span ``[lo, hi)`` of ``child``: duplicates
     are freed; an in-window SWA tombstone is recovered from them instead."""
     aux = child.aux
-    assert aux is not None
     at = swa.at
     s_lo = max(lo, floor)  # below the floor the caller has no SWA slots any more
     if aux[at] is None:
@@ -498,19 +480,18 @@ def _commit_tail(
     floor_a: int,
     swa_frees: list[np.ndarray],
     near: int,
-    swa_near: list[list[Any]],
-    queued: list[Node],
 ) -> Node:
     """Create the leaf chain for ``[start, n_tok)``: an SWA tombstone part below the floor, and
     the live part cap-split so that the leaf holds exactly one page-aligned window. New SWA
-    data ending past ``near`` goes to ``swa_near`` and its node to ``queued``: the insert
-    stamps it, then queues it (see insert); the rest is queued here, unstamped."""
+    data joins the SWA LRU here: stamped with its node's creation tick if it ends past
+    ``near`` (the insert's refresh, see insert), else unstamped."""
     swa = tree._swa
     cuts = [start]
     live = None
+    si = 0
     if swa is not None:
         assert swa_slots is not None or floor_a >= n_tok
-        assert swa.at == 0  # the new aux lists below put SWA first
+        si = swa.at
         live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
             cuts.append(live_from)
@@ -523,15 +504,14 @@ def _commit_tail(
             if s_lo < s_hi:
                 swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
             if floor_a < n_tok:
-                live = swa_slots[start:n_tok].copy()  # frozen(), as below
-                live.setflags(write=False)
+                live = np.frombuffer(swa_slots[start:n_tok].tobytes(), _INT64)  # frozen()
     cuts.append(n_tok)
     one = len(cuts) == 2  # a single new leaf holds the whole copies
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    full = slots[start:n_tok].copy()  # frozen(): one copy; the segments are read-only views
-    full.setflags(write=False)
+    # frozen(), inline: one copy; the segments are read-only views of it
+    full = np.frombuffer(slots[start:n_tok].tobytes(), _INT64)
     empty = tree._aux_empty
     nodes = tree._nodes
     ids = tree._ids
@@ -544,7 +524,7 @@ def _commit_tail(
         ck = tree._child_key(parent, ck, ns)
     a = start
     for b in cuts[1:]:
-        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns)
+        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns, empty[:])
         nodes[leaf.id] = leaf
         leaf.value = full if one else full[a - start : b - start]
         tick += 1
@@ -560,17 +540,13 @@ def _commit_tail(
             tree._emit_stored(leaf, Medium.GPU)
         if live is not None and a >= floor_a:
             assert swa is not None
-            leaf.aux = aux = empty[:]
-            aux[0] = live if one else live[a - start : b - start]
-            aux[ACCT] = 1  # counted and queued as evictable
+            aux = leaf.aux
+            aux[si] = live if one else live[a - start : b - start]
+            aux[si + ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
             if b * 4 > near:
-                swa_near.append(aux)
-                queued.append(leaf)
-            else:
-                swa.queue.push(leaf)
-        elif empty:
-            leaf.aux = empty[:]
+                aux[si + STAMP] = tick
+            swa.queue.push(leaf)
         node = leaf
         a = b
         ck = data[a * 4 : a * 4 + pb]
@@ -643,8 +619,8 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
     while True:
         parent = n.parent
         assert parent is not None and not n.children and n.lock_ref == 0
-        qe = n.qe
-        if qe[0] is not None or qe[1] is not None or qe[2] is not None:
+        aux = n.aux
+        if aux[0] is not None or aux[1] is not None or aux[2] is not None:
             for q in tree._queues:
                 q.discard(n)
         value = n.value
@@ -655,8 +631,6 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         res.num_evicted += len(value)
         n.value = None
         tree._account(n)
-        aux = n.aux
-        assert aux is not None
         if swa is not None:
             at = swa.at
             v = aux[at]
@@ -695,7 +669,6 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
         del tree._nodes[n.id]
         parent.dchildren -= 1
         paux = parent.aux
-        assert paux is not None
         if (
             parent is root
             or parent.children

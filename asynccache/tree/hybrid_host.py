@@ -14,7 +14,7 @@ with a FULL host copy and goes with it (host eviction, deletion).
   device slots of each part (:func:`load_back_sizes` says how many).
 * Demotion frees the device component values with the FULL ones; deletion frees both copies.
 
-FULL-only trees never come here (``node.aux is None``).
+FULL-only trees never come here.
 """
 
 from __future__ import annotations
@@ -102,7 +102,6 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
         elif child.value is None:
             blocked = True
         aux = child.aux
-        assert aux is not None
         dev_ok = not blocked
         host_ok = True
         if si >= 0:
@@ -262,7 +261,6 @@ def attach_backup(tree: HostTier, op: _PendingOp, stored: dict[str, np.ndarray])
         h = c.at + HOST
         if c.name == "mamba":
             aux = op.fragments[-1].aux  # the state stays on the suffix
-            assert aux is not None
             aux[h] = slots
             continue
         ids = (op.aux or {})[c.name]
@@ -270,7 +268,6 @@ def attach_backup(tree: HostTier, op: _PendingOp, stored: dict[str, np.ndarray])
         for f in op.fragments:
             if f.id in ids:
                 aux = f.aux
-                assert aux is not None
                 aux[h] = slots[pos : pos + f.ntok]
                 pos += f.ntok
 
@@ -278,7 +275,6 @@ def attach_backup(tree: HostTier, op: _PendingOp, stored: dict[str, np.ndarray])
 # ---------------------------------------------------------------------------- eviction
 def _free_device(c: Component, n: Node, res: EvictResult) -> None:
     aux = n.aux
-    assert aux is not None
     value = aux[c.at]
     assert value is not None
     aux[c.at] = None
@@ -292,7 +288,6 @@ def _free_device(c: Component, n: Node, res: EvictResult) -> None:
 def drop_host_parts(n: Node, comps: tuple[Component, ...], out: dict[str, list[np.ndarray]]) -> None:
     """``n`` loses its FULL host copy: its component host copies go too (into ``out``)."""
     aux = n.aux
-    assert aux is not None
     for c in comps:
         h = c.at + HOST
         if aux[h] is not None:
@@ -324,7 +319,6 @@ def delete_subtree(tree: HostTier, top: Node, res: EvictResult) -> None:
         _strip(tree, top, res)
         tree._delete_subtree(top, res)
         paux = parent.aux
-        assert paux is not None
         if (
             parent is root
             or parent.children
@@ -523,7 +517,6 @@ def start_load_back(
         fulls = []
         for f in nodes:
             aux = f.aux
-            assert aux is not None
             k = 1 if c.name == "mamba" else f.ntok
             aux[c.at] = slots[pos : pos + k]
             pos += k
@@ -573,7 +566,6 @@ def abort_load_back(tree: HostTier, op: _PendingOp) -> list[np.ndarray]:
     frees: list[np.ndarray] = []
     for f in reversed(op.fragments):
         aux = f.aux
-        assert aux is not None
         for c in tree._aux:
             if f.id in parts.get(c.name, ()):
                 aux[c.at] = None

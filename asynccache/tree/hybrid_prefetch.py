@@ -31,12 +31,11 @@ if TYPE_CHECKING:
 def _new_leaf(tree: HostTier, parent: Node, key: RadixKey, a: int, b: int, start: int,
               slots: np.ndarray, swa: np.ndarray | None) -> Node:
     data = key.data
-    leaf = Node(next(tree._ids), parent, data[a * 4 : b * 4], key.namespace)
+    leaf = Node(next(tree._ids), parent, data[a * 4 : b * 4], key.namespace, tree._aux_empty[:])
     tree._nodes[leaf.id] = leaf
     leaf.host_value = frozen(slots[a - start : b - start])
     leaf.creation = leaf.last_access = tree._tick()
     leaf.hit_count = 1
-    leaf.aux = tree._aux_empty[:]
     if swa is not None and tree._swa is not None:
         leaf.aux[tree._swa.at + HOST] = frozen(swa[a - start : b - start])
     parent.children[tree._child_key(parent, data[a * 4 : a * 4 + tree._pb],
@@ -93,7 +92,6 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
             if swa is not None and swa_c is not None:
                 mine = swa[lo - start : hi - start]
                 aux = child.aux
-                assert aux is not None
                 if adopt and lo >= swa_from and aux[swa_c.at + HOST] is None:
                     aux[swa_c.at + HOST] = frozen(mine)
                 elif (mine >= 0).any():
@@ -113,7 +111,6 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         mamba = tree._mamba
         assert mamba is not None
         aux = node.aux
-        assert aux is not None
         if node is not tree._root and node.host_value is not None and (
             aux[mamba.at + HOST] is None
         ):

@@ -136,7 +136,7 @@ def check_tree(tree: RadixTree) -> None:
             free and n.value is not None and n.host_value is not None and n.host_lock_ref == 0,
         )
         for slot in (DLEAF, HLEAF, HDUP):
-            if wanted[slot] != (n.qe[slot] is not None):
+            if wanted[slot] != (n.aux[slot] is not None):
                 _fail(f"node {n.id} queue {slot} membership is {not wanted[slot]}, want {wanted[slot]}")
             members[slot] += wanted[slot]
         if n.digests is not None:

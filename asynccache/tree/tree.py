@@ -218,7 +218,7 @@ class RadixTree(HostTier):
                     self._backup_chain(child, result.backups)
                 elif self._intents and child.hit_count >= self._threshold:
                     result.intents.append(child.id)
-            if requeue and (child.qe[0] or child.qe[1] or child.qe[2]):
+            if requeue and (child.aux[0] or child.aux[1] or child.aux[2]):
                 self._requeue(child)
             node = child
             children = child.children
@@ -226,7 +226,7 @@ class RadixTree(HostTier):
             ck = data[off : off + pb]
         result.prefix_len = off >> 2
         if off < end and result.cached_len == n_tok:
-            leaf = Node(next(self._ids), node, data[off:end], ns)
+            leaf = Node(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
             self._nodes[leaf.id] = leaf
             leaf.value = frozen(slots[off >> 2 : n_tok])
             leaf.creation = leaf.last_access = self._tick()

@@ -96,18 +96,17 @@ def kv_digest(cache: Any) -> str:
     """SHA-256 over the bytes every tree node's slots hold, in every pool: FULL and SWA KV and
     Mamba states, on device and on host (slots nobody holds are not compared)."""
     hy, tier = cache.hybrid, cache.hybrid.tier
+    tree = cache.tree
     h = hashlib.sha256()
-    for n in sorted(cache.tree.iter_nodes(), key=lambda n: n.id):
-        parts = [(cache.device_pool, n.value), (cache.host_pool, n.host_value)]
-        if n.aux:
-            tree = cache.tree
-            parts += [(hy.swa_pool, tree.component_slots_of(n.id, "swa")),
-                      (tier.swa_host, tree.component_host_slots_of(n.id, "swa"))]
-            for pool, v in ((hy.mamba_pool, tree.component_slots_of(n.id, "mamba")),
-                            (tier.mamba_host, tree.component_host_slots_of(n.id, "mamba"))):
-                if v is not None:
-                    h.update(pool.states.index_select(0, torch.from_numpy(v.copy()))
-                             .contiguous().view(torch.uint8).numpy().tobytes())
+    for n in sorted(tree.iter_nodes(), key=lambda n: n.id):
+        parts = [(cache.device_pool, n.value), (cache.host_pool, n.host_value),
+                 (hy.swa_pool, tree.component_slots_of(n.id, "swa")),
+                 (tier.swa_host, tree.component_host_slots_of(n.id, "swa"))]
+        for pool, v in ((hy.mamba_pool, tree.component_slots_of(n.id, "mamba")),
+                        (tier.mamba_host, tree.component_host_slots_of(n.id, "mamba"))):
+            if v is not None:
+                h.update(pool.states.index_select(0, torch.from_numpy(v.copy()))
+                         .contiguous().view(torch.uint8).numpy().tobytes())
         for pool, v in parts:
             if v is not None and len(v):
                 h.update(pool.read_slots(v).contiguous().view(torch.uint8).numpy().tobytes())

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from asynccache.tree.components.layout import ACCT, HOST, LOCK, QE, WIDTH
+from asynccache.tree.components.layout import ACCT, HOST, LOCK, QE, QUEUES, WIDTH
 from asynccache.tree.components.lru import LruQueue
 
 if TYPE_CHECKING:
@@ -33,11 +33,11 @@ class Component:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
 
-    def __init__(self, index: int, page_size: int) -> None:
+    def __init__(self, index: int, page_size: int, nodes: dict[int, Node]) -> None:
         self.index = index  # its position among the tree's components
-        self.at = index * WIDTH  # where its entries start in Node.aux
+        self.at = QUEUES + index * WIDTH  # where its entries start in Node.aux
         self.page_size = page_size
-        self.queue = LruQueue(self.at)
+        self.queue = LruQueue(self.at, nodes)
         self.evictable = 0  # units (tokens or states) eviction may free
         self.protected = 0  # units pinned by locks
 
@@ -69,14 +69,12 @@ class Component:
     def value(self, node: Node) -> np.ndarray | None:
         """This component's device slots on ``node`` (None: a tombstone)."""
         aux = node.aux
-        assert aux is not None
         v: np.ndarray | None = aux[self.at]
         return v
 
     def host_value(self, node: Node) -> np.ndarray | None:
         """This component's host slots on ``node`` (None: no host copy)."""
         aux = node.aux
-        assert aux is not None
         v: np.ndarray | None = aux[self.at + HOST]
         return v
 
@@ -87,7 +85,6 @@ class Component:
         (which cascades down) is not allowed.
         """
         aux = node.aux
-        assert aux is not None
         at = self.at
         if aux[at] is None:
             want = 0
@@ -116,7 +113,6 @@ class Component:
     def drop_value(self, node: Node) -> np.ndarray:
         """Tombstone this component on ``node``; returns the freed slots (the caller refreshes)."""
         aux = node.aux
-        assert aux is not None
         at = self.at
         value: np.ndarray | None = aux[at]
         assert value is not None and aux[at + LOCK] == 0

@@ -13,8 +13,8 @@ time.
 
 from __future__ import annotations
 
-import heapq
-from typing import TYPE_CHECKING, Any
+from heapq import heapify, heappop, heappush
+from typing import TYPE_CHECKING
 
 from asynccache.tree.components.layout import QE, STAMP
 
@@ -22,17 +22,26 @@ if TYPE_CHECKING:
     from asynccache.tree.node import Node
 
 
+_ID_BITS = 64  # an entry is ``stamp << 64 | node id`` (ids never reach 2**64)
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
 class LruQueue:
-    """Min-queue of nodes ordered by their component's access stamp."""
+    """Min-queue of nodes ordered by their component's access stamp (ties: oldest node first).
 
-    __slots__ = ("_heap", "_live", "_qe", "_seq", "_stamp")
+    An entry is one int, ``stamp << 64 | node id``, looked up in the tree's node map on a pop:
+    ints are not tracked by the cyclic garbage collector, so a queued node adds nothing to its
+    collections (a tuple holding the node would be one more object for every full collection
+    to traverse, and would bring the next one closer)."""
 
-    def __init__(self, at: int) -> None:
+    __slots__ = ("_heap", "_live", "_nodes", "_qe", "_stamp")
+
+    def __init__(self, at: int, nodes: dict[int, Node]) -> None:
         self._qe = at + QE  # where the component's entries of node.aux hold its queue entry
         self._stamp = at + STAMP
-        self._heap: list[tuple[int, int, Node]] = []
+        self._nodes = nodes  # the tree's node map
+        self._heap: list[int] = []
         self._live = 0
-        self._seq = 0
 
     def __len__(self) -> int:
         return self._live
@@ -40,18 +49,16 @@ class LruQueue:
     def push(self, node: Node) -> None:
         """Queue ``node`` (not queued) under its current stamp."""
         aux = node.aux
-        assert aux is not None and aux[self._qe] is None
+        qe = self._qe
+        assert aux[qe] is None
         self._live += 1
-        self._seq += 1
-        entry = (aux[self._stamp], self._seq, node)
-        aux[self._qe] = entry
-        heapq.heappush(self._heap, entry)
+        aux[qe] = entry = aux[self._stamp] << _ID_BITS | node.id
+        heappush(self._heap, entry)
 
     def discard(self, node: Node) -> None:
         """Take ``node`` out (its entry becomes an orphan; only this makes orphans, so only
         this compacts)."""
         aux = node.aux
-        assert aux is not None
         if aux[self._qe] is not None:
             aux[self._qe] = None
             self._live -= 1
@@ -62,19 +69,20 @@ class LruQueue:
         """Remove and return the least recently used node, or None when empty."""
         heap = self._heap
         qe = self._qe
+        nodes = self._nodes
         while heap:
-            entry = heapq.heappop(heap)
-            node = entry[2]
+            entry = heappop(heap)
+            node = nodes.get(entry & _ID_MASK)
+            if node is None:
+                continue  # orphaned (deleted)
             aux = node.aux
-            assert aux is not None
-            if aux[qe] is not entry:
+            if aux[qe] != entry:
                 continue  # orphaned
             stamp = aux[self._stamp]
-            if entry[0] != stamp:  # touched since it was filed: re-file, look again
-                self._seq += 1
-                fresh = (stamp, self._seq, node)
+            if entry >> _ID_BITS != stamp:  # touched since it was filed: re-file, look again
+                fresh = stamp << _ID_BITS | node.id
                 aux[qe] = fresh
-                heapq.heappush(heap, fresh)
+                heappush(heap, fresh)
                 continue
             aux[qe] = None
             self._live -= 1
@@ -82,20 +90,24 @@ class LruQueue:
         return None
 
     def clear(self) -> None:
-        qe = self._qe
-        for entry in self._heap:
-            aux = entry[2].aux
-            if aux is not None and aux[qe] is entry:
-                aux[qe] = None
+        nodes = self._nodes
+        for e in self._live_entries():
+            aux = nodes[e & _ID_MASK].aux
+            aux[self._qe] = None
         self._heap = []
         self._live = 0
 
-    def _compact(self) -> None:
+    def _live_entries(self) -> list[int]:
         qe = self._qe
-        live: list[Any] = []
+        nodes = self._nodes
+        live = []
         for e in self._heap:
-            aux = e[2].aux
-            if aux is not None and aux[qe] is e:
+            node = nodes.get(e & _ID_MASK)
+            if node is not None and node.aux[qe] == e:
                 live.append(e)
-        heapq.heapify(live)
+        return live
+
+    def _compact(self) -> None:
+        live = self._live_entries()
+        heapify(live)
         self._heap = live

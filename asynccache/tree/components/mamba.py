@@ -20,8 +20,10 @@ class MambaComponent(Component):
     name: ClassVar[str] = "mamba"
     priority: ClassVar[int] = 0
 
-    def __init__(self, index: int, page_size: int, track_interval: int) -> None:
-        super().__init__(index, page_size)
+    def __init__(
+        self, index: int, page_size: int, nodes: dict[int, Node], track_interval: int
+    ) -> None:
+        super().__init__(index, page_size, nodes)
         self.track_interval = track_interval  # the checkpoint grid of branching seqlens
 
     def units(self, node: Node) -> int:
@@ -39,7 +41,6 @@ class MambaComponent(Component):
 
     def lock(self, node: Node) -> tuple[int, list[Node]]:
         aux = node.aux
-        assert aux is not None
         if node.parent is None or aux[self.at] is None:
             return 0, []
         aux[self.at + LOCK] += 1
@@ -49,7 +50,6 @@ class MambaComponent(Component):
         if not extent:
             return []
         aux = node.aux
-        assert aux is not None
         assert aux[self.at + LOCK] > 0, f"node {node.id} is not Mamba-locked"
         aux[self.at + LOCK] -= 1
         return [node]

@@ -21,8 +21,8 @@ class SWAComponent(Component):
     name: ClassVar[str] = "swa"
     priority: ClassVar[int] = 1
 
-    def __init__(self, index: int, page_size: int, window: int) -> None:
-        super().__init__(index, page_size)
+    def __init__(self, index: int, page_size: int, nodes: dict[int, Node], window: int) -> None:
+        super().__init__(index, page_size, nodes)
         self.window = window
         # The window rounded up to whole pages: what a capped leaf holds.
         self.window_span = math.ceil(window / page_size) * page_size
@@ -56,7 +56,6 @@ class SWAComponent(Component):
         lock = self.at + LOCK
         while n.parent is not None and span < self.window:
             aux = n.aux
-            assert aux is not None
             aux[lock] += 1
             pinned.append(n)
             span += len(n.key) >> 2
@@ -70,7 +69,7 @@ class SWAComponent(Component):
         lock = self.at + LOCK
         while left > 0:
             aux = n.aux
-            assert n.parent is not None and aux is not None, "SWA lock span runs past the root"
+            assert n.parent is not None, "SWA lock span runs past the root"
             assert aux[lock] > 0, f"node {n.id} is not SWA-locked"
             aux[lock] -= 1
             changed.append(n)
