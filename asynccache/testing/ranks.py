@@ -22,7 +22,7 @@ import numpy as np
 
 from asynccache.errors import AsyncCacheError
 from asynccache.ranks import free_port
-from asynccache.tree.components.layout import QE, WIDTH
+from asynccache.tree.components.layout import QE, QUEUES, WIDTH
 
 __all__ = ["RankFailure", "RankOutcome", "run_ranks"]
 
@@ -136,7 +136,8 @@ def tree_digest(cache: Any) -> str:
                        n.hit_count)).encode())
         for part in (dev, host, hashes):
             h.update(len(part).to_bytes(8, "little") + part)
-        for i, v in enumerate(n.aux or ()):  # hybrid components: values, pins, LRU stamps
+        # Hybrid components: device and host values, pins, LRU stamps.
+        for i, v in enumerate(n.aux[QUEUES:]):
             if isinstance(v, np.ndarray):
                 h.update(len(v).to_bytes(8, "little") + v.tobytes())
             elif i % WIDTH != QE:  # a queue entry says nothing the rest does not

@@ -1,11 +1,18 @@
-"""Eviction cost: each step is O(log n); no call re-heaps all leaves (issue 2)."""
+"""Eviction queues: each step is O(log n), no call re-heaps all leaves (issue 2); entries hold no
+node references; the component LRU order."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
 import asynccache.tree.queues as queues
 from asynccache.tree import RadixTree
+from asynccache.tree.components.layout import EMPTY, QE, QUEUES, STAMP
+from asynccache.tree.components.lru import LruQueue
+from asynccache.tree.keys import DEFAULT_NAMESPACE
+from asynccache.tree.node import DLEAF, Node
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "fifo"])
@@ -53,3 +60,53 @@ def test_queue_stays_compact_under_many_touches() -> None:
     order = [int(tree.evict(1).device_frees[0][0]) for _ in range(100)]
     assert order == list(range(100))  # still exact LRU after all the re-keying
     tree.sanity_check()
+
+
+def test_queue_entries_hold_no_nodes() -> None:
+    """Entries name their node by id: the collector untracks the tree queues' tuples and never
+    tracks the component LRU entries (ints), so queued nodes add nothing to its collections."""
+    tree = RadixTree(page_size=1, sliding_window=2, mamba=True)
+    for i in range(4):
+        tree.insert([0, 1, 10 + i, 20 + i], [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3],
+                    swa_value=[100 + 4 * i + k for k in range(4)], mamba_value=i)
+    gc.collect()
+    nodes = list(tree.iter_nodes())
+    leaves = [n for n in nodes if not n.children]
+    assert len(leaves) == 4
+    for n in leaves:
+        entry = n.aux[DLEAF]
+        assert isinstance(entry, tuple) and entry[-1] == n.id
+        assert not gc.is_tracked(entry)
+    swa, mamba = tree._swa, tree._mamba
+    assert swa is not None and mamba is not None
+    for c in (swa, mamba):
+        entries = [n.aux[c.at + QE] for n in nodes if n.aux[c.at + QE] is not None]
+        assert entries and all(type(e) is int for e in entries)
+    tree.sanity_check()
+
+
+def test_lru_queue_order_refile_and_orphans() -> None:
+    """LruQueue: least recent stamp first, ties by node id (oldest first); a node touched
+    since it was queued is re-filed under its new stamp; a deleted or discarded node is
+    skipped."""
+    nodes: dict[int, Node] = {}
+    q = LruQueue(QUEUES, nodes)
+    made = []
+    for node_id, stamp in ((5, 7), (3, 7), (4, 2), (9, 1), (8, 6)):
+        n = Node(node_id, None, b"", DEFAULT_NAMESPACE, [None] * QUEUES + list(EMPTY))
+        n.aux[QUEUES + STAMP] = stamp
+        nodes[node_id] = n
+        made.append(n)
+        q.push(n)
+    assert len(q) == 5
+    nodes[9].aux[QUEUES + STAMP] = 8  # touched since queued: re-filed, now the most recent
+    q.discard(nodes[8])
+    q.discard(nodes[4])
+    del nodes[4]  # deleted: the pop finds no node for its orphaned entry
+    assert len(q) == 3
+    popped = []
+    while (n := q.pop()) is not None:
+        popped.append(n.id)
+    assert popped == [3, 5, 9]
+    assert len(q) == 0
+    assert all(m.aux[QUEUES + QE] is None for m in made)

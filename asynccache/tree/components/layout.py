@@ -1,10 +1,10 @@
 """The layout of ``Node.aux``: one flat list per node.
 
-The node's eviction-queue entries come first (``QUEUES`` of them, see :mod:`~asynccache.tree.node`);
-then each auxiliary component owns ``WIDTH`` consecutive entries from its ``Component.at``;
-the names below are the offsets within them. (No per-component objects: a new node allocates
-one list, in every tree, so a hybrid node costs the cyclic garbage collector no more objects
-than a FULL-only one.)
+The node's eviction-queue entries come first (``QUEUES`` of them: ``DLEAF``, ``HLEAF``, ``HDUP``
+in :mod:`asynccache.tree.node`); then each auxiliary component owns ``WIDTH`` consecutive entries
+from its ``Component.at``; the names below are the offsets within them. (No per-component
+objects: a new node allocates one list, in every tree, so a hybrid node costs the cyclic garbage
+collector no more objects than a FULL-only one.)
 """
 
 from __future__ import annotations
