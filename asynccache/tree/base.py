@@ -23,7 +23,13 @@ from asynccache.tree.components import Component, MambaComponent, SWAComponent
 from asynccache.tree.components.layout import EMPTY, QUEUES
 from asynccache.tree.config import TreeConfig
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
-from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
+from asynccache.tree.hashing import (
+    chain_digests,
+    chain_seed,
+    event_hash,
+    event_hashes,
+    storage_key,
+)
 from asynccache.tree.keys import DEFAULT_NAMESPACE, decode_tokens
 from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
 from asynccache.tree.queues import (
@@ -359,7 +365,7 @@ class TreeBase:
         if ev is None:
             return
         ns = n.ns
-        hashes = [event_hash(d, ns) for d in self._digests(n)]
+        hashes = event_hashes(self._digests(n), ns)
         parent = n.parent
         parent_hash = (
             None
@@ -379,7 +385,7 @@ class TreeBase:
     def _emit_removed(self, n: Node, medium: Medium) -> None:
         if self._events is not None:
             ns = n.ns
-            self._events.removed([event_hash(d, ns) for d in self._digests(n)], medium)
+            self._events.removed(event_hashes(self._digests(n), ns), medium)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events recorded since the last call (empty when events are off)."""

@@ -18,6 +18,7 @@ from asynccache.tree import (
     event_hash,
     storage_key,
 )
+from asynccache.tree.hashing import event_hashes
 
 PAGE_SIZES = (1, 4, 16, 64)
 NAMESPACES = (
@@ -147,6 +148,19 @@ def test_event_hash_is_signed() -> None:
     h = event_hash(digest, DEFAULT_NAMESPACE)
     assert h < 0
     assert h == int.from_bytes(digest[:8], "big") - 2**64
+
+
+def test_event_hashes_of_many_digests_match_one_by_one() -> None:
+    """The batch form (one numpy pass in the default namespace) gives each page's own hash,
+    signed, in order, in every namespace."""
+    digests = [hashlib.sha256(_u32le([t])).digest() for t in range(64)]
+    want = [int.from_bytes(d[:8], "big", signed=True) for d in digests]
+    assert any(h < 0 for h in want) and any(h > 0 for h in want)
+    got = event_hashes(digests, DEFAULT_NAMESPACE)
+    assert got == want and all(type(h) is int for h in got)
+    ns = Namespace("x", "s")
+    assert event_hashes(digests, ns) == [_event_hash(d, "x", "s") for d in digests]
+    assert event_hashes([], DEFAULT_NAMESPACE) == [] and event_hashes([], ns) == []
 
 
 @pytest.mark.parametrize("eager", [True, False])
