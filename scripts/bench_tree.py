@@ -15,7 +15,10 @@ in an order rotated per round (no configuration always runs first or last).
 ``slowdown_vs_full_<phase>`` is FULL-only's best rate divided by the hybrid's best rate (target:
 <= 1.5): on a shared machine interference only slows a round down, so a configuration's fastest
 round is the closest to the cost of its code. ``..._median`` is the median over rounds of the
-ratio within a round, and ``..._range`` its lowest and highest round.
+ratio within a round, and ``..._range`` its lowest and highest round. ``..._paired`` comes from
+a separate pass with all four trees side by side, each phase taken in turns of 500 inserts or
+matches (100 evict calls) per configuration: the median over turns of the ratio within a turn,
+the steadiest of these figures on a shared machine, whose interference outlasts a turn.
 """
 
 from __future__ import annotations
@@ -36,6 +39,24 @@ from tree_workload import make_sequences
 from asynccache.tree import RadixKey, RadixTree
 
 
+def inserts(seqs: np.ndarray, window: int, mamba: bool) -> tuple[list, list, list[dict]]:
+    """Keys, FULL slots and the component arguments of each insert: SWA slots (the caller's
+    full->SWA translation) with a window, a Mamba state with ``mamba``."""
+    n, width = seqs.shape
+    keys = [RadixKey(s) for s in seqs]
+    slots = np.arange(n * width, dtype=np.int64)
+    values = [slots[i * width : (i + 1) * width] for i in range(n)]
+    kwargs: list[dict] = [{} for _ in range(n)]
+    if window:
+        swa = slots + n * width
+        for i in range(n):
+            kwargs[i]["swa_value"] = swa[i * width : (i + 1) * width]
+    if mamba:
+        for i in range(n):
+            kwargs[i]["mamba_value"] = i
+    return keys, values, kwargs
+
+
 def run_ours(
     seqs: np.ndarray,
     page_size: int,
@@ -48,19 +69,9 @@ def run_ours(
         page_size=page_size, enable_kv_events=hashing, enable_page_hashes=hashing,
         sliding_window=window, mamba=mamba,
     )
-    keys = [RadixKey(s) for s in seqs]
+    keys, values, kwargs = inserts(seqs, window, mamba)
     n = len(keys)
     width = seqs.shape[1]
-    slots = np.arange(n * width, dtype=np.int64)
-    values = [slots[i * width : (i + 1) * width] for i in range(n)]
-    kwargs = [{} for _ in range(n)]
-    if window:
-        swa = slots + n * width  # the caller's full->SWA translation
-        for i in range(n):
-            kwargs[i]["swa_value"] = swa[i * width : (i + 1) * width]
-    if mamba:
-        for i in range(n):
-            kwargs[i]["mamba_value"] = i
     gc.collect()  # start every configuration from the same heap state
 
     t0 = time.perf_counter()
@@ -166,7 +177,66 @@ def run_hybrid(seqs: np.ndarray, evict_calls: int, repeat: int) -> list[dict]:
                 row[tag + "_median"] = float(np.median(ratios))
                 row[tag + "_range"] = [min(ratios), max(ratios)]
             rows.append(row)
+        paired = run_paired(seqs, page_size, evict_calls)
+        for row in rows[-len(HYBRIDS):]:
+            for ph in PHASES:
+                tag = "slowdown_vs_full_" + ph.split("_")[0]
+                row[tag + "_paired"] = paired[row["config"]][tag]
     return rows
+
+
+PAIRED_CHUNK = 500  # inserts or matches per configuration and turn
+PAIRED_EVICT_CHUNK = 100  # evict calls per configuration and turn
+
+
+def run_paired(seqs: np.ndarray, page_size: int, evict_calls: int) -> dict[str, dict[str, float]]:
+    """The four configurations side by side: each phase in turns of one chunk per configuration,
+    the order rotated per turn. Interference on a shared machine outlasts a turn, so it slows
+    the configurations of a turn alike, and the median over turns of (hybrid time / FULL-only
+    time) is steadier than a ratio of whole runs. (The four trees share one heap, so the
+    collector's full collections land in a few turns; the median leaves them out.)"""
+    names = [name for name, _, _ in HYBRIDS]
+    trees = {
+        name: RadixTree(page_size=page_size, sliding_window=window, mamba=mamba)
+        for name, window, mamba in HYBRIDS
+    }
+    work = {name: inserts(seqs, window, mamba) for name, window, mamba in HYBRIDS}
+    times: dict[str, dict[str, list[float]]] = {name: {ph: [] for ph in PHASES} for name in names}
+
+    def turns(phase: str, count: int, size: int, step) -> None:
+        for turn, lo in enumerate(range(0, count, size)):
+            hi = min(lo + size, count)
+            k = turn % len(names)
+            for name in names[k:] + names[:k]:
+                t0 = time.perf_counter()
+                step(trees[name], work[name], lo, hi)
+                times[name][phase].append(time.perf_counter() - t0)
+
+    def insert(tree: RadixTree, w: tuple, lo: int, hi: int) -> None:
+        keys, values, kwargs = w
+        for i in range(lo, hi):
+            tree.insert(keys[i], values[i], **kwargs[i])
+
+    def match(tree: RadixTree, w: tuple, lo: int, hi: int) -> None:
+        keys = w[0]
+        for i in range(lo, hi):
+            tree.match_prefix(keys[i])
+
+    def evict(tree: RadixTree, w: tuple, lo: int, hi: int) -> None:
+        for _ in range(lo, hi):
+            tree.evict(1000)
+
+    gc.collect()
+    turns("insert_ops_s", len(seqs), PAIRED_CHUNK, insert)
+    turns("match_ops_s", len(seqs), PAIRED_CHUNK, match)
+    turns("evict_calls_s", evict_calls, PAIRED_EVICT_CHUNK, evict)
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        out[name] = {}
+        for ph in PHASES:
+            ratios = [x / f for x, f in zip(times[name][ph], times["full"][ph], strict=True)]
+            out[name]["slowdown_vs_full_" + ph.split("_")[0]] = float(np.median(ratios))
+    return out
 
 
 if __name__ == "__main__":
