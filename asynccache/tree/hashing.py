@@ -40,7 +40,6 @@ def chain_seed(namespace: Namespace) -> bytes:
 
 
 @lru_cache(maxsize=4096)
-@lru_cache(maxsize=4096)
 def _event_seed(namespace: Namespace) -> bytes:
     return hashlib.sha256(
         _EVENT_NS_TAG + _part(namespace.extra_key) + _part(namespace.cache_salt)
