@@ -68,7 +68,11 @@ def event_hash(digest: bytes, namespace: Namespace) -> int:
     The first 8 bytes of the page digest read big-endian (the first 16 hex characters), as a
     signed integer; for a namespaced key it is re-hashed with the namespace's event seed.
     """
-    return event_hashes((digest,), namespace)[0]
+    if namespace.is_default:
+        return int.from_bytes(digest[:8], "big", signed=True)
+    return int.from_bytes(
+        hashlib.sha256(_event_seed(namespace) + digest[:8]).digest()[:8], "big", signed=True
+    )
 
 
 _BIG_INT64 = np.dtype(">i8")
@@ -82,8 +86,4 @@ def event_hashes(digests: Sequence[bytes], namespace: Namespace) -> list[int]:
     if namespace.is_default:
         firsts: list[int] = np.frombuffer(b"".join(digests), _BIG_INT64)[::_PER_DIGEST].tolist()
         return firsts
-    seed = _event_seed(namespace)
-    sha = hashlib.sha256
-    return [
-        int.from_bytes(sha(seed + d[:8]).digest()[:8], "big", signed=True) for d in digests
-    ]
+    return [event_hash(d, namespace) for d in digests]

@@ -191,6 +191,8 @@ def set_branching(tree: TreeBase, res: MatchResult, swa_bound: int, mamba_bound:
 
 # ---------------------------------------------------------------------------- insert
 def _slot(value: Any, what: str) -> int:
+    if type(value) is int and value >= 0:
+        return value  # the usual case, checked cheaply
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise InvalidInputError(f"{what} must be one state slot, got {value.numel()} values")
@@ -234,10 +236,7 @@ def check_insert_args(
     if swa_value is not None:
         if "swa" not in names:
             raise InvalidInputError("swa_value given but the tree has no SWA component")
-        if type(swa_value) is np.ndarray and swa_value.dtype is _INT64 and swa_value.ndim == 1:
-            swa_slots = swa_value  # as_slots' usual case, inline
-        else:
-            swa_slots = as_slots(swa_value, "swa_value")
+        swa_slots = as_slots(swa_value, "swa_value")
         if len(swa_slots) != total:
             raise InvalidInputError(
                 f"swa_value has {len(swa_slots)} slots but the key has {total} tokens"
@@ -252,10 +251,7 @@ def check_insert_args(
     if mamba_value is not None:
         if "mamba" not in names:
             raise InvalidInputError("mamba_value given but the tree has no Mamba component")
-        if type(mamba_value) is int and mamba_value >= 0:
-            state = mamba_value  # _slot's usual case, inline
-        else:
-            state = _slot(mamba_value, "mamba_value")
+        state = _slot(mamba_value, "mamba_value")
     return swa_slots, floor, state
 
 
