@@ -31,10 +31,10 @@ class HybridMixin:
                 f"swa_evicted_seqlen must be an int in [0, {len(slots)}], got {swa_evicted_seqlen!r}"
             )
         start = min(len(slots), max(swa_evicted_seqlen, prev_prefix_len))
-        swa_value = hy.swa_value(slots, start)
+        hy.check_paired(slots, start)
         evicted = {"swa": swa_evicted_seqlen} if hy.swa_map is not None else None
         res = self.tree.insert(key, slots, prev_prefix_len=prev_prefix_len,
-                               inserted_len=inserted_len, priority=priority, swa_value=swa_value,
+                               inserted_len=inserted_len, priority=priority,
                                component_evicted_seqlens=evicted, mamba_value=mamba_value)
         hy.apply_insert(res, mamba_value)
         self._outstanding -= max(0, res.cached_len - prev_prefix_len)

@@ -68,13 +68,12 @@ class HybridSlots:
             raise InvalidInputError("free_swa: the cache has no SWA component")
         self.swa_map.free_swa(as_slots(slots, "slots"))
 
-    def swa_value(self, value: np.ndarray, floor: int) -> np.ndarray | None:
-        """The SWA slots of ``value`` (entries below ``floor``, already freed, are -1)."""
-        if self.swa_map is None:
-            return None
-        out = np.full(len(value), -1, dtype=np.int64)
-        out[floor:] = self.swa_map.translate(value[floor:])
-        return out
+    def check_paired(self, value: np.ndarray, start: int) -> None:
+        """An insert's FULL slots from ``start`` on must still have their SWA side (the tree
+        takes their SWA data as theirs); raises :class:`InvalidInputError` naming one that
+        has none."""
+        if self.swa_map is not None:
+            self.swa_map.translate(value[start:])
 
     # ------------------------------------------------------------------ Mamba states
     def alloc_mamba(self) -> int | None:
@@ -104,7 +103,7 @@ class HybridSlots:
     def apply_insert(self, res: InsertResult, mamba_value: int | None) -> None:
         if self.swa_map is not None:
             self.swa_map.apply_tree_frees(res.device_frees, res.component_frees.get("swa", []),
-                                          self._repairs(res.swa_adopted))
+                                          res.swa_adopted)
         else:
             for slots in res.device_frees:
                 self.device_pool.allocator.free(slots)
@@ -115,20 +114,6 @@ class HybridSlots:
             # Freed just above, or adopted (not when the node already held a state).
             if dups or (res.cached_len and not res.mamba_exist):
                 self.mamba_outstanding -= 1
-
-    def _repairs(self, adopted: list[tuple[np.ndarray, np.ndarray]]
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The adopted SWA pairs that change the map: a host-only node re-taking the caller's
-        FULL slots recovers its SWA from the caller's own pairs, which are paired already."""
-        assert self.swa_map is not None
-        out = []
-        for full, swa in adopted:
-            fresh = self.swa_map.full_to_swa[full] != swa
-            if fresh.all():
-                out.append((full, swa))
-            elif fresh.any():
-                out.append((full[fresh], swa[fresh]))
-        return out
 
     def apply_evict(self, res: EvictResult) -> None:
         if self.swa_map is not None:
@@ -161,21 +146,25 @@ class HybridSlots:
         return host
 
     def check(self, tree: RadixTree) -> None:
-        """Every SWA slot is paired with an allocated FULL slot, the tree's SWA slots are the
-        pairs of its FULL slots, and every Mamba state has one owner."""
+        """Every SWA slot is paired with an allocated FULL slot, the tree's SWA-live nodes have
+        their FULL slots paired and its SWA tombstones have them unpaired, and every Mamba state
+        has one owner."""
         if self.swa_map is not None:
             self.swa_map.check()
             paired = int((self.swa_map.swa_to_full >= 0).sum())
             used = self.swa_map.swa.used_size
             if paired != used:
                 raise AssertionError(f"SWA accounting: {used} slots used but {paired} paired")
+            f2s = self.swa_map.full_to_swa
             for n in tree.iter_nodes():
-                swa = tree.component_slots_of(n.id, "swa")
                 if n.value is None:
                     continue
-                if swa is not None and not np.array_equal(self.swa_map.full_to_swa[n.value],
-                                                          swa):
-                    raise AssertionError(f"node {n.id}: its SWA slots are not its FULL pairs")
+                sides = f2s[n.value]
+                if tree.component_slots_of(n.id, "swa") is not None:
+                    if int(sides.min()) < 0:
+                        raise AssertionError(f"node {n.id} is SWA-live but a FULL slot is unpaired")
+                elif int(sides.max()) >= 0:
+                    raise AssertionError(f"node {n.id} is an SWA tombstone but a FULL slot is paired")
         if self.mamba_pool is not None:
             held = len(tree.component_slots("mamba"))
             if self.mamba_pool.used_size != held + self.mamba_outstanding:

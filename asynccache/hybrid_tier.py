@@ -170,9 +170,9 @@ class HybridTier:
         out = []
         for name, host in parts.items():
             dev = req.component_slots[name]
-            if name == "swa":
-                assert self.swa_engine is not None
-                out.append(self.swa_engine.submit_d2h(dev, host))
+            if name == "swa":  # the tree names SWA data by FULL slots
+                assert self.swa_engine is not None and self.slots.swa_map is not None
+                out.append(self.swa_engine.submit_d2h(self.slots.swa_map.translate(dev), host))
             else:
                 assert self.states is not None
                 out.append(self.states.submit_d2h(dev, host))

@@ -9,8 +9,8 @@ interpreter (which must have sglang installed) and reports our throughput as a r
 Targets: insert and match >= 2x SGLang; eviction >= 3,000 calls/s.
 
 Hybrid configurations (``hybrid`` in the report; ``--no-hybrid`` skips them): the same workload
-on FULL+SWA (window 512), FULL+Mamba and FULL+SWA+Mamba trees, every insert carrying SWA slots
-and a Mamba state. Each of ``--repeat`` rounds runs FULL-only and the three hybrids back to back,
+on FULL+SWA (window 512), FULL+Mamba and FULL+SWA+Mamba trees, every insert carrying a Mamba
+state (its SWA data is named by its FULL slots). Each of ``--repeat`` rounds runs FULL-only and the three hybrids back to back,
 in an order rotated per round (no configuration always runs first or last).
 ``slowdown_vs_full_<phase>`` is FULL-only's best rate divided by the hybrid's best rate (target:
 <= 1.5): on a shared machine interference only slows a round down, so a configuration's fastest
@@ -39,18 +39,14 @@ from tree_workload import make_sequences
 from asynccache.tree import RadixKey, RadixTree
 
 
-def inserts(seqs: np.ndarray, window: int, mamba: bool) -> tuple[list, list, list[dict]]:
-    """Keys, FULL slots and the component arguments of each insert: SWA slots (the caller's
-    full->SWA translation) with a window, a Mamba state with ``mamba``."""
+def inserts(seqs: np.ndarray, mamba: bool) -> tuple[list, list, list[dict]]:
+    """Keys, FULL slots and the component arguments of each insert: a Mamba state with
+    ``mamba`` (SWA takes no argument: the tree names SWA data by the FULL slots)."""
     n, width = seqs.shape
     keys = [RadixKey(s) for s in seqs]
     slots = np.arange(n * width, dtype=np.int64)
     values = [slots[i * width : (i + 1) * width] for i in range(n)]
     kwargs: list[dict] = [{} for _ in range(n)]
-    if window:
-        swa = slots + n * width
-        for i in range(n):
-            kwargs[i]["swa_value"] = swa[i * width : (i + 1) * width]
     if mamba:
         for i in range(n):
             kwargs[i]["mamba_value"] = i
@@ -69,7 +65,7 @@ def run_ours(
         page_size=page_size, enable_kv_events=hashing, enable_page_hashes=hashing,
         sliding_window=window, mamba=mamba,
     )
-    keys, values, kwargs = inserts(seqs, window, mamba)
+    keys, values, kwargs = inserts(seqs, mamba)
     n = len(keys)
     width = seqs.shape[1]
     gc.collect()  # start every configuration from the same heap state
@@ -200,7 +196,7 @@ def run_paired(seqs: np.ndarray, page_size: int, evict_calls: int) -> dict[str, 
         name: RadixTree(page_size=page_size, sliding_window=window, mamba=mamba)
         for name, window, mamba in HYBRIDS
     }
-    work = {name: inserts(seqs, window, mamba) for name, window, mamba in HYBRIDS}
+    work = {name: inserts(seqs, mamba) for name, _, mamba in HYBRIDS}
     times: dict[str, dict[str, list[float]]] = {name: {ph: [] for ph in PHASES} for name in names}
 
     def turns(phase: str, count: int, size: int, step) -> None:

@@ -2,14 +2,15 @@
 
 * :class:`SWASlotMap` pairs a FULL page allocator with a (usually smaller) SWA page allocator.
   A request's tokens get a FULL slot and an SWA slot together; ``full_to_swa`` says where a FULL
-  slot's sliding-window KV lives (what the attention kernel and the tree's ``swa_value`` need).
+  slot's sliding-window KV lives (what the attention kernel needs; the tree names SWA data by
+  FULL slots and leaves the translation to this map).
   SWA slots can be freed on their own (out of the window, or an SWA tombstone in the tree);
   the map forgets them, and the FULL side is freed later with :meth:`SWASlotMap.free_full`.
 * :class:`MambaStatePool`: one real tensor of recurrent states with a one-slot-per-page
   allocator, and the copy-on-write copy a match asks for.
 
 :meth:`SWASlotMap.apply_tree_frees` applies what the tree returns (its ``device_frees``,
-``component_frees["swa"]`` and ``swa_adopted``) in the one safe order. Not thread-safe: the
+``component_frees["swa"]`` and ``swa_adopted``, all FULL slots) in the one safe order. Not thread-safe: the
 cache's event loop is the only caller.
 """
 
@@ -109,13 +110,18 @@ class SWASlotMap:
         swa_frees: Iterable[np.ndarray],
         swa_adopted: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     ) -> None:
-        """Apply a tree result: re-pair adopted SWA slots, free the SWA slots the tree gave up,
-        then the FULL slots (with any SWA side still paired: a FULL slot whose SWA slot the tree
-        reported separately is unpaired by then, so nothing is freed twice)."""
-        for full, swa in swa_adopted:
-            self.adopt(full, swa)
-        for swa in swa_frees:
-            self.free_swa(swa)
+        """Apply a tree result. The tree names SWA data by FULL slots: ``swa_frees`` are FULL
+        slots whose SWA side it gave up, ``swa_adopted`` pairs (a node's FULL slots, the
+        caller's FULL slots whose SWA side the node takes over). In the one safe order: re-pair
+        the adopted SWA slots, free the SWA sides given up, then the FULL slots (with any SWA
+        side still paired; an adopted or freed side is unpaired by then, so nothing is freed
+        twice)."""
+        for node_full, caller_full in swa_adopted:
+            fresh = node_full != caller_full  # the node's own slots keep their own pairs
+            if fresh.any():
+                self.adopt(node_full[fresh], self.translate(caller_full[fresh]))
+        for full in swa_frees:
+            self.free_swa(self.translate(full))
         for full in device_frees:
             self.free_full(full)
 

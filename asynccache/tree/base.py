@@ -184,7 +184,8 @@ class TreeBase:
         return c.evictable, c.protected
 
     def component_slots_of(self, node_id: int, name: str) -> np.ndarray | None:
-        """Component ``name``'s device slots on ``node_id`` (None: a tombstone); read-only."""
+        """Component ``name``'s device slots on ``node_id`` (None: a tombstone); read-only.
+        SWA: the node's FULL slots (its SWA KV is at their full->SWA translation)."""
         return self._component(name).value(self._node(node_id))
 
     def _component(self, name: str) -> Component:
@@ -197,7 +198,8 @@ class TreeBase:
         )
 
     def component_slots(self, name: str) -> np.ndarray:
-        """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset)."""
+        """Every slot an auxiliary component (``"swa"``, ``"mamba"``) holds (e.g. before reset);
+        SWA by FULL slots."""
         return hybrid.slots_of(self, name)
 
     def component_host_slots(self, name: str) -> np.ndarray:

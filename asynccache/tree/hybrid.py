@@ -18,10 +18,10 @@ import numpy as np
 from asynccache.errors import InvalidInputError, LockError
 from asynccache.tree.components.base import Component
 from asynccache.tree.components.layout import ACCT, LOCK, STAMP
-from asynccache.tree.config import _INT64, _check_count, as_slots
+from asynccache.tree.config import _INT64, _check_count
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import DLEAF, Node, frozen, state_slot
+from asynccache.tree.node import DLEAF, Node, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
@@ -209,11 +209,10 @@ def _slot(value: Any, what: str) -> int:
 def check_insert_args(
     tree: TreeBase,
     total: int,
-    swa_value: Any,
     component_evicted_seqlens: Mapping[str, int] | None,
     mamba_value: Any,
-) -> tuple[np.ndarray | None, int, int | None]:
-    """Validate the component arguments of an insert; returns (SWA slots, SWA floor, state)."""
+) -> tuple[int, int | None]:
+    """Validate the component arguments of an insert; returns (SWA floor, state)."""
     names = tree._aux_names
     floor = 0
     if component_evicted_seqlens:
@@ -232,27 +231,12 @@ def check_insert_args(
                 raise InvalidInputError(
                     f"SWA evicted seqlen {floor} exceeds the key length {total}"
                 )
-    swa_slots = None
-    if swa_value is not None:
-        if "swa" not in names:
-            raise InvalidInputError("swa_value given but the tree has no SWA component")
-        swa_slots = as_slots(swa_value, "swa_value")
-        if len(swa_slots) != total:
-            raise InvalidInputError(
-                f"swa_value has {len(swa_slots)} slots but the key has {total} tokens"
-            )
-    elif "swa" in names:
-        cached = total - total % tree.page_size
-        if floor < cached:
-            raise InvalidInputError(
-                f"swa_value is required: SWA slots from position {floor} to {cached} are cached"
-            )
     state = None
     if mamba_value is not None:
         if "mamba" not in names:
             raise InvalidInputError("mamba_value given but the tree has no Mamba component")
         state = _slot(mamba_value, "mamba_value")
-    return swa_slots, floor, state
+    return floor, state
 
 
 def insert(
@@ -262,14 +246,17 @@ def insert(
     prev_prefix_len: int,
     inserted_len: int,
     priority: int,
-    swa_slots: np.ndarray | None,
     floor: int,
     state: int | None,
 ) -> InsertResult:
     """The insert of every tree without a host tier, FULL-only included (with no components
     their branches are skipped), and of hybrid trees with one (after hybrid_host.prepare_insert).
     The walk inlines the per-node work (tick, page match, duplicate checks): every call saved
-    per node counts."""
+    per node counts.
+
+    SWA needs no slots of its own here: the caller's SWA KV is the translation of its FULL
+    slots, so a duplicate FULL slot given back takes its SWA side along, and a recovered or new
+    SWA-live node names its FULL slots."""
     data = key.data
     pb = tree._pb
     ps = tree.page_size
@@ -305,9 +292,8 @@ def insert(
     prio_rq = tree._prio_requeues
     intents = tree._intents
     ck = tree._child_key(node, data[:pb], ns)
-    # The caller's duplicate slots come back as runs (one array per run, not per node):
-    # FULL [fa, fb), SWA [sa, sb).
-    fa = fb = sa = sb = 0
+    # The caller's duplicate slots come back as runs (one array per run, not per node).
+    fa = fb = 0
     while off < end:
         child = children.get(ck)
         if child is None:
@@ -335,35 +321,15 @@ def insert(
             assert own is not None
             k = lo - pos
             # A caller handing back the tree's own slots is not a duplicate.
-            dup = slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:])
-            if dup:  # extend the run of duplicates, or start a new one
-                if fb != lo:
+            if slots[lo] != own[k] or not np.array_equal(slots[lo:hi], own[k:]):
+                if fb != lo:  # extend the run of duplicates, or start a new one
                     if fb > fa:
                         frees.append(slots[fa:fb])
                     fa = lo
                 fb = hi
-            if swa_slots is not None:
-                aux = child.aux
-                assert swa is not None
-                live = aux[si]
-                if live is None:
-                    if sb > sa:  # keep the frees in position order
-                        swa_frees.append(swa_slots[sa:sb])
-                        sa = sb
-                    _swa_overlap(tree, swa, child, pos, lo, hi, floor, recover_from, swa_slots,
-                                 swa_frees, res.swa_adopted)
-                elif floor < hi:  # below the floor the caller has no SWA slots any more
-                    s_lo = lo if lo > floor else floor
-                    # The caller's SWA slots are the translation of its FULL slots: where those
-                    # are duplicates, so are these (the pool pairs them one to one).
-                    if dup or (swa_slots[s_lo] != live[s_lo - pos] or not np.array_equal(
-                        swa_slots[s_lo:hi], live[s_lo - pos :]
-                    )):
-                        if sb != s_lo:
-                            if sb > sa:
-                                swa_frees.append(swa_slots[sa:sb])
-                            sa = s_lo
-                        sb = hi
+            if si >= 0 and child.aux[si] is None and hi > floor:
+                _swa_tombstone(tree, child, pos, lo, hi, floor, recover_from, slots, swa_frees,
+                               res.swa_adopted)
         if requeue and child.aux[DLEAF] is not None:
             tree._requeue(child)
         node = child
@@ -378,15 +344,12 @@ def insert(
     tree._clock = clock
     if fb > fa:
         frees.append(slots[fa:fb])
-    if sb > sa:
-        assert swa_slots is not None
-        swa_frees.append(swa_slots[sa:sb])
     res.prefix_len = off >> 2
     fresh = off < end
     if fresh:
         top = node
-        node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, swa_slots,
-                            floor, floor_a, swa_frees, near)
+        node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, floor, floor_a,
+                            swa_frees, near)
         if intents and tree._threshold <= 1:  # every new node, root first
             new = res.intents
             at = len(new)
@@ -425,42 +388,41 @@ def insert(
     return res
 
 
-def _swa_overlap(
+def _swa_tombstone(
     tree: TreeBase,
-    swa: Component,
     child: Node,
     pos: int,
     lo: int,
     hi: int,
     floor: int,
     recover_from: int,
-    swa_slots: np.ndarray,
+    slots: np.ndarray,
     swa_frees: list[np.ndarray],
     adopted: list[tuple[np.ndarray, np.ndarray]],
 ) -> None:
-    """The caller's SWA slots over an already cached span ``[lo, hi)`` of ``child``: duplicates
-    are freed; an in-window SWA tombstone is recovered from them instead."""
-    aux = child.aux
-    at = swa.at
-    s_lo = max(lo, floor)  # below the floor the caller has no SWA slots any more
-    if aux[at] is None:
-        r = _ceil_page(max(lo, recover_from), tree.page_size)
-        if r < hi:
-            if s_lo < r:
-                swa_frees.append(swa_slots[s_lo:r])
-            if r > pos:
-                tree._split(child, (r - pos) * 4)  # child keeps the recovered suffix
-            aux[at] = frozen(swa_slots[r:hi])
-            assert child.value is not None
-            adopted.append((child.value, aux[at]))
-            refresh_aux(tree, child)
-        elif s_lo < hi:
-            swa_frees.append(swa_slots[s_lo:hi])
-    elif s_lo < hi:
-        mine = swa_slots[s_lo:hi]
-        own = aux[at][s_lo - pos :]
-        if mine[0] != own[0] or not np.array_equal(mine, own):
-            swa_frees.append(mine)
+    """The caller covers ``[lo, hi)`` of the SWA tombstone ``child``. From the page boundary at
+    or after ``recover_from`` (inside the last window, above the SWA floor) the node is SWA-live
+    again (split there); where the caller's FULL slots there are not the node's own, the node
+    adopts their SWA side (``swa_adopted``). Above the floor and before that boundary the
+    caller's SWA side is given up (``swa_frees``): the node stays a tombstone there."""
+    s_lo = lo if lo > floor else floor
+    r = _ceil_page(max(lo, recover_from), tree.page_size)
+    if r >= hi:
+        swa_frees.append(slots[s_lo:hi])
+        return
+    if s_lo < r:
+        swa_frees.append(slots[s_lo:r])
+    if r > pos:
+        tree._split(child, (r - pos) * 4)  # child keeps the recovered suffix
+    own = child.value
+    assert own is not None
+    mine = slots[r:hi]
+    if not np.array_equal(mine, own):
+        adopted.append((own, mine))
+    swa = tree._swa
+    assert swa is not None
+    child.aux[swa.at] = own
+    refresh_aux(tree, child)
 
 
 def _commit_tail(
@@ -471,7 +433,6 @@ def _commit_tail(
     start: int,
     n_tok: int,
     priority: int,
-    swa_slots: np.ndarray | None,
     floor: int,
     floor_a: int,
     swa_frees: list[np.ndarray],
@@ -483,10 +444,9 @@ def _commit_tail(
     ``near`` (the insert's refresh, see insert), else unstamped."""
     swa = tree._swa
     cuts = [start]
-    live = None
+    live_from = n_tok
     si = 0
     if swa is not None:
-        assert swa_slots is not None or floor_a >= n_tok
         si = swa.at
         live_from = floor_a if floor_a > start else start
         if start < live_from < n_tok:
@@ -496,13 +456,12 @@ def _commit_tail(
             cuts.append(cap)
         s_lo = floor if floor > start else start
         s_hi = floor_a if floor_a < n_tok else n_tok
-        if swa_slots is not None:
-            if s_lo < s_hi:
-                swa_frees.append(swa_slots[s_lo:s_hi])  # a partly freed page is not kept
-            if floor_a < n_tok:
-                live = np.frombuffer(swa_slots[start:n_tok].tobytes(), _INT64)  # frozen()
+        if s_lo < s_hi:
+            # A partly freed page is not kept: the SWA side of its FULL slots above the floor
+            # goes (the page becomes part of the tombstone).
+            swa_frees.append(slots[s_lo:s_hi])
     cuts.append(n_tok)
-    one = len(cuts) == 2  # a single new leaf holds the whole copies
+    one = len(cuts) == 2  # a single new leaf holds the whole copy
     data = key.data
     pb = tree._pb
     ns = key.namespace
@@ -522,7 +481,7 @@ def _commit_tail(
     for b in cuts[1:]:
         leaf = Node(next(ids), node, data[a * 4 : b * 4], ns, empty[:])
         nodes[leaf.id] = leaf
-        leaf.value = full if one else full[a - start : b - start]
+        leaf.value = v = full if one else full[a - start : b - start]
         tick += 1
         leaf.creation = leaf.last_access = tick
         leaf.hit_count = 1
@@ -534,10 +493,10 @@ def _commit_tail(
             tree._digests(leaf)
         if events:
             tree._emit_stored(leaf, Medium.GPU)
-        if live is not None and a >= floor_a:
+        if a >= live_from:
             assert swa is not None
             aux = leaf.aux
-            aux[si] = live if one else live[a - start : b - start]
+            aux[si] = v
             aux[si + ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
             if b * 4 > near:

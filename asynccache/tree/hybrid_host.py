@@ -165,8 +165,8 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
 # ---------------------------------------------------------------------------- insert
 def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     """Before a hybrid insert: give host-only nodes on the key's path the caller's FULL slots
-    (their SWA stays a device tombstone, which the insert recovers in-window from the caller's
-    SWA slots). Returns the tokens the insert may cover: it stops before a node still loading."""
+    (their SWA stays a device tombstone, which the insert recovers in-window: the caller's FULL
+    slots come with their SWA side). Returns the tokens the insert may cover: it stops before a node still loading."""
     data = key.data
     pb = tree._pb
     end = len(data) - len(data) % pb
@@ -517,12 +517,14 @@ def start_load_back(
         fulls = []
         for f in nodes:
             aux = f.aux
-            k = 1 if c.name == "mamba" else f.ntok
-            aux[c.at] = slots[pos : pos + k]
-            pos += k
             assert aux[c.at + HOST] is not None and f.value is not None
+            if c.name == "mamba":
+                aux[c.at] = slots[pos : pos + 1]
+                pos += 1
+            else:  # SWA names its FULL slots; the caller pairs them with ``slots``
+                aux[c.at] = f.value
+                fulls.append(f.value)
             host.setdefault(c.name, []).append(aux[c.at + HOST])
-            fulls.append(f.value)
         if c.name == "swa":
             pairs = (_concat(fulls), slots)
     for f in frags:

@@ -21,9 +21,10 @@ class BackupRequest:
 
     The node stays device-locked until the commit or abort, so it cannot be evicted while
     half-written. ``write_back`` is True when the copy was asked for by eviction.
-    Hybrid trees: ``component_slots`` maps a component (``"swa"``, ``"mamba"``) to the device
-    slots of its value to copy too (absent: the node has none on device); commit with a host
-    slot array of the same length per component.
+    Hybrid trees: ``component_slots`` maps a component (``"swa"``, ``"mamba"``) to its device
+    data to copy too (absent: the node has none on device): SWA by the node's FULL slots (copy
+    from their full->SWA translation), Mamba the state slot; commit with a host slot array of
+    the same length per component.
     """
 
     op_id: int
@@ -129,11 +130,13 @@ class InsertResult:
     ``backups``: write-through copies to run, root first. ``intents``: with storage intents on
     (buffer-only host mode), the nodes that reached the write threshold, root first: write them
     to storage (nothing is pinned or marked for them).
-    Hybrid trees: ``component_frees`` maps a component name (``"swa"``, ``"mamba"``) to the
-    caller's slots of that pool the tree did not take; ``mamba_exist``: the last node already
-    held a Mamba state (the caller's state then comes back in ``component_frees["mamba"]``).
-    ``swa_adopted``: (the node's FULL slots, the caller's SWA slots it adopted) for every SWA
-    tombstone recovered from the caller's slots — the full->SWA map must now pair them.
+    Hybrid trees name SWA data by FULL slots. ``component_frees["swa"]``: the caller's FULL
+    slots whose SWA side the tree does not take (a partly freed page above the SWA floor, the
+    out-of-window part of a cached SWA tombstone); ``component_frees["mamba"]``: the caller's
+    state when the tree does not take it; ``mamba_exist``: the last node already held a Mamba
+    state. ``swa_adopted``: (a node's FULL slots, the caller's FULL slots) for every SWA
+    tombstone recovered from caller slots that are not the node's own — the full->SWA map must
+    now pair the node's slots with the caller's SWA side.
     """
 
     prefix_len: int
@@ -155,7 +158,8 @@ class EvictResult:
     dropped subtrees. ``backups``: write-back copies the caller must run; once committed those
     nodes are demoted by the next ``evict`` call (``pending_tokens`` counts them).
     Hybrid trees: ``swa_num_evicted`` (SWA tokens) and ``mamba_num_evicted`` (states) freed,
-    their slots in ``component_frees[name]``; host copies of component values dropped with
+    in ``component_frees[name]``: SWA as the FULL slots whose SWA side goes (a deleted leaf's
+    FULL slots are in ``device_frees`` too), Mamba as state slots; host copies of component values dropped with
     deleted nodes in ``component_host_frees[name]``.
     """
 

@@ -115,7 +115,6 @@ class RadixTree(HostTier):
         prev_prefix_len: int = 0,
         inserted_len: int = 0,
         priority: int = 0,
-        swa_value: Any = None,
         component_evicted_seqlens: Mapping[str, int] | None = None,
         mamba_value: Any = None,
     ) -> InsertResult:
@@ -127,13 +126,15 @@ class RadixTree(HostTier):
         ownership of the slots it stores; the duplicates it does not need come back in
         ``device_frees``; the unaligned tail stays the caller's.
 
-        Hybrid trees: ``swa_value`` holds the SWA-pool slot of each token (the caller's
-        full->SWA translation, one to one: where its FULL slots are duplicates, so are these;
-        entries below the SWA floor are ignored);
-        ``component_evicted_seqlens={"swa": k}`` says the caller already freed the SWA slots
+        Hybrid trees: the SWA KV of each token is the caller's full->SWA translation of its
+        FULL slot (the tree names SWA data by FULL slots and stores no SWA slot numbers; a
+        duplicate FULL slot given back takes its SWA side along);
+        ``component_evicted_seqlens={"swa": k}`` says the caller already freed the SWA side
         of its first ``k`` tokens (those nodes are SWA tombstones from birth);
         ``mamba_value`` is the state slot after the page-aligned key, kept on its last node.
-        SWA and Mamba slots the tree does not take come back in ``component_frees``.
+        ``component_frees["swa"]`` gives the FULL slots whose SWA side the tree does not take
+        (a partly freed page below the floor), ``component_frees["mamba"]`` a state it does
+        not take.
         """
         self._check_owner()
         key = as_key(key)
@@ -154,20 +155,16 @@ class RadixTree(HostTier):
         # Every tree without a host tier takes the walk of hybrid.insert (with no components it
         # skips their branches); FULL-only trees with a host tier take the walk below, which
         # also adopts slots for host-only nodes, stops at loads and queues write-through backups.
-        if not self._host or self._aux or swa_value is not None or mamba_value is not None or (
-            component_evicted_seqlens
-        ):
-            swa_slots, floor, state = hybrid.check_insert_args(
-                self, total, swa_value, component_evicted_seqlens, mamba_value
+        if not self._host or self._aux or mamba_value is not None or component_evicted_seqlens:
+            floor, state = hybrid.check_insert_args(
+                self, total, component_evicted_seqlens, mamba_value
             )
             if self._host:
                 return self._insert_hybrid_host(
-                    key, slots, prev_prefix_len, inserted_len, int(priority), swa_slots, floor,
-                    state,
+                    key, slots, prev_prefix_len, inserted_len, int(priority), floor, state
                 )
             return hybrid.insert(
-                self, key, slots, prev_prefix_len, inserted_len, int(priority), swa_slots,
-                floor, state,
+                self, key, slots, prev_prefix_len, inserted_len, int(priority), floor, state
             )
         data = key.data
         pb = self._pb
@@ -254,7 +251,6 @@ class RadixTree(HostTier):
         prev_prefix_len: int,
         inserted_len: int,
         priority: int,
-        swa_slots: np.ndarray | None,
         floor: int,
         state: int | None,
     ) -> InsertResult:
@@ -266,10 +262,9 @@ class RadixTree(HostTier):
         if cut:
             key = RadixKey.from_bytes(key.data[: limit * 4], key.namespace)
             slots = slots[:limit]
-            swa_slots = swa_slots[:limit] if swa_slots is not None else None
             floor = min(floor, limit)
         res = hybrid.insert(
-            self, key, slots, prev_prefix_len, inserted_len, priority, swa_slots, floor,
+            self, key, slots, prev_prefix_len, inserted_len, priority, floor,
             None if cut else state,
         )
         if state is not None and cut:

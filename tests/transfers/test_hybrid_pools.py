@@ -57,31 +57,50 @@ def test_adopt_repairs_a_recovered_pair() -> None:
     m.check()
 
 
+def test_apply_tree_frees_reads_the_swa_side_through_full_slots() -> None:
+    m = make_map(full=16, swa=16, page=1)
+    node, dup, tail, own = (m.alloc(2) for _ in range(4))
+    assert node is not None and dup is not None and tail is not None and own is not None
+    m.free_swa(m.translate(node))  # the tree's node is an SWA tombstone
+    dup_swa = m.translate(dup).tolist()
+    m.apply_tree_frees(
+        device_frees=[dup],  # the caller's duplicates: their SWA side moves to `node` first
+        swa_frees=[tail],  # a tail whose SWA side the tree gave up; its FULL slots stay
+        swa_adopted=[(node, dup), (own, own)],  # (own, own): the node's own pairs, unchanged
+    )
+    assert m.translate(node).tolist() == dup_swa
+    assert m.full_to_swa[tail].tolist() == [-1, -1]
+    assert m.translate(own).tolist() == [6, 7]
+    assert (m.full.used_size, m.swa.used_size) == (6, 4)
+    m.check()
+
+
 def test_a_hybrid_tree_and_the_slot_map_stay_in_balance() -> None:
     page, window = 2, 4
     m = make_map(full=64, swa=64, page=page)
     tree = RadixTree(page_size=page, sliding_window=window)
-    held_by_caller: list[np.ndarray] = []
     adopted: list[int] = []
 
     def check() -> None:
         tree.sanity_check()
         m.check()
-        caller = sum(len(a) for a in held_by_caller)
-        assert m.full.used_size == tree.device_size + caller
+        assert m.full.used_size == tree.device_size
         assert m.swa.used_size == len(tree.component_slots("swa"))
         for n in tree.iter_nodes():
+            # The tree names a node's SWA data by its FULL slots: paired iff SWA-live.
             swa = tree.component_slots_of(n.id, "swa")
+            sides = m.full_to_swa[n.value]
             if swa is not None:
-                assert m.full_to_swa[n.value].tolist() == swa.tolist()
+                assert swa is n.value and (sides >= 0).all()
+            else:
+                assert (sides == -1).all()
 
     def request(tokens: list[int], floor: int = 0) -> None:
         full = m.alloc(len(tokens))
         assert full is not None
-        swa = m.translate(full)
         if floor:  # the request freed its out-of-window SWA slots during decode
-            m.free_swa(swa[:floor])
-        res = tree.insert(tokens, full, swa_value=swa, component_evicted_seqlens={"swa": floor})
+            m.free_swa(m.translate(full[:floor]))
+        res = tree.insert(tokens, full, component_evicted_seqlens={"swa": floor})
         m.apply_tree_frees(res.device_frees, res.component_frees["swa"], res.swa_adopted)
         adopted.extend(int(s) for _, a in res.swa_adopted for s in a)
         check()

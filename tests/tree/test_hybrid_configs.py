@@ -1,6 +1,7 @@
 """One suite over every tree configuration: FULL, FULL+SWA, FULL+Mamba, FULL+SWA+Mamba, at
 several page sizes and windows. Each test runs the same requests and checks exact slots, sizes
-and per-pool accounting (every slot handed out is held by the tree or given back, once)."""
+and per-pool accounting (every slot handed out is held by the tree or given back, once; FULL
+and SWA slots through a real full->SWA slot map)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from asynccache.tree import RadixTree
+from transfers.allocator import PageAllocator
+from transfers.hybrid_pools import SWASlotMap
 
 CONFIGS = [
     pytest.param(ps, window, mamba, id=f"ps{ps}-{'swa' + str(window) if window else 'full'}"
@@ -22,33 +25,48 @@ CONFIGS = [
 
 
 class Pools:
-    """Fresh slots per pool, and which ones came back."""
+    """The slots a request hands the tree: FULL slots paired with SWA slots through a real
+    slot map (the tree names SWA data by FULL slots), and numbered Mamba states. ``apply``
+    gives back what a tree result returns; ``check`` balances every pool against the tree."""
 
     def __init__(self) -> None:
-        self.next = {"full": 0, "swa": 10_000, "mamba": 20_000}
-        self.given: dict[str, set[int]] = {p: set() for p in self.next}
-        self.back: dict[str, list[int]] = {p: [] for p in self.next}
+        self.map = SWASlotMap(PageAllocator(4096, 1), PageAllocator(4096, 1))
+        self.next_state = 20_000
+        self.states_given: set[int] = set()
+        self.states_back: list[int] = []
 
-    def take(self, pool: str, n: int) -> np.ndarray:
-        out = np.arange(self.next[pool], self.next[pool] + n, dtype=np.int64)
-        self.next[pool] += n
-        self.given[pool].update(out.tolist())
+    def take(self, n: int) -> np.ndarray:
+        out = self.map.alloc(n)
+        assert out is not None
         return out
 
-    def give_back(self, pool: str, arrays: list[np.ndarray]) -> None:
-        for a in arrays:
-            self.back[pool].extend(int(s) for s in a.tolist())
+    def take_state(self) -> int:
+        self.next_state += 1
+        self.states_given.add(self.next_state)
+        return self.next_state
+
+    def apply(self, device_frees: list[np.ndarray], component_frees: dict[str, Any],
+              adopted: Any = ()) -> None:
+        self.map.apply_tree_frees(device_frees, component_frees.get("swa", []), adopted)
+        self.states_back.extend(int(s) for a in component_frees.get("mamba", []) for s in a)
 
     def check(self, tree: RadixTree) -> None:
         tree.sanity_check()
-        held = {"full": tree.device_slots().tolist()}
-        for name in tree.components[1:]:
-            held[name] = tree.component_slots(name).tolist()
-        for pool, given in self.given.items():
-            h = held.get(pool, [])
-            back = self.back[pool]
-            assert len(back) == len(set(back)), f"a {pool} slot came back twice"
-            assert sorted(h + back) == sorted(given), f"{pool} slots do not balance"
+        self.map.check()
+        assert self.map.full.used_size == tree.device_size, "FULL slots do not balance"
+        if "swa" in tree.components:
+            assert self.map.swa.used_size == len(tree.component_slots("swa"))
+            for n in tree.iter_nodes():  # SWA-live iff the node's FULL slots are paired
+                sides = self.map.full_to_swa[n.value]
+                if tree.component_slots_of(n.id, "swa") is not None:
+                    assert (sides >= 0).all(), f"node {n.id} is SWA-live without SWA slots"
+                else:
+                    assert (sides == -1).all(), f"SWA tombstone {n.id} keeps SWA slots"
+        if "mamba" in tree.components:
+            held = tree.component_slots("mamba").tolist()
+            back = self.states_back
+            assert len(back) == len(set(back)), "a Mamba state came back twice"
+            assert sorted(held + back) == sorted(self.states_given), "states do not balance"
 
 
 def make(ps: int, window: int, mamba: bool) -> RadixTree:
@@ -59,23 +77,17 @@ def insert(tree: RadixTree, pools: Pools, tokens: list[int], *, prefix: Any = No
     """Insert like a finished request: reuse the matched prefix's slots, fresh ones after."""
     n = len(tokens)
     dpl = 0 if prefix is None else prefix.device_prefix_len
-    value = pools.take("full", n - dpl)
+    value = pools.take(n - dpl)
     if prefix is not None:
         value = np.concatenate([prefix.device_indices, value])
     kwargs: dict[str, Any] = {"prev_prefix_len": dpl}
-    if "swa" in tree.components:
-        kwargs["swa_value"] = pools.take("swa", n)
     if "mamba" in tree.components:
-        kwargs["mamba_value"] = int(pools.take("mamba", 1)[0])
+        kwargs["mamba_value"] = pools.take_state()
     res = tree.insert(tokens, value, **kwargs)
-    pools.give_back("full", [*res.device_frees, value[res.cached_len :]])
-    for name in tree.components[1:]:
-        pools.give_back(name, res.component_frees[name])
-    if "swa" in tree.components:
-        # Below prev_prefix_len and past the cached length the caller keeps its SWA slots.
-        pools.give_back("swa", [kwargs["swa_value"][:dpl], kwargs["swa_value"][res.cached_len :]])
+    pools.apply(res.device_frees, res.component_frees, res.swa_adopted)
+    pools.map.free_full(value[res.cached_len :])  # the unaligned tail stays the caller's
     if "mamba" in tree.components and res.cached_len == 0:
-        pools.give_back("mamba", [np.array([kwargs["mamba_value"]])])
+        pools.states_back.append(kwargs["mamba_value"])
     return res
 
 
@@ -126,9 +138,7 @@ def test_a_locked_request_survives_eviction_of_every_component(
     r = tree.lock(m.last_device_node)
     assert r.delta == len(first)
     e = tree.evict(10**6, swa_num_tokens=10**6 if window else 0, mamba_num=10**6 if mamba else 0)
-    pools.give_back("full", e.device_frees)
-    for name in tree.components[1:]:
-        pools.give_back(name, e.component_frees[name])
+    pools.apply(e.device_frees, e.component_frees)
     pools.check(tree)
     # Only the locked path is left, and it still matches with its slots.
     assert (tree.device_size, tree.protected_size, tree.evictable_size) == (len(first),) * 2 + (0,)
@@ -140,9 +150,7 @@ def test_a_locked_request_survives_eviction_of_every_component(
         assert tree.component_sizes("mamba") == (0, 1)
     tree.unlock(r)
     e = tree.evict(10**6)
-    pools.give_back("full", e.device_frees)
-    for name in tree.components[1:]:
-        pools.give_back(name, e.component_frees[name])
+    pools.apply(e.device_frees, e.component_frees)
     pools.check(tree)
     assert tree.node_count == 0
     for name in tree.components:
@@ -165,8 +173,7 @@ def test_reuse_of_a_match_and_reset_balance_every_pool(ps: int, window: int, mam
     comp = {name: [tree.component_slots(name)] for name in tree.components[1:]}
     device, host = tree.reset()
     assert host == []
-    pools.give_back("full", device)
-    for name, arrays in comp.items():
-        pools.give_back(name, arrays)
+    pools.apply(device, comp)
     pools.check(tree)
+    assert pools.map.full.used_size == pools.map.swa.used_size == 0
     assert tree.node_count == 0

@@ -68,7 +68,7 @@ def test_queue_entries_hold_no_nodes() -> None:
     tree = RadixTree(page_size=1, sliding_window=2, mamba=True)
     for i in range(4):
         tree.insert([0, 1, 10 + i, 20 + i], [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3],
-                    swa_value=[100 + 4 * i + k for k in range(4)], mamba_value=i)
+                    mamba_value=i)
     gc.collect()
     nodes = list(tree.iter_nodes())
     leaves = [n for n in nodes if not n.children]

@@ -1,12 +1,16 @@
 """Hypothesis stateful test of hybrid trees (FULL, FULL+SWA, FULL+Mamba, FULL+SWA+Mamba).
 
-The model knows, per cached token position, the FULL slot and the SWA slot (absent: an SWA
-tombstone), and per page boundary the Mamba state slot the tree must hold. Every match and
-insert result is predicted exactly from it (the window validator, Mamba checkpoints, branching
-seqlens, duplicates, the SWA floor, tombstone recovery); eviction results are checked against
-the locks and applied to the model. After every step ``sanity_check()`` runs, the tree's content
-equals the model, per-component sizes match and every slot of every pool the test handed out is
-held exactly once or was given back exactly once.
+The model knows, per cached token position, the FULL slot and whether its SWA side is live
+(absent: an SWA tombstone; the tree names SWA data by FULL slots), and per page boundary the
+Mamba state slot the tree must hold. Every match and insert result is predicted exactly from it
+(the window validator, Mamba checkpoints, branching seqlens, duplicates, the SWA floor, the FULL
+slots whose SWA side the tree gives up, tombstone recovery and the SWA sides it adopts);
+eviction results are checked against the locks and applied to the model. The model also keeps
+the cache's full->SWA pairing (as ``transfers.hybrid_pools.SWASlotMap`` does: every FULL slot
+handed out comes with an SWA slot of its own, and tree results are applied in
+``apply_tree_frees``' order). After every step ``sanity_check()`` runs, the tree's content
+equals the model, per-component sizes match, exactly the SWA-live FULL slots are paired, and
+every slot of every pool the test handed out is held exactly once or was given back exactly once.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class HybridMachine(RuleBasedStateMachine):
         self.given: dict[str, set[int]] = {p: set() for p in POOLS}
         self.back: dict[str, set[int]] = {p: set() for p in POOLS}
         self.full: dict[Pos, int] = {}
-        self.swa: dict[Pos, int] = {}
+        self.swa: set[Pos] = set()  # the SWA-live positions
+        self.pair: dict[int, int] = {}  # the cache's full->SWA map: FULL slot -> its SWA slot
         self.state: dict[Page, int] = {}
         # receipt -> [anchor page or None, swa span, mamba locked, swa released]
         self.receipts: list[tuple[Any, list[Any]]] = []
@@ -68,6 +73,24 @@ class HybridMachine(RuleBasedStateMachine):
             assert s in self.given[pool], f"{pool} slot {s} was never given to the tree"
             assert s not in self.back[pool], f"{pool} slot {s} given back twice"
             self.back[pool].add(s)
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh FULL slots, each paired with a fresh SWA slot in SWA trees."""
+        out = self._take("full", n)
+        if self.SWA:
+            self.pair.update(zip(out.tolist(), self._take("swa", n).tolist(), strict=True))
+        return out
+
+    def _free_full(self, slots: list[int]) -> None:
+        """``SWASlotMap.free_full``: FULL slots with whatever SWA side they still have."""
+        self._give_back("full", slots)
+        self._give_back("swa", [self.pair.pop(s) for s in slots if s in self.pair])
+
+    def _free_swa(self, slots: list[int]) -> None:
+        """``SWASlotMap.free_swa(translate(slots))``: the SWA sides of FULL slots."""
+        for s in slots:
+            assert s in self.pair, f"FULL slot {s} has no SWA side to give up"
+            self._give_back("swa", [self.pair.pop(s)])
 
     def _pos(self, ns: str | None, toks: tuple[int, ...], i: int) -> Pos:
         return (ns, toks[: (i // self.ps + 1) * self.ps], i % self.ps)
@@ -151,7 +174,7 @@ class HybridMachine(RuleBasedStateMachine):
                 swa |= {self._pos(ns, toks, i) for i in range(len(toks) - span, len(toks))}
                 if locked:
                     mamba.add(anchor)
-        return full, swa & self.swa.keys(), mamba
+        return full, swa & self.swa, mamba
 
     # ------------------------------------------------------------ rules
     @rule(data=st.data())
@@ -164,23 +187,24 @@ class HybridMachine(RuleBasedStateMachine):
         if reuse:
             m = self._match(ns, toks)
             dpl = m.device_prefix_len
-            value = np.concatenate([m.device_indices, self._take("full", n - dpl)])
+            value = np.concatenate([m.device_indices, self._alloc(n - dpl)])
             prev = data.draw(st.integers(0, dpl), label="prev_prefix_len")
         else:
             dpl = 0
-            value = self._take("full", n)
+            value = self._alloc(n)
             prev = 0
         floor = data.draw(st.integers(0, n), label="swa floor") if self.SWA else 0
         if data.draw(_SMALL, label="floor kind") < 2:
             floor = 0
-        swa_value = None
         if self.SWA:
-            swa_value = self._take("swa", n)
-            for i in range(dpl):  # the request's own SWA slots of its matched prefix
-                own = self.swa.get(self._pos(ns, toks, i))
-                if own is not None:
-                    self._give_back("swa", [int(swa_value[i])])
-                    swa_value[i] = own
+            # The SWA KV of token i is the pair of value[i], and the cache requires one from
+            # max(floor, prev) on. The matched prefix's SWA tombstones (all below its last
+            # window) never had one for this request: its floor covers them.
+            for i in range(prev, dpl):
+                if self._pos(ns, toks, i) not in self.swa:
+                    floor = max(floor, i + 1)
+            # The request already freed the SWA side of its own slots below its floor.
+            self._free_swa([int(v) for v in value[dpl:floor]])
         state = None
         if self.MAMBA and data.draw(_SMALL, label="state") > 0:
             state = int(self._take("mamba", 1)[0])
@@ -189,12 +213,11 @@ class HybridMachine(RuleBasedStateMachine):
         floor_a = -(-floor // ps) * ps
         span = -(-self.window // ps) * ps
         recover = -(-max(prev, floor_a, end - span) // ps) * ps
-        full_frees: list[int] = []
-        swa_frees: list[int] = []
-        kept_swa: list[int] = []
+        full_frees: list[int] = []  # duplicates (with their SWA side, if still paired)
+        swa_frees: list[int] = []  # FULL slots whose SWA side the tree gives up
+        adopted: list[tuple[int, int]] = []  # (node FULL slot, caller FULL slot)
         new_full: list[tuple[Pos, int]] = []
-        new_swa: list[tuple[Pos, int]] = []
-        recovered = False
+        new_swa: list[Pos] = []
         for i in range(end):
             pos = self._pos(ns, toks, i)
             v = int(value[i])
@@ -203,25 +226,21 @@ class HybridMachine(RuleBasedStateMachine):
                     full_frees.append(v)
             else:
                 new_full.append((pos, v))
-            if not self.SWA:
+            if not self.SWA or i < floor:  # below the floor the caller has no SWA side
                 continue
-            s = int(swa_value[i])  # type: ignore[index]
-            if (i < L0 and i < prev) or i < floor:
-                if s != self.swa.get(pos):
-                    kept_swa.append(s)
-            elif i < L0:
-                if pos in self.swa:
-                    if s != self.swa[pos]:
-                        swa_frees.append(s)
-                elif i >= recover:
-                    new_swa.append((pos, s))
-                    recovered = True
+            if i < L0:
+                if i < prev or pos in self.swa:
+                    continue  # no SWA duplicates: a duplicate FULL slot takes its SWA along
+                if i >= recover:  # an in-window SWA tombstone: recovered from the caller
+                    new_swa.append(pos)
+                    assert v != self.full[pos], "the caller's slot is a tree tombstone's own"
+                    adopted.append((self.full[pos], v))
                 else:
-                    swa_frees.append(s)
+                    swa_frees.append(v)
             elif i < floor_a:
-                swa_frees.append(s)
+                swa_frees.append(v)  # a partly freed page is not kept
             else:
-                new_swa.append((pos, s))
+                new_swa.append(pos)
         mamba_frees: list[int] = []
         exist = end > 0 and (ns, toks[:end]) in self.state
         if state is not None:
@@ -232,30 +251,38 @@ class HybridMachine(RuleBasedStateMachine):
         # ---- run
         kwargs: dict[str, Any] = {}
         if self.SWA:
-            kwargs = {"swa_value": swa_value, "component_evicted_seqlens": {"swa": floor}}
+            kwargs = {"component_evicted_seqlens": {"swa": floor}}
         res = self.tree.insert(RadixKey(list(toks), ns), value, prev_prefix_len=prev,
                                mamba_value=state, **kwargs)
         assert (res.prefix_len, res.cached_len) == (L0, end)
         assert [int(s) for f in res.device_frees for s in f.tolist()] == full_frees
         got_swa = [int(s) for f in res.component_frees.get("swa", []) for s in f.tolist()]
         assert got_swa == swa_frees
+        values = {id(node.value) for node in self.tree.iter_nodes()} if res.swa_adopted else set()
+        for node_full, caller_full in res.swa_adopted:
+            assert id(node_full) in values, "an adopted pair's first part is not a node's FULL"
+            assert len(node_full) == len(caller_full) > 0
+            assert not np.array_equal(node_full, caller_full)
+        got_adopted = [(int(a), int(b)) for node_full, caller_full in res.swa_adopted
+                       for a, b in zip(node_full.tolist(), caller_full.tolist(), strict=True)]
+        assert got_adopted == adopted
         got_mamba = [int(s) for f in res.component_frees.get("mamba", []) for s in f.tolist()]
         assert got_mamba == mamba_frees
         assert res.mamba_exist == (self.MAMBA and exist)
         assert tuple(self.tree.node_key(res.last_node).tokens) == toks[:end]
-        # ---- apply
-        self._give_back("full", full_frees + [int(s) for s in value[end:]])
+        # ---- apply (in SWASlotMap.apply_tree_frees' order: adopt, SWA frees, FULL frees)
+        for node_slot, caller_slot in adopted:
+            assert node_slot not in self.pair, f"tombstone FULL slot {node_slot} is paired"
+            self.pair[node_slot] = self.pair.pop(caller_slot)
+        self._free_swa(swa_frees)
+        self._free_full(full_frees + [int(s) for s in value[end:]])  # the tail: the caller's
         for pos, v in new_full:
             self.full[pos] = v
-        if self.SWA:
-            assert swa_value is not None
-            self._give_back("swa", swa_frees + kept_swa + [int(s) for s in swa_value[end:]])
-            for pos, s in new_swa:
-                self.swa[pos] = s
+        self.swa.update(new_swa)
         self._give_back("mamba", mamba_frees)
         if state is not None and end and not exist:
             self.state[(ns, toks[:end])] = state
-        event(f"insert: swa tombstone recovered {recovered}")
+        event(f"insert: swa tombstone recovered {bool(adopted)}")
         if end and (ns, toks) not in self.history:
             self.history.append((ns, toks))
 
@@ -311,16 +338,17 @@ class HybridMachine(RuleBasedStateMachine):
         assert (res.num_evicted, res.swa_num_evicted, res.mamba_num_evicted) == (
             len(freed), len(fswa), len(fmamba))
         owner = {v: p for p, v in self.full.items()}
-        swa_owner = {v: p for p, v in self.swa.items()}
         state_owner = {v: p for p, v in self.state.items()}
+        for s in fswa:  # FULL slots whose SWA side goes (a tombstoned or a deleted node's)
+            pos = owner[s]
+            assert pos in self.swa, f"SWA given up twice or at a tombstone: {pos}"
+            assert pos not in p_swa, f"evicted SWA-protected {pos}"
+            self.swa.remove(pos)
         for s in freed:
             pos = owner[s]
             assert pos not in p_full, f"evicted FULL-protected {pos}"
+            assert pos not in self.swa, f"deleted {pos} without giving up its SWA side"
             del self.full[pos]
-        for s in fswa:
-            pos = swa_owner[s]
-            assert pos not in p_swa, f"evicted SWA-protected {pos}"
-            del self.swa[pos]
         for s in fmamba:
             page = state_owner[s]
             assert page not in p_mamba, f"evicted a pinned state at {page}"
@@ -329,8 +357,8 @@ class HybridMachine(RuleBasedStateMachine):
             assert pos in self.full, f"SWA kept at {pos} whose FULL KV was evicted"
         for ns, toks in self.state:
             assert (ns, toks, self.ps - 1) in self.full
-        self._give_back("full", freed)
-        self._give_back("swa", fswa)
+        self._free_swa(fswa)
+        self._free_full(freed)
         self._give_back("mamba", fmamba)
         if res.num_evicted < n:
             assert self.tree.evictable_size == 0
@@ -349,10 +377,10 @@ class HybridMachine(RuleBasedStateMachine):
         assert host == []
         dev = sorted(int(s) for f in device for s in f.tolist())
         assert dev == sorted(self.full.values())
-        assert comp.get("swa", []) == sorted(self.swa.values())
+        assert comp.get("swa", []) == sorted(self.full[pos] for pos in self.swa)
         assert comp.get("mamba", []) == sorted(self.state.values())
-        self._give_back("full", dev)
-        self._give_back("swa", comp.get("swa", []))
+        self._free_full(dev)  # the SWA-live slots take their SWA side along
+        assert not self.pair
         self._give_back("mamba", comp.get("mamba", []))
         self.full.clear()
         self.swa.clear()
@@ -368,7 +396,7 @@ class HybridMachine(RuleBasedStateMachine):
     @invariant()
     def tree_matches_model(self) -> None:
         full: dict[Pos, int] = {}
-        swa: dict[Pos, int] = {}
+        swa: set[Pos] = set()
         state: dict[Page, int] = {}
         names = self.tree.components[1:]
         for node in self.tree.iter_nodes():
@@ -376,14 +404,19 @@ class HybridMachine(RuleBasedStateMachine):
             toks = tuple(key.tokens)
             ns = key.namespace.extra_key
             aux = {name: self.tree.component_slots_of(node.id, name) for name in names}
+            value = node.value
+            assert value is not None
+            if aux.get("swa") is not None:
+                assert aux["swa"] is value, "an SWA entry is not the node's FULL array"
             start = len(toks) - node.ntok
             for k in range(node.ntok):
                 pos = self._pos(ns, toks, start + k)
-                full[pos] = int(node.value[k])
+                full[pos] = int(value[k])
                 if aux.get("swa") is not None:
-                    swa[pos] = int(aux["swa"][k])
-            if aux.get("mamba") is not None:
-                state[(ns, toks)] = int(aux["mamba"][0])
+                    swa.add(pos)
+            mamba = aux.get("mamba")
+            if mamba is not None:
+                state[(ns, toks)] = int(mamba[0])
         assert full == self.full
         assert swa == self.swa
         assert state == self.state
@@ -401,9 +434,13 @@ class HybridMachine(RuleBasedStateMachine):
 
     @invariant()
     def slots_balance(self) -> None:
+        live = self.tree.component_slots("swa").tolist() if self.SWA else []
+        assert len(live) == len(set(live)), "an SWA-live FULL slot is held twice"
+        # Exactly the SWA-live FULL slots have an SWA side: the tree gave up every other one.
+        assert set(live) == self.pair.keys(), "the SWA-live FULL slots are not the paired ones"
         held = {
             "full": self.tree.device_slots().tolist(),
-            "swa": self.tree.component_slots("swa").tolist() if self.SWA else [],
+            "swa": [self.pair[s] for s in live],
             "mamba": self.tree.component_slots("mamba").tolist() if self.MAMBA else [],
         }
         for pool in POOLS:

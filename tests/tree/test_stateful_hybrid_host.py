@@ -1,13 +1,28 @@
 """Hypothesis stateful test of hybrid trees with a host tier (FULL+SWA, FULL+Mamba,
 FULL+SWA+Mamba under every write policy).
 
-Every slot of the six pools (device and host: FULL, SWA, Mamba) carries what it holds: the
-prefix whose last token's KV it stores (FULL, SWA) or the prefix a state describes (Mamba).
-Backups and load-backs copy those contents from the slots named in the requests and tickets.
+Every slot of the pools (device and host: FULL, SWA, Mamba) carries what it holds: the prefix
+whose last token's KV it stores (FULL, SWA) or the prefix a state describes (Mamba). The tree
+names SWA data by FULL slots: the device FULL and SWA pools are a real ``SWASlotMap`` (page
+allocators of one-slot pages), which pairs each FULL slot with its SWA slot and applies the
+tree's results (``device_frees``, the SWA frees and ``swa_adopted``, all FULL slots) the way the
+cache does. Backups and load-backs copy contents from the slots named in the requests and
+tickets (an SWA backup part through the map's translation).
+
+Each insert's result is predicted exactly from the tree before it: the insert stops before a
+node still loading, host-only nodes take the caller's FULL slots, duplicates come back in
+``device_frees``; the SWA frees (a partly freed page above the SWA floor, the out-of-window part
+of a cached SWA tombstone) and the adoptions (an in-window tombstone recovered from the caller's
+slots) are exact FULL slot lists; the caller's state is taken or given back. An eviction frees
+exactly what the tree stopped holding; a load-back pairs exactly the FULL slots of the nodes
+whose SWA it loads.
+
 After every step: ``sanity_check()``; every node's device and host slots of every component
 hold exactly its own prefix (copies are bit-exact and go to the right nodes across splits,
-demotion, eviction and load-back); every slot the test handed out is held by the tree or was
-given back exactly once. A load-back committed at once turns the host hit into a device hit.
+demotion, eviction and load-back); the device pools hold exactly what the tree holds: the FULL
+slots of its nodes, an SWA side for exactly the FULL slots of its SWA-live nodes and no other
+SWA slot; every host and Mamba slot the test handed out is held by the tree or was given back
+exactly once. A load-back committed at once turns the host hit into a device hit.
 """
 
 from __future__ import annotations
@@ -22,9 +37,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from asynccache.errors import InvalidInputError
 from asynccache.tree import RadixTree
 from tests.tree.stateful_cases import machine_case, stateful_settings
+from transfers.allocator import PageAllocator
+from transfers.hybrid_pools import SWASlotMap
 
-POOLS = ("full", "swa", "mamba", "hfull", "hswa", "hmamba")
+POOLS = ("mamba", "hfull", "hswa", "hmamba")  # counted by hand; device FULL/SWA: allocators
 HOST = {"full": "hfull", "swa": "hswa", "mamba": "hmamba"}
+DEVICE_SLOTS = 1 << 14
+Pos = tuple[tuple[int, ...], int]  # (tokens to the end of the page, offset in the page)
+
+
+def flat(arrays: Any) -> list[int]:
+    return [int(s) for a in arrays for s in np.asarray(a).tolist()]
 
 
 class HostHybridMachine(RuleBasedStateMachine):
@@ -36,12 +59,19 @@ class HostHybridMachine(RuleBasedStateMachine):
                                         "write_back"]))
     def setup(self, ps: int, window: int, policy: str) -> None:
         self.ps = ps
-        self.tree = RadixTree(page_size=ps, sliding_window=window if self.SWA else 0,
+        self.window = window if self.SWA else 0
+        self.tree = RadixTree(page_size=ps, sliding_window=self.window,
                               mamba=self.MAMBA, host_enabled=True, write_policy=policy)
+        self.full = PageAllocator(DEVICE_SLOTS, 1)
+        self.smap = SWASlotMap(self.full, PageAllocator(DEVICE_SLOTS, 1)) if self.SWA else None
+        # Never handed to the tree: FULL slots are numbered apart from SWA slots, so a slip
+        # between the two shows.
+        self.full.alloc(DEVICE_SLOTS // 2)
         self.next = {p: 1000 * (i + 1) for i, p in enumerate(POOLS)}
         self.given: dict[str, set[int]] = {p: set() for p in POOLS}
         self.back: dict[str, set[int]] = {p: set() for p in POOLS}
-        self.content: dict[str, dict[int, tuple[int, ...]]] = {p: {} for p in POOLS}
+        self.content: dict[str, dict[int, tuple[int, ...]]] = {
+            p: {} for p in ("full", "swa", *POOLS)}
         self.backups: list[Any] = []
         self.tickets: list[Any] = []
         self.receipts: list[Any] = []
@@ -62,36 +92,66 @@ class HostHybridMachine(RuleBasedStateMachine):
                 self.back[pool].add(s)
                 self.content[pool].pop(s, None)
 
-    def _held(self) -> dict[str, list[int]]:
-        t = self.tree
-        out = {"full": t.device_slots().tolist(), "hfull": t.host_slots().tolist(),
-               "swa": [], "hswa": [], "mamba": [], "hmamba": []}
-        for name in t.components[1:]:
-            out[name] = t.component_slots(name).tolist()
-            out[HOST[name]] = t.component_host_slots(name).tolist()
-        return out
+    def _alloc_full(self, n: int, paired: bool) -> np.ndarray:
+        """``n`` FULL device slots; ``paired``: each with a fresh SWA side (a request's slots),
+        else none (a load-back's, paired by its ticket)."""
+        got = self.smap.alloc(n) if paired and self.smap is not None else self.full.alloc(n)
+        assert got is not None
+        return got
 
-    def _settle_caller(self) -> None:
-        """Slots handed out that the tree neither holds nor returned stay the caller's: it
-        frees them (the unaligned tail, a state the tree did not take)."""
-        held = self._held()
-        for pool in POOLS:
-            if pool.startswith("h"):
-                continue
-            inflight = set()
-            for tk in self.tickets:
-                inflight |= set((tk.device_slots if pool == "full"
-                                 else tk.component_device_slots.get(pool, np.empty(0))).tolist())
-            left = self.given[pool] - self.back[pool] - set(held[pool]) - inflight
-            self._give_back(pool, [sorted(left)])
+    def _free_full(self, arrays: Any) -> None:
+        for a in arrays:
+            if self.smap is not None:
+                self.smap.free_full(a)
+            else:
+                self.full.free(a)
+
+    def _swa_of(self, full: Any) -> list[int]:
+        assert self.smap is not None
+        return [int(s) for s in self.smap.translate(full).tolist()]
+
+    def _pos(self, toks: tuple[int, ...], i: int) -> Pos:
+        return (toks[: (i // self.ps + 1) * self.ps], i % self.ps)
+
+    def _device(self) -> tuple[list[int], list[int], list[int]]:
+        """The tree's device FULL slots, the FULL slots of its SWA-live nodes, its states."""
+        t = self.tree
+        live = t.component_slots("swa").tolist() if self.SWA else []
+        states = t.component_slots("mamba").tolist() if self.MAMBA else []
+        return t.device_slots().tolist(), live, states
+
+    def _snapshot(self) -> tuple[dict[Pos, tuple[int | None, bool, bool]],
+                                 dict[tuple[int, ...], int]]:
+        """Per cached position: (device FULL slot or None, SWA-live, loading); per node end:
+        its device Mamba state."""
+        t = self.tree
+        loads = {tk.op_id for tk in self.tickets}
+        out: dict[Pos, tuple[int | None, bool, bool]] = {}
+        states: dict[tuple[int, ...], int] = {}
+        for n in t.iter_nodes():
+            key = tuple(t.node_key(n.id).tokens)
+            start = len(key) - n.ntok
+            live = self.SWA and t.component_slots_of(n.id, "swa") is not None
+            loading = bool(n.pending) and n.pending in loads
+            for k in range(n.ntok):
+                own = None if n.value is None else int(n.value[k])
+                out[self._pos(key, start + k)] = (own, live, loading)
+            if self.MAMBA:
+                state = t.component_slots_of(n.id, "mamba")
+                if state is not None:
+                    states[key] = int(state[0])
+        return out, states
 
     def _apply_evict(self, e: Any) -> None:
-        self._give_back("full", e.device_frees)
         self._give_back("hfull", e.host_frees)
-        for name, arrays in e.component_frees.items():
-            self._give_back(name, arrays)
         for name, arrays in e.component_host_frees.items():
             self._give_back(HOST[name], arrays)
+        self._give_back("mamba", e.component_frees.get("mamba", []))
+        if self.smap is not None:
+            self.smap.apply_tree_frees(e.device_frees, e.component_frees.get("swa", []))
+        else:
+            assert "swa" not in e.component_frees
+            self._free_full(e.device_frees)
         self.backups.extend(e.backups)
 
     def _key(self, data: st.DataObject) -> tuple[int, ...]:
@@ -106,28 +166,117 @@ class HostHybridMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ rules
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
-        toks = self._key(data)
+        self._insert(self._key(data), data)
+
+    @precondition(lambda self: self.tickets)
+    @rule(data=st.data())
+    def insert_over_a_load(self, data: st.DataObject) -> None:
+        """An insert along a path still loading: it stops before the loading nodes."""
+        tk = self.tickets[data.draw(st.integers(0, len(self.tickets) - 1), label="ticket")]
+        toks = tuple(self.tree.node_key(tk.node_ids[-1]).tokens)
+        toks = toks[: data.draw(st.integers(0, len(toks)), label="cut")]
+        tail = data.draw(st.lists(st.integers(0, 2), max_size=2 * self.ps), label="tail")
+        self._insert(toks + tuple(tail), data)
+
+    def _insert(self, toks: tuple[int, ...], data: st.DataObject) -> None:
+        ps = self.ps
         n = len(toks)
-        end = n - n % self.ps
-        full = self._take("full", n)
+        end = n - n % ps
+        full = self._alloc_full(n, True)
         for i, s in enumerate(full.tolist()):
             self.content["full"][s] = toks[: i + 1]
+        floor = 0
         kw: dict[str, Any] = {}
         if self.SWA:
-            swa = self._take("swa", n)
-            for i, s in enumerate(swa.tolist()):
+            for i, s in enumerate(self._swa_of(full)):
                 self.content["swa"][s] = toks[: i + 1]
-            kw["swa_value"] = swa
+            if data.draw(st.booleans(), label="swa floor given"):
+                # The caller already freed the SWA side of its first ``floor`` tokens.
+                floor = data.draw(st.integers(0, n), label="swa floor")
+                assert self.smap is not None
+                self.smap.free_swa(self.smap.translate(full[:floor]))
+            kw["component_evicted_seqlens"] = {"swa": floor}
+        state = None
         if self.MAMBA and end:
             (state,) = self._take("mamba", 1).tolist()
             self.content["mamba"][state] = toks[:end]
             kw["mamba_value"] = state
+        # ---- predict
+        snap, states = self._snapshot()
+        cached = 0
+        while cached < end and self._pos(toks, cached) in snap:
+            cached += ps
+        limit = next((i for i in range(0, cached, ps) if snap[self._pos(toks, i)][2]), None)
+        cut = limit is not None
+        stop = limit if limit is not None else end  # the page-aligned tokens the insert covers
+        if cut:
+            floor = min(floor, stop)
+        floor_a = -(-floor // ps) * ps
+        span = -(-self.window // ps) * ps
+        recover = max(floor_a, stop - span)  # an in-window tombstone is SWA-live from here on
+        dups: list[int] = []
+        swa_frees: list[int] = []
+        adopt_node: list[int] = []
+        adopt_caller: list[int] = []
+        full0, live0, _ = self._device()
+        taken: list[int] = []  # FULL slots the tree takes
+        lives: list[int] = []  # FULL slots that become SWA-live
+        host_only = False  # an in-window tombstone recovered on a host-only node
+        for i in range(stop):
+            v = int(full[i])
+            if i < cached:
+                own, live, _ = snap[self._pos(toks, i)]
+                if own is None:
+                    own = v  # a host-only node takes the caller's FULL slot
+                    taken.append(v)
+                elif own != v:
+                    dups.append(v)
+                if not self.SWA or live or i < floor:
+                    continue
+                if i < recover:
+                    swa_frees.append(v)  # the tombstone stays: the caller's SWA side goes
+                    continue
+                lives.append(own)  # recovered
+                if own != v:
+                    adopt_node.append(own)
+                    adopt_caller.append(v)
+                else:  # the caller's own pairs: nothing to adopt
+                    host_only = True
+            else:
+                taken.append(v)
+                if self.SWA and floor <= i < floor_a:
+                    swa_frees.append(v)  # a partly freed page above the floor is not kept
+                elif self.SWA and i >= floor_a:
+                    lives.append(v)
+        exist = self.MAMBA and stop > 0 and toks[:stop] in states
+        mamba_frees = [state] if state is not None and (cut or exist) else []
+        # ---- run
         r = self.tree.insert(list(toks), full, **kw)
-        self._give_back("full", r.device_frees)
-        for name, arrays in r.component_frees.items():
-            self._give_back(name, arrays)
+        assert (r.prefix_len, r.cached_len) == (min(cached, stop), stop)
+        assert tuple(self.tree.node_key(r.last_node).tokens) == toks[:stop]
+        assert flat(r.device_frees) == dups
+        assert flat(r.component_frees.get("swa", [])) == swa_frees
+        assert all(len(a) == len(b) for a, b in r.swa_adopted)
+        assert flat(a for a, _ in r.swa_adopted) == adopt_node
+        assert flat(b for _, b in r.swa_adopted) == adopt_caller
+        assert flat(r.component_frees.get("mamba", [])) == mamba_frees
+        assert r.mamba_exist == exist
+        full1, live1, _ = self._device()
+        assert sorted(full1) == sorted(full0 + taken)
+        assert sorted(live1) == sorted(live0 + lives)
+        # ---- apply
+        if self.smap is not None:
+            sides = self._swa_of(adopt_caller)
+            self.smap.apply_tree_frees(r.device_frees, r.component_frees["swa"], r.swa_adopted)
+            # The recovered nodes' FULL slots now have the SWA side the caller's slots had.
+            assert self._swa_of(adopt_node) == sides
+        else:
+            self._free_full(r.device_frees)
+        self._free_full([full[stop:]])  # beyond the cut and the unaligned tail: the caller's
+        self._give_back("mamba", [mamba_frees])
         self.backups.extend(r.backups)
-        self._settle_caller()
+        event(f"insert: cut {cut}, swa frees {bool(swa_frees)}, adopted {bool(adopt_node)}")
+        event(f"insert: recovered on a host-only node {host_only}")
         if end:
             self.history.append(toks[:end])
 
@@ -159,7 +308,10 @@ class HostHybridMachine(RuleBasedStateMachine):
             (state,) = self._take("hmamba", 1).tolist()
             self.content["hmamba"][state] = toks
             kw["mamba_host_slot"] = state
+        before = self._device()
         r = self.tree.insert_host(list(toks), start, host, **kw)
+        assert self._device() == before  # host pages only: nothing changes on device
+        assert r.swa_adopted == []
         event("insert_host")
         self._give_back("hfull", r.device_frees)
         for name, arrays in r.component_frees.items():
@@ -179,7 +331,12 @@ class HostHybridMachine(RuleBasedStateMachine):
         parts = {}
         for name, dev in b.component_slots.items():
             hs = self._take(HOST[name], len(dev))
-            for d, h in zip(dev.tolist(), hs.tolist(), strict=True):
+            if name == "swa":  # the nodes' FULL slots: the cache copies their SWA side
+                assert set(dev.tolist()) <= set(b.device_slots.tolist())
+                src = self._swa_of(dev)
+            else:
+                src = dev.tolist()
+            for d, h in zip(src, hs.tolist(), strict=True):
                 self.content[HOST[name]][h] = self.content[name][d]
             parts[name] = hs
         self.tree.commit_backup(b.op_id, host, parts)
@@ -187,13 +344,27 @@ class HostHybridMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 8), swa=st.integers(0, 6), mamba=st.integers(0, 2))
     def evict(self, n: int, swa: int, mamba: int) -> None:
+        full0, live0, states0 = self._device()
         e = self.tree.evict(n, swa_num_tokens=swa if self.SWA else 0,
                             mamba_num=mamba if self.MAMBA else 0)
+        full1, live1, states1 = self._device()
+        # Exactly what the tree no longer holds: FULL slots (demoted or deleted nodes), FULL
+        # slots whose SWA side it gave up (tombstoned, demoted or deleted), states.
+        freed = flat(e.device_frees)
+        fswa = flat(e.component_frees.get("swa", []))
+        fmamba = flat(e.component_frees.get("mamba", []))
+        assert sorted(freed) == sorted(set(full0) - set(full1)) and set(full1) <= set(full0)
+        assert sorted(fswa) == sorted(set(live0) - set(live1)) and set(live1) <= set(live0)
+        assert sorted(fmamba) == sorted(set(states0) - set(states1))
+        assert (e.num_evicted, e.swa_num_evicted, e.mamba_num_evicted) == (
+            len(freed), len(fswa), len(fmamba))
         self._apply_evict(e)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
+        before = self._device()
         h = self.tree.evict_host(n)
+        assert self._device() == before
         self._give_back("hfull", h.host_frees)
         for name, arrays in h.component_host_frees.items():
             self._give_back(HOST[name], arrays)
@@ -209,20 +380,37 @@ class HostHybridMachine(RuleBasedStateMachine):
             sizes = self.tree.load_back_sizes(m.best_node)
         except InvalidInputError:
             return  # in flight (a load or a backup) on the path
-        dev = self._take("full", sizes["full"])
-        comps = {name: self._take(name, k) for name, k in sizes.items() if name != "full"}
+        dev = self._alloc_full(sizes["full"], False)
+        comps = {}
+        if sizes.get("swa") is not None:
+            assert self.smap is not None  # SWA slots come unpaired: the ticket pairs them
+            got = self.smap.swa.alloc(sizes["swa"])
+            assert got is not None
+            comps["swa"] = got
+        if sizes.get("mamba") is not None:
+            comps["mamba"] = self._take("mamba", sizes["mamba"])
+        live0 = set(self._device()[1])
         tk = self.tree.start_load_back(m.best_node, dev, comps)
         event(f"load-back of {sorted(k for k, v in sizes.items() if v)}")
+        live1 = set(self._device()[1])
         for d, h in zip(tk.device_slots.tolist(), tk.host_slots.tolist(), strict=True):
             self.content["full"][d] = self.content["hfull"][h]
         for name, devs in tk.component_device_slots.items():
             hosts = tk.component_host_slots[name].tolist()
             for d, h in zip(devs.tolist(), hosts, strict=True):
                 self.content[name][d] = self.content[HOST[name]][h]
-        if tk.swa_pairs is not None:
+        if sizes.get("swa"):
+            # The FULL slots of exactly the nodes whose SWA is loaded, with the given slots.
+            assert tk.swa_pairs is not None and self.smap is not None
             fulls, swas = tk.swa_pairs
+            assert swas.tolist() == comps["swa"].tolist() == tk.component_device_slots[
+                "swa"].tolist()
+            assert sorted(fulls.tolist()) == sorted(live1 - live0) and live0 <= live1
+            self.smap.adopt(fulls, swas)
             for f, s in zip(fulls.tolist(), swas.tolist(), strict=True):
                 assert self.content["full"][f] == self.content["swa"][s]
+        else:
+            assert tk.swa_pairs is None and live1 == live0
         if commit_now:
             self.tree.commit_load_back(tk.op_id)
             after = self.tree.match_prefix(list(toks))
@@ -251,9 +439,19 @@ class HostHybridMachine(RuleBasedStateMachine):
         if ok:
             self.tree.commit_load_back(tk.op_id)
             return
-        self._give_back("full", self.tree.abort_load_back(tk.op_id))
-        for name, devs in tk.component_device_slots.items():
-            self._give_back(name, [devs])
+        frees = self.tree.abort_load_back(tk.op_id)
+        # The FULL slots it loaded come back; the nodes whose SWA it loaded are tombstones again.
+        assert sorted(flat(frees)) == sorted(tk.device_slots.tolist())
+        if tk.swa_pairs is not None:
+            assert set(tk.swa_pairs[0].tolist()).isdisjoint(self._device()[1])
+        swa = tk.component_device_slots.get("swa")
+        if swa is not None:
+            assert self.smap is not None
+            self.smap.free_swa(swa)
+        self._free_full(frees)
+        mamba = tk.component_device_slots.get("mamba")
+        if mamba is not None:
+            self._give_back("mamba", [mamba])
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
@@ -272,27 +470,41 @@ class HostHybridMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         t = self.tree
         t.sanity_check()
-        held = self._held()
-        inflight: dict[str, set[int]] = {p: set() for p in POOLS}
+        full, live, states = self._device()
+        held = {"mamba": states, "hfull": t.host_slots().tolist(), "hswa": [], "hmamba": []}
+        for name in t.components[1:]:
+            held[HOST[name]] = t.component_host_slots(name).tolist()
         for pool in POOLS:
             h = held[pool]
             assert len(h) == len(set(h)), f"a {pool} slot is held twice"
             assert set(h).isdisjoint(self.back[pool]), f"a {pool} slot is held and given back"
-            assert set(h) | self.back[pool] | inflight[pool] == self.given[pool], (
-                f"a {pool} slot leaked")
+            assert set(h) | self.back[pool] == self.given[pool], f"a {pool} slot leaked"
+        # The device pools hold exactly the tree's slots (none leaked, none freed while held).
+        assert len(full) == len(set(full)), "a FULL slot is held twice"
+        assert self.full.is_allocated(full).all(), "the tree holds a freed FULL slot"
+        assert self.full.used_size == DEVICE_SLOTS // 2 + len(full), "a FULL slot leaked"
+        if self.smap is not None:
+            self.smap.check()
+            paired = np.flatnonzero(self.smap.full_to_swa >= 0).tolist()
+            assert paired == sorted(live), "SWA sides are not exactly the SWA-live FULL slots"
+            assert set(live) <= set(full)
+            assert self.smap.swa.used_size == len(live), "an SWA slot leaked"
         names = t.components[1:]
         for n in t.iter_nodes():
             key = tuple(t.node_key(n.id).tokens)
             start = len(key) - n.ntok
             want = [key[: start + j + 1] for j in range(n.ntok)]
-            parts = [("full", n.value), ("hfull", n.host_value)]
+            parts: list[tuple[str, Any]] = [("full", n.value), ("hfull", n.host_value)]
             for name in names:
-                parts += [(name, self.tree.component_slots_of(n.id, name)),
-                          (HOST[name], self.tree.component_host_slots_of(n.id, name))]
+                dev = t.component_slots_of(n.id, name)
+                if name == "swa" and dev is not None:
+                    assert dev is n.value  # the SWA entry is the node's FULL array
+                    dev = self._swa_of(dev)
+                parts += [(name, dev), (HOST[name], t.component_host_slots_of(n.id, name))]
             for pool, slots in parts:
                 if slots is None:
                     continue
-                got = [self.content[pool][s] for s in slots.tolist()]
+                got = [self.content[pool][s] for s in np.asarray(slots).tolist()]
                 assert got == ([key] if pool.endswith("mamba") else want), (
                     f"node {n.id} {pool} slots hold {got}")
 

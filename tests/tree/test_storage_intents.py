@@ -68,24 +68,33 @@ def test_hybrid_insert_names_every_new_node_root_first() -> None:
     t = RadixTree(page_size=4, write_policy="write_through", sliding_window=8)
     t.set_storage_intents(True)
     toks = list(range(1, 25))
-    res = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524))
+    res = t.insert(toks, np.arange(24))
     # The cap-split leaves a 16-token node and a leaf of one window (8 tokens).
     assert len(res.intents) == 2 and res.intents[-1] == res.last_node
     assert [len(t.node_key(n)) for n in res.intents] == [16, 24]
     assert t.held_locks == 0 and t.pending_ops == 0
+    assert (res.component_frees, res.device_frees) == ({"swa": []}, [])
+    t.sanity_check()
     # Below an SWA floor the tombstone part is a node of its own: three new nodes.
     other = list(range(100, 124))
-    res = t.insert(other, np.arange(24, 48), swa_value=np.arange(600, 624),
-                   component_evicted_seqlens={"swa": 8})
+    res = t.insert(other, np.arange(24, 48), component_evicted_seqlens={"swa": 8})
     assert [len(t.node_key(n)) for n in res.intents] == [8, 16, 24]
+    # The tombstone from birth is named too; the SWA-live ones name their FULL slots.
+    swa = [t.component_slots_of(n, "swa") for n in res.intents]
+    assert swa[0] is None
+    assert [s.tolist() for s in swa[1:]] == [list(range(32, 40)), list(range(40, 48))]
+    assert res.component_frees == {"swa": []}  # the floor is page-aligned: nothing given up
+    t.sanity_check()
 
 
 def test_hybrid_selective_names_a_node_at_its_second_hit() -> None:
     t = RadixTree(page_size=4, write_policy="write_through_selective", sliding_window=8)
     t.set_storage_intents(True)
     toks = list(range(1, 25))
-    first = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524))
+    first = t.insert(toks, np.arange(24))
     assert first.intents == []
-    again = t.insert(toks, np.arange(24), swa_value=np.arange(500, 524), prev_prefix_len=24)
+    again = t.insert(toks, np.arange(24), prev_prefix_len=24)
     assert [len(t.node_key(n)) for n in again.intents] == [16, 24]
     assert again.intents[-1] == first.last_node
+    assert (again.device_frees, again.component_frees) == ([], {"swa": []})
+    t.sanity_check()

@@ -69,12 +69,15 @@ def check_components(tree: RadixTree) -> None:
             if value is not None:
                 if n.value is None:
                     _fail(f"node {n.id} holds {c.name} without FULL KV")
-                want_len = n.ntok if c.name == "swa" else 1
-                if len(value) != want_len or value.dtype != np.int64:
-                    _fail(f"node {n.id} has {len(value)} {c.name} slots, want {want_len}")
-                if value.flags.writeable:
-                    _fail(f"node {n.id} {c.name} slots are writeable")
-                held.append(value)
+                if c.name == "swa":
+                    if value is not n.value:
+                        _fail(f"node {n.id}'s SWA entry is not its FULL slot array")
+                else:
+                    if len(value) != 1 or value.dtype != np.int64:
+                        _fail(f"node {n.id} has {len(value)} {c.name} slots, want 1")
+                    if value.flags.writeable:
+                        _fail(f"node {n.id} {c.name} slots are writeable")
+                    held.append(value)
                 units = c.units(n)
                 if lock_ref:
                     protected += units

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 # The value comes first, so the hot walks read it as ``aux[at]``.
-VALUE = 0  # read-only int64 slot array; None is a *tombstone* (evicted, structure kept)
+# Read-only int64 slot array (SWA: the node's FULL array itself, see components/swa.py);
+# None is a *tombstone* (evicted, structure kept).
+VALUE = 0
 LOCK = 1  # pins
 STAMP = 2  # the component's own LRU clock value
 QE = 3  # its live LRU queue entry, or None

@@ -1,7 +1,8 @@
 """Sliding-window attention (SWA) as a tree component.
 
-Per node: one SWA-pool slot per token (the caller translates its FULL slots through the pool's
-full->SWA map), or a tombstone. A match may end at a node only if the path has no SWA tombstone
+Per node: SWA-live or a tombstone. A live node's value entry is the node's FULL slot array
+itself: its SWA KV lives at the pool's full->SWA translation of those slots, which the cache
+keeps (the tree never sees SWA slot numbers, and stores no second copy). A match may end at a node only if the path has no SWA tombstone
 or the last ``window`` tokens before the node's end are SWA-live. Locks pin one window above the
 anchor; a long new leaf is cap-split so that it holds exactly one page-aligned window.
 """
@@ -38,10 +39,9 @@ class SWAComponent(Component):
         ap = p.aux
         assert ax is not None and ap is not None
         at = self.at
-        v = ax[at]
-        if v is not None:
-            ap[at] = v[:m]
-            ax[at] = v[m:]
+        if ax[at] is not None:  # FULL split first: the halves alias the new FULL arrays
+            ap[at] = p.value
+            ax[at] = x.value
         ap[at + LOCK] = ax[at + LOCK]
         ap[at + STAMP] = ax[at + STAMP]
         ap[at + ACCT] = ax[at + ACCT]  # the prefix's tokens keep the class they were counted in
