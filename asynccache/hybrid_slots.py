@@ -160,11 +160,11 @@ class HybridSlots:
                 if n.value is None:
                     continue
                 sides = f2s[n.value]
-                if tree.component_slots_of(n.id, "swa") is not None:
-                    if int(sides.min()) < 0:
-                        raise AssertionError(f"node {n.id} is SWA-live but a FULL slot is unpaired")
-                elif int(sides.max()) >= 0:
-                    raise AssertionError(f"node {n.id} is an SWA tombstone but a FULL slot is paired")
+                live = tree.component_slots_of(n.id, "swa") is not None
+                if live and int(sides.min()) < 0:
+                    raise AssertionError(f"node {n.id} is SWA-live but a FULL slot is unpaired")
+                if not live and int(sides.max()) >= 0:
+                    raise AssertionError(f"SWA tombstone {n.id} has a FULL slot still paired")
         if self.mamba_pool is not None:
             held = len(tree.component_slots("mamba"))
             if self.mamba_pool.used_size != held + self.mamba_outstanding:

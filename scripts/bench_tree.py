@@ -10,8 +10,9 @@ Targets: insert and match >= 2x SGLang; eviction >= 3,000 calls/s.
 
 Hybrid configurations (``hybrid`` in the report; ``--no-hybrid`` skips them): the same workload
 on FULL+SWA (window 512), FULL+Mamba and FULL+SWA+Mamba trees, every insert carrying a Mamba
-state (its SWA data is named by its FULL slots). Each of ``--repeat`` rounds runs FULL-only and the three hybrids back to back,
-in an order rotated per round (no configuration always runs first or last).
+state (its SWA data is named by its FULL slots). Each of ``--repeat`` rounds runs FULL-only
+and the three hybrids back to back, in an order rotated per round (no configuration always runs
+first or last).
 ``slowdown_vs_full_<phase>`` is FULL-only's best rate divided by the hybrid's best rate (target:
 <= 1.5): on a shared machine interference only slows a round down, so a configuration's fastest
 round is the closest to the cost of its code. ``..._median`` is the median over rounds of the

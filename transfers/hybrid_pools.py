@@ -10,8 +10,8 @@
   allocator, and the copy-on-write copy a match asks for.
 
 :meth:`SWASlotMap.apply_tree_frees` applies what the tree returns (its ``device_frees``,
-``component_frees["swa"]`` and ``swa_adopted``, all FULL slots) in the one safe order. Not thread-safe: the
-cache's event loop is the only caller.
+``component_frees["swa"]`` and ``swa_adopted``, all FULL slots) in the one safe order. Not
+thread-safe: the cache's event loop is the only caller.
 """
 
 from __future__ import annotations

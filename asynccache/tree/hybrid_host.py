@@ -166,7 +166,8 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
 def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     """Before a hybrid insert: give host-only nodes on the key's path the caller's FULL slots
     (their SWA stays a device tombstone, which the insert recovers in-window: the caller's FULL
-    slots come with their SWA side). Returns the tokens the insert may cover: it stops before a node still loading."""
+    slots come with their SWA side). Returns the tokens the insert may cover: it stops before a
+    node still loading."""
     data = key.data
     pb = tree._pb
     end = len(data) - len(data) % pb

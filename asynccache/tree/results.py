@@ -159,8 +159,8 @@ class EvictResult:
     nodes are demoted by the next ``evict`` call (``pending_tokens`` counts them).
     Hybrid trees: ``swa_num_evicted`` (SWA tokens) and ``mamba_num_evicted`` (states) freed,
     in ``component_frees[name]``: SWA as the FULL slots whose SWA side goes (a deleted leaf's
-    FULL slots are in ``device_frees`` too), Mamba as state slots; host copies of component values dropped with
-    deleted nodes in ``component_host_frees[name]``.
+    FULL slots are in ``device_frees`` too), Mamba as state slots; host copies of component
+    values dropped with deleted nodes in ``component_host_frees[name]``.
     """
 
     num_evicted: int = 0

@@ -2,8 +2,9 @@
 
 Per node: SWA-live or a tombstone. A live node's value entry is the node's FULL slot array
 itself: its SWA KV lives at the pool's full->SWA translation of those slots, which the cache
-keeps (the tree never sees SWA slot numbers, and stores no second copy). A match may end at a node only if the path has no SWA tombstone
-or the last ``window`` tokens before the node's end are SWA-live. Locks pin one window above the
+keeps (the tree never sees SWA slot numbers, and stores no second copy). A match may end at a
+node only if the path has no SWA tombstone or the last ``window`` tokens before the node's end
+are SWA-live. Locks pin one window above the
 anchor; a long new leaf is cap-split so that it holds exactly one page-aligned window.
 """
 
