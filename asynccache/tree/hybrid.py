@@ -18,10 +18,10 @@ import numpy as np
 from asynccache.errors import InvalidInputError, LockError
 from asynccache.tree.components.base import Component
 from asynccache.tree.components.layout import ACCT, LOCK, STAMP
-from asynccache.tree.config import _INT64, _check_count
+from asynccache.tree.config import _check_count
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import DLEAF, Node, state_slot
+from asynccache.tree.node import DLEAF, Node, frozen, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
@@ -465,8 +465,7 @@ def _commit_tail(
     data = key.data
     pb = tree._pb
     ns = key.namespace
-    # frozen(), inline: one copy; the segments are read-only views of it
-    full = np.frombuffer(slots[start:n_tok].tobytes(), _INT64)
+    full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
     empty = tree._aux_empty
     nodes = tree._nodes
     ids = tree._ids

@@ -99,17 +99,16 @@ class NodeQueue:
 
     def clear(self) -> None:
         nodes = self._nodes
-        for entry in self._heap:
-            node = nodes.get(entry[-1])
-            if node is not None and node.aux[self._slot] is entry:
-                node.aux[self._slot] = None
+        for entry in self._live_entries():
+            nodes[entry[-1]].aux[self._slot] = None
         self._heap = []
         self._live = 0
 
-    def _compact(self) -> None:
+    def _live_entries(self) -> list[tuple[Any, ...]]:
         slot = self._slot
         nodes = self._nodes
-        self._heap = [
-            e for e in self._heap if (n := nodes.get(e[-1])) is not None and n.aux[slot] is e
-        ]
+        return [e for e in self._heap if (n := nodes.get(e[-1])) is not None and n.aux[slot] is e]
+
+    def _compact(self) -> None:
+        self._heap = self._live_entries()
         heapq.heapify(self._heap)

@@ -132,9 +132,9 @@ class RadixTree(HostTier):
         ``component_evicted_seqlens={"swa": k}`` says the caller already freed the SWA side
         of its first ``k`` tokens (those nodes are SWA tombstones from birth);
         ``mamba_value`` is the state slot after the page-aligned key, kept on its last node.
-        ``component_frees["swa"]`` gives the FULL slots whose SWA side the tree does not take
-        (a partly freed page below the floor), ``component_frees["mamba"]`` a state it does
-        not take.
+        ``component_frees["swa"]`` gives the caller's FULL slots whose SWA side the tree does
+        not take (a partly freed page above the floor, the out-of-window part of a cached SWA
+        tombstone), ``component_frees["mamba"]`` a state it does not take.
         """
         self._check_owner()
         key = as_key(key)

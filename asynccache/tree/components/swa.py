@@ -4,8 +4,8 @@ Per node: SWA-live or a tombstone. A live node's value entry is the node's FULL 
 itself: its SWA KV lives at the pool's full->SWA translation of those slots, which the cache
 keeps (the tree never sees SWA slot numbers, and stores no second copy). A match may end at a
 node only if the path has no SWA tombstone or the last ``window`` tokens before the node's end
-are SWA-live. Locks pin one window above the
-anchor; a long new leaf is cap-split so that it holds exactly one page-aligned window.
+are SWA-live. Locks pin one window above the anchor; a long new leaf is cap-split so that it
+holds exactly one page-aligned window.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class SWAComponent(Component):
     def split(self, x: Node, p: Node, m: int) -> None:
         ax = x.aux
         ap = p.aux
-        assert ax is not None and ap is not None
         at = self.at
         if ax[at] is not None:  # FULL split first: the halves alias the new FULL arrays
             ap[at] = p.value
