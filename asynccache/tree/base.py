@@ -68,6 +68,8 @@ class TreeBase:
         self._host = config.host_enabled
         self._write_back = config.host_enabled and config.write_policy == "write_back"
         self._write_through = config.host_enabled and not self._write_back
+        # Write-back backs up at eviction only and counts no hits (behavior.md 1.17).
+        self._count_hits = not self._write_back
         self._threshold = config.write_through_threshold
         self._intents = False  # buffer-only host mode with storage: report, do not back up
         policy = config.eviction_policy
@@ -406,7 +408,9 @@ class TreeBase:
 
     # ------------------------------------------------------------------ split
     def _split(self, x: Node, nbytes: int) -> Node:
-        """Split ``x`` after ``nbytes``; the new prefix node is returned, ``x`` keeps its id."""
+        """Split ``x`` after ``nbytes``; the new prefix node is returned. ``x`` keeps its id and
+        its place in the queues, and its access time is refreshed (behavior.md 1.3): the prefix
+        keeps the old stamp (the walk that split stamps it next, newer still)."""
         parent = x.parent
         assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
         m = nbytes >> 2
@@ -429,6 +433,9 @@ class TreeBase:
         p.host_lock_ref = x.host_lock_ref
         p.acct = x.acct  # the prefix's tokens keep the class they were counted in
         p.last_access = x.last_access
+        x.last_access = self._tick()
+        if self._touch_requeues:
+            self._requeue(x)
         p.creation = x.creation
         p.hit_count = x.hit_count
         p.priority = x.priority

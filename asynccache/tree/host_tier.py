@@ -530,26 +530,40 @@ class HostTier(TreeBase):
             parent.dchildren -= 1
         self._refresh(parent)
 
-    def evict_host(self, num_tokens: int, *, reclaim_duplicates: bool | None = None) -> HostEvictResult:
+    def evict_host(
+        self, num_tokens: int, *, reclaim_duplicates: bool | None = None
+    ) -> HostEvictResult:
         """Free at least ``num_tokens`` host tokens.
 
-        Host-only leaves go first; then (or first, under write-back) host duplicates of nodes
-        still on device lose their host copy. ``reclaim_duplicates=False`` never touches
-        duplicates.
+        Host-only leaves go. Host copies of nodes still on device (duplicates) are reclaimed
+        only under write-back, and first there (behavior.md 1.17): under write-through a
+        device node without a host copy is deleted at eviction with its host-only subtree, so
+        taking a parent's copy would lose its host-only children.
+        ``reclaim_duplicates``: None follows the write policy; False never touches duplicates;
+        True reclaims them under write-through too, but only those none of whose children holds
+        a host copy, so the host copies stay prefix-closed (a parent's goes after its
+        children's, within the same call if needed).
         """
         self._check_owner()
         num_tokens = _check_count("num_tokens", num_tokens)
         res = HostEvictResult()
-        use_dups = True if reclaim_duplicates is None else reclaim_duplicates
+        use_dups = self._write_back if reclaim_duplicates is None else bool(reclaim_duplicates)
+        closed = not self._write_back  # keep the host copies prefix-closed
         order = (HDUP, HLEAF) if self._write_back else (HLEAF, HDUP)
         for slot in order:
             if slot == HDUP and not use_dups:
                 continue
             q = self._queues[slot]
+            held: dict[int, Node] = {}  # duplicates skipped for a host-copied child
             while res.num_evicted < num_tokens:
                 n = q.pop()
                 if n is None:
                     break
+                if slot == HDUP and closed and any(
+                    c.host_value is not None for c in n.children.values()
+                ):
+                    held[n.id] = n
+                    continue
                 host = n.host_value
                 assert host is not None
                 self._emit_removed(n, Medium.CPU_PINNED)
@@ -559,9 +573,9 @@ class HostTier(TreeBase):
                 n.host_value = None
                 if self._aux:
                     hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
+                parent = n.parent
+                assert parent is not None
                 if slot == HLEAF:
-                    parent = n.parent
-                    assert parent is not None
                     for other in self._queues:
                         other.discard(n)
                     self._detach(n)
@@ -571,4 +585,8 @@ class HostTier(TreeBase):
                     self._refresh(parent)
                 else:
                     self._refresh(n)
+                    if held.pop(parent.id, None) is not None:
+                        self._refresh(parent)  # may be its last host-copied child
+            for n in held.values():
+                self._refresh(n)
         return res

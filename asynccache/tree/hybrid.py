@@ -289,6 +289,7 @@ def insert(
     clock = tree._clock
     touch_rq = tree._touch_requeues
     hit_rq = tree._hit_requeues
+    count_hits = tree._count_hits
     prio_rq = tree._prio_requeues
     intents = tree._intents
     ck = tree._child_key(node, data[:pb], ns)
@@ -301,7 +302,9 @@ def insert(
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):
+            tree._clock = clock  # a split stamps the suffix with the next tick
             child, nb = tree._match_child(child, data, off, end)
+            clock = tree._clock
         pos = off >> 2
         hi = pos + (nb >> 2)
         clock += 1
@@ -310,7 +313,7 @@ def insert(
         if priority > child.priority:
             child.priority = priority
             requeue = requeue or prio_rq
-        if hi > inserted_len:
+        if hi > inserted_len and count_hits:
             child.hit_count += 1
             requeue = requeue or hit_rq
             if intents and child.hit_count >= tree._threshold:
@@ -328,8 +331,10 @@ def insert(
                     fa = lo
                 fb = hi
             if si >= 0 and child.aux[si] is None and hi > floor:
+                tree._clock = clock
                 _swa_tombstone(tree, child, pos, lo, hi, floor, recover_from, slots, swa_frees,
                                res.swa_adopted)
+                clock = tree._clock
         if requeue and child.aux[DLEAF] is not None:
             tree._requeue(child)
         node = child

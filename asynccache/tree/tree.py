@@ -208,7 +208,7 @@ class RadixTree(HostTier):
                     # A caller handing back the tree's own slots is not a duplicate.
                     if dup[0] != own[0] or not np.array_equal(dup, own):
                         frees.append(dup)
-            if pos + m > inserted_len:
+            if pos + m > inserted_len and self._count_hits:
                 child.hit_count += 1
                 requeue = requeue or self._hit_requeues
                 if self._write_through and child.hit_count >= self._threshold:

@@ -130,7 +130,7 @@ def test_removal_media_for_host_eviction_and_drops(alloc) -> None:
     assert tree.take_events() == [BlockRemoved(_h([1], 1), Medium.GPU)]
     tree.evict_host(1)  # host-only leaf [1]
     assert tree.take_events() == [BlockRemoved(_h([1], 1), Medium.CPU_PINNED)]
-    tree.evict_host(1)  # duplicate of [2]
+    tree.evict_host(1, reclaim_duplicates=True)  # duplicate of [2] (asked for: write-through)
     assert tree.take_events() == [BlockRemoved(_h([2], 1), Medium.CPU_PINNED)]
     tree.evict(1)  # [2] no longer backed up: deleted
     assert tree.take_events() == [BlockRemoved(_h([2], 1), Medium.GPU)]

@@ -223,22 +223,41 @@ def test_evict_host_takes_host_only_leaves_first(ps: int, alloc) -> None:
     assert [f.tolist() for f in res.host_frees] == [ha.tolist()]
     assert tree.node_count == 1
     tree.sanity_check()
-    res = tree.evict_host(1)  # then the duplicate is reclaimed; b stays on device
+    assert tree.evict_host(1).num_evicted == 0  # write-through keeps duplicates by default
+    res = tree.evict_host(1, reclaim_duplicates=True)  # asked: reclaimed; b stays on device
     assert [f.tolist() for f in res.host_frees] == [hb.tolist()]
     m = tree.match_prefix(_page(2, ps))
     assert (m.device_prefix_len, m.host_hit_length) == (ps, 0)
     assert m.device_indices.tolist() == vb.tolist()
     assert (tree.host_size, tree.device_size) == (0, ps)
-    assert tree.evict_host(1).num_evicted == 0
+    assert tree.evict_host(1, reclaim_duplicates=True).num_evicted == 0
     tree.sanity_check()
 
 
-def test_evict_host_can_skip_duplicates(alloc) -> None:
-    tree = RadixTree(page_size=1, host_enabled=True, write_policy="write_through")
-    _two_backed_up_nodes(tree, alloc, 1)
+@pytest.mark.parametrize("policy", ("write_through", "write_through_selective", "write_back"))
+def test_evict_host_can_skip_duplicates(policy: str, alloc) -> None:
+    tree = RadixTree(page_size=1, host_enabled=True, write_policy=policy)
+    if policy == "write_back":
+        tree.insert([1], alloc.take(1))
+        tree.insert([2], alloc.take(1))
+        for _ in range(2):  # back both up at eviction, then load them back
+            (req,) = tree.evict(1).backups
+            tree.commit_backup(req.op_id, alloc.take(1))
+            tree.evict(1)
+        for key in ([1], [2]):
+            m = tree.match_prefix(key)
+            tree.commit_load_back(tree.start_load_back(m.best_node, alloc.take(1)).op_id)
+    else:
+        if policy == "write_through_selective":  # the second insert backs up
+            tree.insert([1], alloc.take(1))
+            tree.insert([2], alloc.take(1))
+        _two_backed_up_nodes(tree, alloc, 1)
+    assert tree.host_size == 2 and tree.device_size == 2
     res = tree.evict_host(10, reclaim_duplicates=False)
     assert (res.num_evicted, res.host_frees) == (0, [])
-    assert tree.evict_host(10).num_evicted == 2
+    assert tree.evict_host(10).num_evicted == (2 if policy == "write_back" else 0)
+    assert tree.evict_host(10, reclaim_duplicates=True).num_evicted == (
+        0 if policy == "write_back" else 2)
     tree.sanity_check()
 
 

@@ -104,12 +104,14 @@ def test_swa_backup_demote_load_back_round_trip() -> None:
     assert t.component_sizes("swa") == (8, 0)
     assert L(t.component_slots("swa")) == list(range(20, 28))
     assert t.component_slots_of(leaf, "swa") is node_at(t, list(range(8))).value
-    # Host copies stay as duplicates; reclaiming them frees the component copies too.
-    h = t.evict_host(8)
+    # Host copies stay as duplicates (write-through keeps them unless asked); reclaiming them
+    # frees the component copies too.
+    assert t.evict_host(8).num_evicted == 0
+    h = t.evict_host(8, reclaim_duplicates=True)
     t.sanity_check()
-    assert (h.num_evicted, L(h.host_frees), L(h.component_host_frees)) == (
-        8, [[500, 501, 502, 503], [504, 505, 506, 507]],
-        {"swa": [[600, 601, 602, 603], [604, 605, 606, 607]]})
+    assert (h.num_evicted, L(h.host_frees), L(h.component_host_frees)) == (  # leaf first
+        8, [[504, 505, 506, 507], [500, 501, 502, 503]],
+        {"swa": [[604, 605, 606, 607], [600, 601, 602, 603]]})
     assert (t.host_size, len(t.component_host_slots("swa"))) == (0, 0)
 
 

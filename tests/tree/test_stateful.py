@@ -429,12 +429,22 @@ class TreeMachine(RuleBasedStateMachine):
         hfreed = [int(s) for f in res.host_frees for s in f.tolist()]
         assert res.num_evicted == len(hfreed)
         self._give_back_host(hfreed)
+        # Duplicates (host copies of device pages) go only under write-back or when asked.
+        reclaim = self.WRITE_POLICY == "write_back" if dups is None else dups
+        freed: set[Page] = set()
         for s in hfreed:
             pos = self._drop_host(s)
-            if dups is False:
+            freed.add(pos[:2])
+            if not reclaim:
                 assert pos not in self.model_dev
+        if self.WRITE_POLICY != "write_back":
+            # The host copies stay prefix-closed: no page freed here has a host-copied page
+            # below it (a device eviction would delete that page with its parent).
+            below = {(ns, toks[:k]) for ns, toks, _ in self.model_host
+                     for k in range(self.ps, len(toks), self.ps)}
+            assert not freed & below
         event(f"evict_host freed {bool(hfreed)}")
-        if res.num_evicted < n and dups is not False and not self.host_receipts and not self.loads:
+        if res.num_evicted < n and reclaim and not self.host_receipts and not self.loads:
             assert self.tree.host_size == 0
 
     @precondition(lambda self: self.backups)

@@ -303,8 +303,9 @@ def test_load_back_commit(ps: int, alloc) -> None:
     m = tree.match_prefix(k)
     assert (m.device_prefix_len, m.pending_loads) == (3 * ps, ())
     assert (tree.protected_size, tree.evictable_size, tree.host_size) == (0, 3 * ps, 3 * ps)
-    # Now a host duplicate: evict_host reclaims it and the node stays on device.
-    res = tree.evict_host(1)
+    # Now a host duplicate: write-through keeps it unless asked; then the node stays on device.
+    assert tree.evict_host(1).num_evicted == 0
+    res = tree.evict_host(1, reclaim_duplicates=True)
     assert [f.tolist() for f in res.host_frees] == [h.tolist()]
     assert tree.match_prefix(k).device_prefix_len == 3 * ps
     tree.sanity_check()
