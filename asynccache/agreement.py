@@ -114,7 +114,7 @@ class Agreement:
         self._pending.add(token)
 
     def defer_copy(self, handle: Any, apply: Callable[[BaseException | None], object]) -> None:
-        """Commit ``handle`` (a copy, or a :class:`~transfers.hybrid_copies.GroupHandle` of
+        """Commit ``handle`` (a copy, or a :class:`~asynccache.transfers.hybrid_copies.GroupHandle` of
         one operation's copies over several pools) at the tick that agrees it finished on
         every rank. ``apply`` gets None, or a :class:`PeerCopyError` when the copy succeeded
         here but failed on another rank (then it must undo it as a failed copy; a local

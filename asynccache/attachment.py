@@ -29,7 +29,7 @@ class StorageAttachmentMixin:
         TP / PP rank and size default to the cache's rank group, ``kv_replicated`` to the
         config's (replicated KV, as with MLA: the TP ranks share one object per page).
         """
-        from storage.base import StorageLayout
+        from asynccache.storage.base import StorageLayout
 
         c, r = self.config, self.ranks
         return StorageLayout(

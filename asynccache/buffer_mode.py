@@ -47,9 +47,9 @@ from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
 from asynccache.hostpages import page_buffers
 from asynccache.l3 import BATCH_PAGES, StoragePolicy
 from asynccache.logs import get_logger
+from asynccache.transfers.handles import CopyHandle
+from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LockReceipt
-from transfers.handles import CopyHandle
-from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache

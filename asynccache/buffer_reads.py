@@ -30,9 +30,9 @@ from asynccache.hostpages import read_pages
 from asynccache.l3 import BATCH_PAGES, PREFETCH_POLICIES
 from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
+from asynccache.transfers.handles import CopyHandle
+from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LockReceipt, RadixKey
-from transfers.handles import CopyHandle
-from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.buffer_mode import BufferModePipeline

@@ -34,7 +34,7 @@ from asynccache.hostpages import page_buffers, read_pages
 from asynccache.l3 import BATCH_PAGES
 from asynccache.l3_hybrid import swa_object
 from asynccache.logs import get_logger
-from transfers.handles import CopyHandle
+from asynccache.transfers.handles import CopyHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache

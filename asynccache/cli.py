@@ -14,6 +14,7 @@ from typing import Any
 from asynccache.config import HOST_MODES, CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError
 from asynccache.l3 import PREFETCH_POLICIES, StoragePolicy
+from asynccache.logs import LOG_FORMATS, configure_logging
 from asynccache.replay.driver import Replayer, ReplayOptions
 from asynccache.replay.formats import (
     TraceRequest,
@@ -169,6 +170,15 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _have_matplotlib() -> bool:
+    """Whether ``--plot`` can draw (matplotlib is the optional extra ``asynccache[plot]``)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynccache", description="Hierarchical prefix KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--skip-isolated", action="store_true",
                     help="--instances: skip the second replay without the shared L3")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
-    rp.add_argument("--plot", help="write a hit-rate plot (PNG) to this path")
+    rp.add_argument("--plot", help="write a hit-rate plot (PNG) to this path (needs "
+                    "matplotlib: pip install 'asynccache[plot]')")
+    rp.add_argument("--log-level", type=str.upper, default="WARNING",
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                    help="log events at this level and above go to stderr (default: WARNING)")
+    rp.add_argument("--log-format", choices=LOG_FORMATS, default="console",
+                    help="console: one readable line per event; json: one JSON object per line")
     rp.set_defaults(func=_replay)
     return parser
 
@@ -252,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--route-tokens must be >= 1, got {args.route_tokens}")
         if args.instances > 1 and args.sweep:
             parser.error("--instances and --sweep cannot be combined")
+        if args.plot and not _have_matplotlib():
+            parser.error("--plot needs matplotlib, which is not installed: "
+                         "pip install 'asynccache[plot]'")
+        configure_logging(args.log_level, fmt=args.log_format)
     try:
         return int(args.func(args))
     except AsyncCacheError as exc:

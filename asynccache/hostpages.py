@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfers.pools import HostPool
+from asynccache.transfers.pools import HostPool
 
 
 def page_buffers(host: HostPool, slots: np.ndarray, *, fill: bool) -> list[torch.Tensor]:

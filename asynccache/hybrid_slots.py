@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynccache.errors import InvalidInputError
+from asynccache.transfers.hybrid_pools import MambaStatePool, SWASlotMap
+from asynccache.transfers.pools import DevicePool, KVShape
 from asynccache.tree import EvictResult, InsertResult, RadixTree
 from asynccache.tree.config import as_slots
-from transfers.hybrid_pools import MambaStatePool, SWASlotMap
-from transfers.pools import DevicePool, KVShape
 
 if TYPE_CHECKING:
     from asynccache.config import CacheConfig

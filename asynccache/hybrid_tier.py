@@ -5,11 +5,11 @@ states, and their copies.
 cache has a host tier. It allocates the host slots a backup's component values need and the
 device slots a load-back's need (all or nothing: when any pool falls short, nothing is taken
 and the operation is skipped), submits their copies (SWA KV through a second copy engine,
-Mamba states through a :class:`~transfers.hybrid_copies.StateCopier`) and frees what the tree
+Mamba states through a :class:`~asynccache.transfers.hybrid_copies.StateCopier`) and frees what the tree
 gives up.
 
 Several ranks: the facade joins an operation's copies over all pools into one
-:class:`~transfers.hybrid_copies.GroupHandle` and defers it to the agreement's copy lane, so it
+:class:`~asynccache.transfers.hybrid_copies.GroupHandle` and defers it to the agreement's copy lane, so it
 commits (or, if it failed on any rank, is undone) at the same tick everywhere. The
 all-or-nothing skips need no collective of their own: the pools here are sized from the config
 and only allocated / freed inside the caller's calls or at ticks, so they agree on every rank,
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynccache.errors import ConfigError
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.handles import CopyHandle
+from asynccache.transfers.hybrid_copies import StateCopier, host_state_pool
+from asynccache.transfers.hybrid_pools import MambaStatePool
+from asynccache.transfers.pools import HostPool, KVShape
 from asynccache.tree.results import BackupRequest, LoadBackTicket
-from transfers.engine import CopyEngine
-from transfers.handles import CopyHandle
-from transfers.hybrid_copies import StateCopier, host_state_pool
-from transfers.hybrid_pools import MambaStatePool
-from transfers.pools import HostPool, KVShape
 
 if TYPE_CHECKING:
     from asynccache.config import CacheConfig

@@ -17,9 +17,9 @@ import numpy as np
 
 from asynccache.errors import InvalidInputError, PoolExhaustedError, TransferError
 from asynccache.logs import get_logger
+from asynccache.transfers.handles import CopyHandle, LayerwiseHandle
+from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LoadBackTicket, LockReceipt, MatchResult
-from transfers.handles import CopyHandle, LayerwiseHandle
-from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache

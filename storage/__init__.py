@@ -1,4 +1,4 @@
-"""L3 storage backends of asynccache: one small async protocol, a file and an S3 backend.
+"""asynccache.storage: L3 backends behind one small async protocol (file and S3 backends).
 
 ``S3Backend`` is imported lazily (it needs obstore); everything else is light.
 """
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from storage.base import StorageBackend, StorageLayout, validate_keys
-from storage.factory import open_backend, parse_size
-from storage.faults import Fault, FaultInjectingBackend, FaultKind, FaultRule
-from storage.file import FileBackend
-from storage.pageformat import HEADER_SIZE, CorruptPageError
+from asynccache.storage.base import StorageBackend, StorageLayout, validate_keys
+from asynccache.storage.factory import open_backend, parse_size
+from asynccache.storage.faults import Fault, FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.file import FileBackend
+from asynccache.storage.pageformat import HEADER_SIZE, CorruptPageError
 
 if TYPE_CHECKING:
-    from storage.s3 import S3Backend
+    from asynccache.storage.s3 import S3Backend
 
 __all__ = [
     "HEADER_SIZE",
@@ -35,7 +35,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "S3Backend":
-        from storage.s3 import S3Backend
+        from asynccache.storage.s3 import S3Backend
 
         return S3Backend
-    raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    raise AttributeError(f"module 'asynccache.storage' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """What the built-in backends share: config checks, deadlines, outcomes, metrics and logs.
 
 Each page of a call ends with one *outcome*: ``ok``, ``miss`` (not stored) or a fault reason
-from :data:`storage.metrics.FAULT_REASONS`. :meth:`BackendBase._account` turns a batch of
+from :data:`asynccache.storage.metrics.FAULT_REASONS`. :meth:`BackendBase._account` turns a batch of
 outcomes into metrics and one structlog event per batch with faults (corrupt objects get an
 event each, they are rare and worth a look).
 """
@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ClosedError, ConfigError
 from asynccache.logs import get_logger
-from storage.base import StorageLayout
-from storage.faults import Fault, FaultHook
-from storage.metrics import StorageMetrics
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.faults import Fault, FaultHook
+from asynccache.storage.metrics import StorageMetrics
 
 __all__ = ["MISS", "OK", "PRESENT", "BackendBase", "os_error_reason"]
 
@@ -83,7 +83,7 @@ class BackendBase:
         if not isinstance(label, str) or not label:
             raise ConfigError(f"metrics_label must be a non-empty string, got {metrics_label!r}")
         self.metrics = StorageMetrics(label, registry)
-        self._log = get_logger(f"storage.{self.kind}").bind(backend=label)
+        self._log = get_logger(f"asynccache.storage.{self.kind}").bind(backend=label)
         self._hook: FaultHook | None = None
         self._closed = False
 

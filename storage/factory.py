@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from asynccache.errors import ConfigError
-from storage.base import StorageLayout
+from asynccache.storage.base import StorageLayout
 
 __all__ = ["open_backend", "parse_size"]
 
@@ -108,7 +108,7 @@ async def open_backend(
         path = unquote(parts.path)
         if not path.startswith("/"):
             raise ConfigError(f"file URL {url!r} must name an absolute path")
-        from storage.file import FileBackend
+        from asynccache.storage.file import FileBackend
 
         backend = FileBackend(path, layout, **{**_params(parts.query, _FILE_PARAMS, url), **kwargs})
         await backend.start()
@@ -116,7 +116,7 @@ async def open_backend(
     if parts.scheme == "s3":
         if not parts.netloc:
             raise ConfigError(f"s3 URL {url!r} must name a bucket: s3://bucket/prefix")
-        from storage.s3 import S3Backend
+        from asynccache.storage.s3 import S3Backend
 
         params = {**_params(parts.query, _S3_PARAMS, url), **kwargs}
         s3 = S3Backend(parts.netloc, layout, prefix=unquote(parts.path).strip("/"), **params)

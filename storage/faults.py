@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import xxhash
 
 from asynccache.errors import ConfigError
-from storage.base import StorageBackend, StorageLayout
+from asynccache.storage.base import StorageBackend, StorageLayout
 
 __all__ = [
     "Fault",

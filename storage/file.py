@@ -4,7 +4,7 @@ Layout on disk: ``<root>/<key[:2]>/<key>.<layout tag>.kv`` (256 fan-out director
 directories small). Several backends (layouts, ranks, engine instances) may share a root.
 Every page is found under its own name; the file behind the name is either the page alone
 or a *segment* (``segment_bytes``): the pages of one ``set_batch`` written as one file and
-published under each page's name with a hard link (:mod:`storage.segment`).
+published under each page's name with a hard link (:mod:`asynccache.storage.segment`).
 
 * Writes go to a hidden temp file in the same directory, then ``os.replace`` (one page) or
   ``os.link`` per page (a segment): readers never see a partial page, and concurrent writers
@@ -15,14 +15,14 @@ published under each page's name with a hard link (:mod:`storage.segment`).
   into misses.
 * Reads ``preadv`` into a per-worker bounce buffer (a run of neighbouring pages of one
   segment in one ``preadv``), verify every page against its own header, and only then copy
-  into the caller's buffer under the call's :class:`~storage.threadio.PageGuard` (a
+  into the caller's buffer under the call's :class:`~asynccache.storage.threadio.PageGuard` (a
   timed-out call's threads can never write a buffer the caller has reused). A bad page's
   name is removed.
 * Bulk I/O runs on ``io_threads`` worker threads via ``anyio.to_thread`` with
   ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
   (open, read, close: three per page) and ``read()`` allocates a new bytes object per page;
   ``scripts/bench_storage.py`` measures both. The backend works under any anyio backend.
-* Capacity: an LRU index of files (:mod:`storage.fileindex`) bounds the bytes of this
+* Capacity: an LRU index of files (:mod:`asynccache.storage.fileindex`) bounds the bytes of this
   backend's objects; new pages evict the least recently used files (a segment goes whole).
   Hits and re-sets refresh recency; a hit also refreshes the file's mtime when it is over a
   minute old, so the order survives a restart (to the minute) without an inode write per
@@ -45,13 +45,13 @@ import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ConfigError, StorageError
-from storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
-from storage.base import StorageLayout, check_batch, validate_keys
-from storage.fileindex import LruIndex
-from storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
-from storage.pageformat import HEADER_SIZE
-from storage.segment import BLOCK, MAX_PAGES, table_bytes
-from storage.threadio import PageGuard, Scratch, ThreadRunner
+from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
+from asynccache.storage.base import StorageLayout, check_batch, validate_keys
+from asynccache.storage.fileindex import LruIndex
+from asynccache.storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
+from asynccache.storage.pageformat import HEADER_SIZE
+from asynccache.storage.segment import BLOCK, MAX_PAGES, table_bytes
+from asynccache.storage.threadio import PageGuard, Scratch, ThreadRunner
 
 __all__ = ["FileBackend"]
 
@@ -447,7 +447,7 @@ class FileBackend(BackendBase):
 
     def _plan_files(self, todo: list[int], views: list[memoryview]) -> list[list[int]]:
         """Group the pages to write into files: runs of up to ``segment_bytes`` (and
-        :data:`~storage.segment.MAX_PAGES`) in batch order; one page per file otherwise."""
+        :data:`~asynccache.storage.segment.MAX_PAGES`) in batch order; one page per file otherwise."""
         limit = self.segment_bytes
         if limit is None or not self._files.links_ok:  # no hard links here: one file each
             return [[i] for i in todo]

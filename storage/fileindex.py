@@ -1,7 +1,7 @@
 """The file backend's in-memory index: pages grouped into *units* (files), LRU by unit.
 
 A unit is one file on disk: a single page, or a segment holding several pages under hard
-links (:mod:`storage.segment`). Its bytes stay on disk until the last of its pages is
+links (:mod:`asynccache.storage.segment`). Its bytes stay on disk until the last of its pages is
 gone, so capacity is counted per unit, and eviction takes whole units, least recently used
 first (a hit on any page refreshes its unit: pages of one segment were written together and
 are read together, as a prefix). Single-page units make this a plain per-page LRU.

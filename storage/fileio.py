@@ -3,7 +3,7 @@
 :class:`PageFiles` writes pages (one file per page, or a segment of several pages published
 under each page's name with hard links) and reads runs of pages, verifying each against its
 own header before the caller's buffer is touched. Every function reports per page through
-the call's :class:`~storage.threadio.PageGuard`; faults from the injection hook strike here.
+the call's :class:`~asynccache.storage.threadio.PageGuard`; faults from the injection hook strike here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from storage.backend import MISS, OK, os_error_reason
-from storage.base import copy_into
-from storage.faults import Fault, FaultKind, fault_error, flip_byte
-from storage.pageformat import (
+from asynccache.storage.backend import MISS, OK, os_error_reason
+from asynccache.storage.base import copy_into
+from asynccache.storage.faults import Fault, FaultKind, fault_error, flip_byte
+from asynccache.storage.pageformat import (
     HEADER_SIZE,
     CorruptPageError,
     encode_header,
@@ -27,8 +27,15 @@ from storage.pageformat import (
     parse_header,
     verify_payload,
 )
-from storage.segment import BLOCK, HEAD_READ, Entry, encode_table, is_segment, parse_table
-from storage.threadio import PageGuard, Scratch
+from asynccache.storage.segment import (
+    BLOCK,
+    HEAD_READ,
+    Entry,
+    encode_table,
+    is_segment,
+    parse_table,
+)
+from asynccache.storage.threadio import PageGuard, Scratch
 
 __all__ = ["PageFiles", "ReadReq", "WriteReq", "pread_full", "pwrite_all"]
 

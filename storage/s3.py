@@ -40,10 +40,10 @@ from obstore.store import S3Store
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ConfigError, StorageError
-from storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason, positive
-from storage.base import StorageLayout, check_batch, copy_into, validate_keys
-from storage.faults import Fault, FaultKind, fault_error, flip_byte
-from storage.pageformat import (
+from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason, positive
+from asynccache.storage.base import StorageLayout, check_batch, copy_into, validate_keys
+from asynccache.storage.faults import Fault, FaultKind, fault_error, flip_byte
+from asynccache.storage.pageformat import (
     HEADER_SIZE,
     CorruptPageError,
     encode_header,

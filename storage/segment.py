@@ -1,7 +1,7 @@
 """Segment files: several pages of one ``set_batch`` packed into one file.
 
 A segment is one file holding a table and then ordinary pages (each with its own 64-byte
-header and checksum, :mod:`storage.pageformat`), written once, then published under every
+header and checksum, :mod:`asynccache.storage.pageformat`), written once, then published under every
 page's own object name with ``os.link`` (hard links: one inode, one name per page). A
 reader opening any page's name finds the table at offset 0 and its page at the offset the
 table gives; a prefix read takes a run of neighbouring pages with one ``preadv``.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from storage.pageformat import HEADER_SIZE, checksum, corrupt
+from asynccache.storage.pageformat import HEADER_SIZE, checksum, corrupt
 
 __all__ = [
     "BLOCK",

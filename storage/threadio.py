@@ -33,7 +33,7 @@ from asynccache.logs import get_logger
 
 __all__ = ["PageGuard", "Scratch", "ThreadRunner"]
 
-_log = get_logger("storage.threadio")
+_log = get_logger("asynccache.storage.threadio")
 
 
 class Scratch:

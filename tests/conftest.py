@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from asynccache import CacheConfig, HierarchicalCache
-from storage.faults import FaultInjectingBackend, FaultRule
-from storage.file import FileBackend
-from storage.seaweed import LocalSeaweed, find_weed
+from asynccache.storage.faults import FaultInjectingBackend, FaultRule
+from asynccache.storage.file import FileBackend
+from asynccache.storage.seaweed import LocalSeaweed, find_weed
 
 TIMEOUT = 20.0
 
@@ -120,7 +120,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
 @pytest.fixture
 def make_s3_backend(backends: list[Any]) -> Callable[..., Any]:
     def make(server: LocalSeaweed, cache: HierarchicalCache, prefix: str, **kwargs: Any) -> Any:
-        from storage.s3 import S3Backend
+        from asynccache.storage.s3 import S3Backend
 
         b = S3Backend(server.bucket, cache.storage_layout(), prefix=prefix,
                       endpoint=server.endpoint, access_key_id=server.access_key,

@@ -1,23 +1,23 @@
-"""transfers: moving KV between device and host memory.
+"""asynccache.transfers: moving KV between device and host memory.
 
-* :mod:`transfers.pools` -- :class:`KVShape`, :class:`DevicePool`, :class:`HostPool`
+* :mod:`asynccache.transfers.pools` -- :class:`KVShape`, :class:`DevicePool`, :class:`HostPool`
   (real KV tensors, each with a :class:`PageAllocator`).
-* :mod:`transfers.engine` -- :class:`CopyEngine`: batched D->H / H->D copies and layer-wise
+* :mod:`asynccache.transfers.engine` -- :class:`CopyEngine`: batched D->H / H->D copies and layer-wise
   H->D loads that coroutines await.
-* :mod:`transfers.bridge` -- :class:`LoopBridge`: worker-thread completions delivered to the
+* :mod:`asynccache.transfers.bridge` -- :class:`LoopBridge`: worker-thread completions delivered to the
   event loop in batches.
-* :mod:`transfers.hybrid_pools` -- :class:`SWASlotMap` (FULL and SWA slots allocated in pairs,
+* :mod:`asynccache.transfers.hybrid_pools` -- :class:`SWASlotMap` (FULL and SWA slots allocated in pairs,
   the full->SWA map) and :class:`MambaStatePool` (recurrent states, copy-on-write).
 
 Knows nothing of the tree; see ``docs/transfers.md``.
 """
 
-from transfers.allocator import PageAllocator
-from transfers.bridge import LoopBridge
-from transfers.engine import CopyEngine, OpStats
-from transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
-from transfers.hybrid_pools import MambaStatePool, SWASlotMap
-from transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.bridge import LoopBridge
+from asynccache.transfers.engine import CopyEngine, OpStats
+from asynccache.transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
+from asynccache.transfers.hybrid_pools import MambaStatePool, SWASlotMap
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 
 __all__ = [
     "CopyEngine",

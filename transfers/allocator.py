@@ -26,7 +26,7 @@ from asynccache.errors import (
     InvalidInputError,
     PoolExhaustedError,
 )
-from transfers.indices import SlotIndices, as_slot_array
+from asynccache.transfers.indices import SlotIndices, as_slot_array
 
 
 def positive_int(value: object, name: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 from asynccache.errors import ClosedError, OwnerError
 from asynccache.logs import get_logger
 
-_log = get_logger("transfers.bridge")
+_log = get_logger("asynccache.transfers.bridge")
 
 # (future, result, error); a ``None`` future means ``result`` is a callable to run on the loop.
 Completion = tuple["asyncio.Future[Any] | None", Any, BaseException | None]

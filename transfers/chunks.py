@@ -1,7 +1,7 @@
 """Cutting one copy into chunks that two threads take in order (the CPU copy worker's work list).
 
 A *chunk* is ``(layer_lo, layer_hi, pos_lo, pos_hi)``: the layers ``[layer_lo, layer_hi)`` of the
-page pairs at positions ``[pos_lo, pos_hi)`` of a :class:`~transfers.plan.CopyPlan`'s sorted
+page pairs at positions ``[pos_lo, pos_hi)`` of a :class:`~asynccache.transfers.plan.CopyPlan`'s sorted
 order. Chunks are listed layer-major, so taking them in order copies layers in order: a
 layer-wise load knows layer ``i`` is in place once every chunk before the first chunk of layer
 ``i + 1`` is done.

@@ -1,7 +1,7 @@
 """CopyEngine: batched device <-> host KV copies that coroutines can await.
 
 ``submit_*`` validates the slot indices on the loop thread, queues the copy and returns a handle
-at once; the copy runs on the engine's worker thread(s) (see :mod:`transfers.workers`) and its
+at once; the copy runs on the engine's worker thread(s) (see :mod:`asynccache.transfers.workers`) and its
 completion comes back to the loop through a :class:`LoopBridge` in batches. Copies retire in
 submission order. Awaiting a handle never cancels its copy.
 
@@ -30,13 +30,13 @@ import torch
 
 from asynccache.errors import ClosedError, ConfigError, InvalidInputError, OwnerError
 from asynccache.logs import get_logger
-from transfers.bridge import LoopBridge
-from transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
-from transfers.indices import SlotIndices, as_slot_array
-from transfers.pools import DevicePool, HostPool, KVPool
-from transfers.workers import DirectWorker, Job, StagedWorker
+from asynccache.transfers.bridge import LoopBridge
+from asynccache.transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
+from asynccache.transfers.indices import SlotIndices, as_slot_array
+from asynccache.transfers.pools import DevicePool, HostPool, KVPool
+from asynccache.transfers.workers import DirectWorker, Job, StagedWorker
 
-_log = get_logger("transfers.engine")
+_log = get_logger("asynccache.transfers.engine")
 
 Mode: TypeAlias = Literal["auto", "direct", "staged"]
 OPS = ("d2h", "h2d", "h2d_layerwise")

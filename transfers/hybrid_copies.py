@@ -7,7 +7,7 @@
   Mamba states) into a single :class:`CopyHandle`: it finishes when every part has, with the
   first part's error if any failed. The FULL part's indices and the summed bytes describe it.
 
-SWA KV moves with a second :class:`~transfers.engine.CopyEngine` over the SWA device and host
+SWA KV moves with a second :class:`~asynccache.transfers.engine.CopyEngine` over the SWA device and host
 pools (same page layout as FULL KV, fewer layers).
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from asynccache.errors import ClosedError, InvalidInputError, OwnerError
-from transfers.bridge import LoopBridge
-from transfers.handles import CopyHandle, CopyResult
-from transfers.hybrid_pools import MambaStatePool
-from transfers.indices import as_slot_array
+from asynccache.transfers.bridge import LoopBridge
+from asynccache.transfers.handles import CopyHandle, CopyResult
+from asynccache.transfers.hybrid_pools import MambaStatePool
+from asynccache.transfers.indices import as_slot_array
 
 
 def host_state_pool(device_pool: MambaStatePool, num_states: int) -> MambaStatePool:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from asynccache.errors import ConfigError, DoubleFreeError, InvalidInputError
-from transfers.allocator import PageAllocator, positive_int
-from transfers.indices import as_slot_array
+from asynccache.transfers.allocator import PageAllocator, positive_int
+from asynccache.transfers.indices import as_slot_array
 
 
 class SWASlotMap:

@@ -23,9 +23,9 @@ import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.logs import get_logger
-from transfers.allocator import PageAllocator, positive_int
+from asynccache.transfers.allocator import PageAllocator, positive_int
 
-_log = get_logger("transfers.pools")
+_log = get_logger("asynccache.transfers.pools")
 
 HostLayout: TypeAlias = Literal["layer_first", "page_first"]
 

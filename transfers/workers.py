@@ -1,4 +1,4 @@
-"""The threads that execute copies for :class:`transfers.engine.CopyEngine`.
+"""The threads that execute copies for :class:`asynccache.transfers.engine.CopyEngine`.
 
 * :class:`DirectWorker` (CPU pools): a worker thread (and, for large copies, a helper) copies
   each job's plan straight from source pages into destination pages (numpy slice assignments
@@ -31,13 +31,13 @@ import torch
 
 from asynccache.errors import TransferError
 from asynccache.logs import get_logger
-from transfers.bridge import Completion, LoopBridge
-from transfers.chunks import Chunk, SharedChunks, layer_chunks, whole_chunks
-from transfers.handles import CopyResult
-from transfers.plan import CopyPlan, as_numpy_bytes, identity_pages, make_plan
-from transfers.pools import DevicePool, HostPool
+from asynccache.transfers.bridge import Completion, LoopBridge
+from asynccache.transfers.chunks import Chunk, SharedChunks, layer_chunks, whole_chunks
+from asynccache.transfers.handles import CopyResult
+from asynccache.transfers.plan import CopyPlan, as_numpy_bytes, identity_pages, make_plan
+from asynccache.transfers.pools import DevicePool, HostPool
 
-_log = get_logger("transfers.workers")
+_log = get_logger("asynccache.transfers.workers")
 
 
 @dataclass(eq=False, slots=True)
@@ -215,7 +215,7 @@ class DirectWorker(_WorkerBase):
     """CPU pools: a worker thread (plus a helper for large copies) copies page to page.
 
     Each job is planned into segments (:func:`make_plan`) and cut into chunks
-    (:mod:`transfers.chunks`); the worker and the helper take chunks in order. A layer-wise
+    (:mod:`asynccache.transfers.chunks`); the worker and the helper take chunks in order. A layer-wise
     load posts each completed layer group as soon as every chunk up to it is done.
     """
 

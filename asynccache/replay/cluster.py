@@ -85,7 +85,7 @@ class ClusterReplayer:
             for cache in caches:
                 await cache.start()
             if opts.storage_url:
-                from storage.factory import open_backend
+                from asynccache.storage.factory import open_backend
 
                 backend = await open_backend(opts.storage_url, caches[0].storage_layout())
                 for cache in caches:

@@ -90,7 +90,7 @@ class Replayer:
         async with HierarchicalCache(self.config) as cache:
             self.cache = cache
             if opts.storage_url:
-                from storage.factory import open_backend
+                from asynccache.storage.factory import open_backend
 
                 backend = await open_backend(opts.storage_url, cache.storage_layout())
                 cache.attach_storage(backend, opts.storage_policy)

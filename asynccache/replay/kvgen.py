@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfers.pools import KVShape
+from asynccache.transfers.pools import KVShape
 
 _INT_VIEW = {2: torch.int16, 4: torch.int32}
 _MASK = {2: 0x3BFF, 4: 0x3F7FFFFF}

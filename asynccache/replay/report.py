@@ -93,8 +93,12 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot_sweep(points: list[dict[str, Any]], path: str) -> None:
-    """Hit rate per tier against device capacity (one point per replay of the sweep)."""
-    import matplotlib
+    """Hit rate per tier against device capacity (one point per replay of the sweep). Needs
+    matplotlib (the ``asynccache[plot]`` extra)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'asynccache[plot]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,7 +1,7 @@
 """``copy_faults(copier, ...)``: make a real copier's completions late, or failed.
 
-``copier`` is a :class:`~transfers.engine.CopyEngine` or a
-:class:`~transfers.hybrid_copies.StateCopier` (its ``submit_d2h`` / ``submit_h2d``). Each copy
+``copier`` is a :class:`~asynccache.transfers.engine.CopyEngine` or a
+:class:`~asynccache.transfers.hybrid_copies.StateCopier` (its ``submit_d2h`` / ``submit_h2d``). Each copy
 still runs for real on the copier's thread; what changes is when (and how) the cache hears of
 it: the returned handle completes ``delay_s`` after the real copy did, and the copies that
 ``fail`` picks (by submission number, from 0) complete with a :class:`TransferError` instead
@@ -20,7 +20,7 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from asynccache.errors import TransferError
-from transfers.handles import CopyHandle
+from asynccache.transfers.handles import CopyHandle
 
 __all__ = ["CopyFaults", "copy_faults"]
 

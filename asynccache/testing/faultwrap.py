@@ -1,7 +1,7 @@
 """``faults(backend, ...)``: wrap a storage backend so that it fails the way real storage does.
 
 Backends with a fault hook (``FileBackend``, ``S3Backend``: ``set_fault_hook``) get
-:class:`storage.faults.FaultInjectingBackend`: faults strike their raw I/O, *below* the page
+:class:`asynccache.storage.faults.FaultInjectingBackend`: faults strike their raw I/O, *below* the page
 format, so the backend's checksums and degrade paths are what the test exercises (a flipped
 byte is caught by the checksum and served as a miss).
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import anyio
 
-from storage.base import StorageBackend, StorageLayout, readable_view, writable_view
-from storage.faults import (
+from asynccache.storage.base import StorageBackend, StorageLayout, readable_view, writable_view
+from asynccache.storage.faults import (
     FaultHook,
     FaultInjectingBackend,
     FaultKind,
@@ -67,7 +67,7 @@ def faults(
 ) -> FaultInjectingBackend:
     """Wrap ``backend`` so that it injects faults; attach the wrapper to the cache instead.
 
-    ``rules``: :class:`~storage.faults.FaultRule` objects, or fault kinds (``"eio"``,
+    ``rules``: :class:`~asynccache.storage.faults.FaultRule` objects, or fault kinds (``"eio"``,
     ``FaultKind.DELAY``...) made into rules with the keyword arguments (``rate``, ``ops`` of
     ``read`` / ``write`` / ``exists`` / ``delete``, ``keys``, ``after``, ``times``,
     ``delay_s``). More rules can be added later (``wrapper.add_rule``), all removed with

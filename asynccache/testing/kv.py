@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
     from asynccache.cache import HierarchicalCache
     from asynccache.requests import CacheRequest
+    from asynccache.transfers.pools import KVShape
     from asynccache.tree import RadixKey
-    from transfers.pools import KVShape
 
 __all__ = ["KVFactory", "KVMismatchError", "Served"]
 

@@ -59,10 +59,10 @@ except ImportError:  # pragma: no cover - the [test] extra installs it
 if TYPE_CHECKING:
     from asynccache.cache import HierarchicalCache
     from asynccache.config import CacheConfig
+    from asynccache.storage.file import FileBackend
+    from asynccache.storage.s3 import S3Backend
     from asynccache.testing.kv import KVFactory
     from asynccache.testing.s3 import S3Server
-    from storage.file import FileBackend
-    from storage.s3 import S3Backend
 
 NO_LEAK_CHECK = "asynccache_no_leak_check"
 CONFIG_MARK = "asynccache_config"
@@ -352,7 +352,7 @@ async def asynccache_file_storage(asynccache_cache: HierarchicalCache,
     (or a ``faults(...)`` wrapper of it). At teardown the cache using it is checked and closed
     first, then the backend.
     """
-    from storage.file import FileBackend
+    from asynccache.storage.file import FileBackend
 
     backend = FileBackend(tmp_path / "asynccache-storage", asynccache_cache.storage_layout(),
                           io_threads=2, timeout_s=10.0)
@@ -368,8 +368,8 @@ async def asynccache_file_storage(asynccache_cache: HierarchicalCache,
 def asynccache_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A SeaweedFS S3 server (``weed mini``) on free 127.0.0.1 ports for the whole session,
     with one bucket and generated credentials. Skips when the ``weed`` binary is missing."""
+    from asynccache.storage.seaweed import LocalSeaweed, find_weed
     from asynccache.testing.s3 import S3Server
-    from storage.seaweed import LocalSeaweed, find_weed
 
     if not find_weed():
         pytest.skip("asynccache_s3: SeaweedFS `weed` binary not found "

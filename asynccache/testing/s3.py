@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from storage.base import StorageLayout
-    from storage.s3 import S3Backend
-    from storage.seaweed import LocalSeaweed
+    from asynccache.storage.base import StorageLayout
+    from asynccache.storage.s3 import S3Backend
+    from asynccache.storage.seaweed import LocalSeaweed
 
 __all__ = ["S3Server"]
 
@@ -18,7 +18,7 @@ __all__ = ["S3Server"]
 class S3Server:
     """A running S3 endpoint with one bucket and credentials that can use it.
 
-    ``backend(layout)`` builds an :class:`~storage.s3.S3Backend` on it (a fresh random prefix
+    ``backend(layout)`` builds an :class:`~asynccache.storage.s3.S3Backend` on it (a fresh random prefix
     unless one is given, so tests sharing the server never see each other's pages);
     ``url(prefix)`` / ``backend_kwargs()`` are what :func:`storage.open_backend` takes.
     """
@@ -46,7 +46,7 @@ class S3Server:
     def backend(self, layout: StorageLayout, *, prefix: str | None = None,
                 **kwargs: Any) -> S3Backend:
         """An S3Backend on this server (not checked: ``await backend.check()`` for that)."""
-        from storage.s3 import S3Backend
+        from asynccache.storage.s3 import S3Backend
 
         prefix = prefix if prefix is not None else f"test-{secrets.token_hex(6)}"
         options: dict[str, Any] = {"endpoint": self.endpoint, "region": self.region,

@@ -1,7 +1,7 @@
 """Fixtures of the buffer-only host mode tests.
 
-Everything is real: CPU torch pools, the real copy thread, a real :class:`storage.file.FileBackend`
-under ``tmp_path`` (optionally wrapped in the real :class:`storage.faults.FaultInjectingBackend`)
+Everything is real: CPU torch pools, the real copy thread, a real :class:`asynccache.storage.file.FileBackend`
+under ``tmp_path`` (optionally wrapped in the real :class:`asynccache.storage.faults.FaultInjectingBackend`)
 and, for the S3 test, a real SeaweedFS server on 127.0.0.1 (skipped with the reason when the
 ``weed`` binary is missing).
 

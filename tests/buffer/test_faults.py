@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 POLICY = StoragePolicy(prefetch_threshold=4)
 J = 5  # the page that faults

@@ -17,8 +17,8 @@ import torch
 from asynccache import CacheConfig
 from asynccache.errors import ConfigError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
+from asynccache.storage.faults import FaultKind, FaultRule
 from asynccache.testing.cancel import sweep_cancellations
-from storage.faults import FaultKind, FaultRule
 
 WINDOW = 8  # tokens: two pages of 4
 SWA = {"sliding_window": WINDOW}

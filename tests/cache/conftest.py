@@ -1,6 +1,6 @@
 """Fixtures of the HierarchicalCache (async facade) tests.
 
-Every cache is real: CPU torch pools from ``transfers.pools`` and the real copy engine (a worker
+Every cache is real: CPU torch pools from ``asynccache.transfers.pools`` and the real copy engine (a worker
 thread). The tests run with ``--import-mode=importlib``, so helpers are handed out through the
 ``kit`` fixture rather than imported from a sibling module.
 

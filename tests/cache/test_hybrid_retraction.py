@@ -431,7 +431,7 @@ async def test_random_lifecycle_with_retractions(make_cache, seed):
 
 def failing_copy(*_args: Any) -> Any:
     """A state copy that fails once it runs (the copy thread reported an error)."""
-    from transfers.handles import CopyHandle
+    from asynccache.transfers.handles import CopyHandle
 
     fut = asyncio.get_running_loop().create_future()
     fut.set_exception(RuntimeError("state copy failed"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 
 async def test_alloc_device_waits_for_pinning_storage_writes(make_cache, make_file_backend,

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 POLICY = StoragePolicy(prefetch_threshold=4, prefetch_policy="wait_complete")
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 N = 600  # 150 pages: two read batches (128 + 22)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 POLICY = StoragePolicy(prefetch_threshold=4)  # one page clears the bar
 J = 5  # the page that faults

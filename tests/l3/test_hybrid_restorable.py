@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
 
 N = 600  # 150 pages: two read batches (128 + 22)
 T1 = 300  # the first turn ends here (75 pages)

@@ -11,7 +11,7 @@ import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.l3 import StoragePolicy
-from storage.faults import FaultKind, FaultRule
+from asynccache.storage.faults import FaultKind, FaultRule
 
 # -- the policy object --------------------------------------------------------------------------
 

@@ -29,10 +29,10 @@ PRELOAD = (
     "asynccache.testing.faultwrap",
     "asynccache.testing.kv",
     "asynccache.testing.s3",
-    "storage.file",
-    "storage.s3",
-    "storage.seaweed",
-    "transfers.engine",
+    "asynccache.storage.file",
+    "asynccache.storage.s3",
+    "asynccache.storage.seaweed",
+    "asynccache.transfers.engine",
 )
 for _name in PRELOAD:
     importlib.import_module(_name)

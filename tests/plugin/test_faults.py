@@ -11,6 +11,7 @@ import pytest
 
 from asynccache import HierarchicalCache
 from asynccache.l3 import StoragePolicy
+from asynccache.storage.base import StorageLayout, readable_view, writable_view
 from asynccache.testing import (
     FaultInjectingBackend,
     FaultKind,
@@ -19,7 +20,6 @@ from asynccache.testing import (
     KVMismatchError,
     faults,
 )
-from storage.base import StorageLayout, readable_view, writable_view
 
 POLICY = StoragePolicy(prefetch_threshold=0, prefetch_policy="wait_complete")
 

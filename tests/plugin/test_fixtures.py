@@ -12,6 +12,7 @@ import torch
 from asynccache import CacheConfig, HierarchicalCache
 from asynccache.errors import ConfigError
 from asynccache.replay.kvgen import expected_kv
+from asynccache.storage.factory import open_backend
 from asynccache.testing import (
     DEFAULT_CONFIG,
     KVFactory,
@@ -22,7 +23,6 @@ from asynccache.testing import (
     find_leaks,
     small_config,
 )
-from storage.factory import open_backend
 
 
 async def test_the_default_cache(asynccache_cache: HierarchicalCache) -> None:
@@ -117,7 +117,7 @@ def test_prompts_are_deterministic(asynccache_kv: KVFactory, request: pytest.Fix
 
 def test_expected_kv_is_kvgen_and_namespaces_differ(asynccache_kv: KVFactory) -> None:
     shape = small_config()
-    from transfers.pools import KVShape
+    from asynccache.transfers.pools import KVShape
 
     kvshape = KVShape(shape.num_layers, shape.num_heads, shape.head_dim, shape.torch_dtype)
     toks = asynccache_kv.prompt(6)

@@ -12,6 +12,7 @@ import pytest
 
 from asynccache import HierarchicalCache
 from asynccache.l3 import StoragePolicy
+from asynccache.storage import FileBackend, S3Backend, StorageBackend
 from asynccache.testing import (
     CacheFactory,
     CancelOutcome,
@@ -21,7 +22,6 @@ from asynccache.testing import (
     faults,
     sweep_cancellations,
 )
-from storage import FileBackend, S3Backend, StorageBackend
 
 # Storage: prefetch anything, and wait for the whole prefetch (deterministic hit counts).
 POLICY = StoragePolicy(prefetch_threshold=0, prefetch_policy="wait_complete")

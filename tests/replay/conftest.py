@@ -8,11 +8,13 @@ copies them.
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 HANG_GUARD = 120.0
 
@@ -29,6 +31,22 @@ def hang_guard() -> Iterator[None]:
     faulthandler.dump_traceback_later(HANG_GUARD, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """``main()`` run in process configures logging as the command line does (a root handler,
+    the root level, structlog): put everything back so later tests see the library's default."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    configured, config = structlog.is_configured(), structlog.get_config()
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
 
 
 @pytest.fixture

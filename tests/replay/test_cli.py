@@ -116,6 +116,38 @@ def test_plot_writes_a_png(tmp_path, capsys) -> None:
     assert sweep_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_names_the_extra_before_replaying(tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    png = tmp_path / "hit.png"
+    assert _rc(["replay", "--limit", "40", "--plot", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert "--plot needs matplotlib" in err
+    assert "pip install 'asynccache[plot]'" in err
+    assert out == "" and not png.exists()  # refused at option parsing: nothing was replayed
+
+
+def test_log_level_and_json_log_format(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "asynccache.cli", "replay", "--limit", "20", "--json",
+           "--log-level", "debug", "--log-format", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # the report alone on stdout: events go to stderr
+    # (other lines, such as a Python warning from a dependency, are not log events)
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    started = [e for e in events if e["event"] == "engine_started"]
+    assert started and started[0]["logger"] == "asynccache.transfers.engine"
+    assert started[0]["level"] == "debug" and "timestamp" in started[0]
+
+    cmd[cmd.index("json", cmd.index("--log-format"))] = "console"
+    cmd[cmd.index("debug")] = "warning"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine_started" not in proc.stderr
+
+
 def test_file_storage_url(tmp_path, capsys) -> None:
     url = f"file://{tmp_path / 'l3'}"
     argv = ["replay", "--limit", "60", "--json", "--storage", url, "--write-policy",
@@ -188,6 +220,8 @@ def _bad_trace(tmp: Path) -> Path:
         (["replay", "MISSING"], "cannot read trace"),
         (["replay", "BAD"], "bad.jsonl:2: missing field 'hash_ids'"),
         (["replay", "BAD", "--format", "kvtester"], "bad.jsonl: invalid JSON"),
+        (["replay", "--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+        (["replay", "--log-format", "xml"], "argument --log-format: invalid choice"),
     ],
 )
 def test_bad_flags_and_values_exit_2_with_a_clear_message(tmp_path, capsys, argv,

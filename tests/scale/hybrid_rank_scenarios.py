@@ -269,7 +269,7 @@ async def _l3_write(group: Any, url: str, kwargs: dict[str, Any],
                     convs: list[tuple[list[int], tuple[int, ...]]]) -> None:
     """Every rank stores its own KV, SWA pages and a state at the end of each turn."""
     from asynccache import HierarchicalCache
-    from storage.factory import open_backend
+    from asynccache.storage.factory import open_backend
 
     rank = group.rank
     cache = HierarchicalCache(_l3_config(), ranks=group)
@@ -328,9 +328,9 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
     from asynccache import HierarchicalCache
     from asynccache.errors import RankGroupError
     from asynccache.l3 import StoragePolicy
+    from asynccache.storage.factory import open_backend
+    from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
     from asynccache.testing.ranks import tree_digest
-    from storage.factory import open_backend
-    from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
 
     rank = group.rank
     out: dict[str, Any] = {"rank": rank}

@@ -85,9 +85,9 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
     from asynccache import HierarchicalCache
     from asynccache.errors import RankGroupError
     from asynccache.l3 import StoragePolicy
+    from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+    from asynccache.storage.file import FileBackend
     from asynccache.testing.ranks import tree_digest
-    from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
-    from storage.file import FileBackend
 
     rank = group.rank
     out: dict[str, Any] = {"rank": rank}
@@ -189,7 +189,7 @@ async def _shared_l3(group: Any, url: str, kwargs: dict[str, Any]) -> dict[str, 
     an S3 prefix). ``group`` only coordinates the test (barriers); the caches do not agree."""
     from asynccache import HierarchicalCache
     from asynccache.l3 import StoragePolicy
-    from storage.factory import open_backend
+    from asynccache.storage.factory import open_backend
 
     me, other = group.rank, 1 - group.rank
     rng = np.random.default_rng(11)

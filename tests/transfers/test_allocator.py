@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from asynccache.errors import ConfigError, DoubleFreeError, InvalidInputError, PoolExhaustedError
-from transfers.allocator import PageAllocator
+from asynccache.transfers.allocator import PageAllocator
 
 
 def test_fresh_pool_hands_out_ascending_whole_pages() -> None:

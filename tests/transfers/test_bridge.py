@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from asynccache.errors import ClosedError, OwnerError
-from transfers.bridge import LoopBridge
+from asynccache.transfers.bridge import LoopBridge
 
 
 def _in_thread(fn: Any) -> threading.Thread:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from transfers.chunks import SharedChunks, layer_chunks, split_block, whole_chunks
+from asynccache.transfers.chunks import SharedChunks, layer_chunks, split_block, whole_chunks
 
 KW = {"parallel_bytes": 100, "chunk_bytes": 40, "max_chunks": 4}
 

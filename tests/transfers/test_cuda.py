@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from transfers.engine import CopyEngine
-from transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 
 pytestmark = [
     pytest.mark.cuda,

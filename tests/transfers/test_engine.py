@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from asynccache.errors import ClosedError, ConfigError, InvalidInputError, OwnerError, TransferError
-from transfers.engine import CopyEngine
-from transfers.handles import CopyResult
-from transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.handles import CopyResult
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 
 MODES = ["direct", "staged"]
 PAGE = 4
@@ -67,8 +67,8 @@ def shared_chunks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every direct copy is cut into several chunks shared with the helper thread, one layer
     per layer group; the worker waits before its first chunk until the helper copied one, so
     both threads really take part. Returns the names of the threads that copied chunks."""
-    import transfers.workers as workers
-    from transfers.plan import CopyPlan
+    import asynccache.transfers.workers as workers
+    from asynccache.transfers.plan import CopyPlan
 
     for name, value in (("PARALLEL_BYTES", 1), ("CHUNK_BYTES", 1), ("MAX_CHUNKS", 5),
                         ("LAYER_GROUP_BYTES", 1), ("MAX_LAYER_GROUPS", 64)):
@@ -261,7 +261,7 @@ async def test_copies_complete_in_submission_order(
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Holds the worker before it starts any copy until the test sets the returned event."""
-    import transfers.workers as workers
+    import asynccache.transfers.workers as workers
 
     opened = threading.Event()
     real = workers.make_plan
@@ -383,8 +383,8 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
 
         monkeypatch.setattr(DevicePool, "layer_page_view", flaky)
     else:  # the direct worker copies chunks of layer groups: one layer per group here
-        import transfers.workers as workers
-        from transfers.plan import CopyPlan
+        import asynccache.transfers.workers as workers
+        from asynccache.transfers.plan import CopyPlan
 
         monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)
         monkeypatch.setattr(workers, "MAX_LAYER_GROUPS", 64)

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from asynccache.errors import InvalidInputError
-from transfers import CopyEngine, DevicePool, HostPool, KVShape, MambaStatePool
-from transfers.hybrid_copies import GroupHandle, StateCopier, host_state_pool, state_bytes
+from asynccache.transfers import CopyEngine, DevicePool, HostPool, KVShape, MambaStatePool
+from asynccache.transfers.hybrid_copies import (
+    GroupHandle,
+    StateCopier,
+    host_state_pool,
+    state_bytes,
+)
 
 
 def _fill(pool: MambaStatePool, seed: int) -> None:

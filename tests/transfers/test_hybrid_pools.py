@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from asynccache.errors import DoubleFreeError, InvalidInputError
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.hybrid_pools import MambaStatePool, SWASlotMap
 from asynccache.tree import RadixTree
-from transfers.allocator import PageAllocator
-from transfers.hybrid_pools import MambaStatePool, SWASlotMap
 
 
 def make_map(full: int = 32, swa: int = 16, page: int = 2) -> SWASlotMap:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache.errors import InvalidInputError
-from transfers.plan import make_plan
+from asynccache.transfers.plan import make_plan
 
 
 def _pages(xs: list[int]) -> np.ndarray:

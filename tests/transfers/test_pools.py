@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
-from transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.hybrid_pools import SWASlotMap
 from asynccache.tree import RadixTree
-from transfers.allocator import PageAllocator
-from transfers.hybrid_pools import SWASlotMap
 
 CONFIGS = [
     pytest.param(ps, window, mamba, id=f"ps{ps}-{'swa' + str(window) if window else 'full'}"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from asynccache.errors import InvalidInputError
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.hybrid_pools import SWASlotMap
 from asynccache.tree import RadixTree
-from transfers.allocator import PageAllocator
-from transfers.hybrid_pools import SWASlotMap
 
 
 def L(arrays: Any) -> Any:

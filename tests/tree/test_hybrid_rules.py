@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from asynccache.errors import ConfigError, InvalidInputError, LockError
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.hybrid_pools import SWASlotMap
 from asynccache.tree import RadixTree
-from transfers.allocator import PageAllocator
-from transfers.hybrid_pools import SWASlotMap
 
 
 def nodes(tree: RadixTree) -> list[tuple[list[int], bool, bool]]:

@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asynccache.errors import InvalidInputError
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.hybrid_pools import SWASlotMap
 from asynccache.tree import RadixTree
 from tests.tree.stateful_cases import machine_case, stateful_settings
-from transfers.allocator import PageAllocator
-from transfers.hybrid_pools import SWASlotMap
 
 POOLS = ("mamba", "hfull", "hswa", "hmamba")  # counted by hand; device FULL/SWA: allocators
 HOST = {"full": "hfull", "swa": "hswa", "mamba": "hmamba"}
