@@ -40,6 +40,9 @@ from asynccache.ranks import RankGroup, SingleRank
 from asynccache.requests import RequestsMixin
 from asynccache.retraction import RetractionMixin
 from asynccache.sessions import SessionTracker, StreamingSession
+from asynccache.transfers.handles import CopyHandle, LayerwiseHandle
+from asynccache.transfers.hybrid_copies import GroupHandle
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
 from asynccache.tree import (
     BackupRequest,
     EvictResult,
@@ -54,9 +57,6 @@ from asynccache.tree import (
     as_slots,
 )
 from asynccache.tree.results import EMPTY_SLOTS
-from transfers.handles import CopyHandle, LayerwiseHandle
-from transfers.hybrid_copies import GroupHandle
-from transfers.pools import DevicePool, HostPool, KVShape
 
 _log = get_logger("cache")
 
@@ -205,7 +205,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             raise ClosedError(f"cache cannot start: it is {self._state}")
         self.tree.bind_owner()
         if self.host_pool is not None:
-            from transfers.engine import CopyEngine
+            from asynccache.transfers.engine import CopyEngine
 
             self._engine = CopyEngine(self.device_pool, self.host_pool, name="asynccache-copy")
             await self._engine.start()
@@ -323,11 +323,25 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             self.hybrid.check(self.tree)
 
     # ------------------------------------------------------------------ tree calls
+    def _key(self, key: RadixKey | Any) -> RadixKey:
+        """``key`` as a RadixKey, its token ids checked against ``max_token_id``."""
+        key = as_key(key)
+        bound = self.config.max_token_id
+        if bound is not None and key.data:
+            ids = np.frombuffer(key.data, dtype="<u4")
+            if int(ids.max()) > bound:
+                pos = int(np.argmax(ids > bound))
+                raise InvalidInputError(
+                    f"token id {int(ids[pos])} at position {pos} exceeds max_token_id {bound} "
+                    "(CacheConfig: the model's largest token id)"
+                )
+        return key
+
     def match_prefix(self, key: RadixKey | Any, *, cow_mamba: bool = False) -> MatchResult:
         """Longest cached prefix; ``cow_mamba`` (hybrid) reports the Mamba state to copy (see
         :meth:`mamba_copy_on_write`)."""
         self._check_open()
-        key = as_key(key)
+        key = self._key(key)
         if self.config.disable:
             return MatchResult(EMPTY_SLOTS, 0, 0, 0, 0)
         res = self.tree.match_prefix(key, cow_mamba=cow_mamba)
@@ -355,6 +369,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._check_open()
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
+        key = self._key(key)
         if self.hybrid is not None:
             return self._insert_hybrid(key, value, prev_prefix_len, inserted_len, priority,
                                        swa_evicted_seqlen, mamba_value)
@@ -569,14 +584,17 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             await self._settle(handles)
         return self._evicted_total - before
 
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens (host-only leaves, then duplicates).
+    def evict_host(self, num_tokens: int, *, reclaim_duplicates: bool | None = None) -> int:
+        """Free at least ``num_tokens`` host tokens: host-only leaves; host copies of pages
+        still on device only under write-back, or when ``reclaim_duplicates=True`` (then only
+        copies with no host-copied child, so host copies stay prefix-closed; see
+        ``RadixTree.evict_host``).
 
         A no-op in buffer-only host mode: the tree holds nothing on host."""
         self._check_open()
         if not self.config.host_tier:
             return 0
-        res = self.tree.evict_host(num_tokens)
+        res = self.tree.evict_host(num_tokens, reclaim_duplicates=reclaim_duplicates)
         if res.host_frees:
             assert self.host_pool is not None
             for slots in res.host_frees:

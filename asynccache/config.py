@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from asynccache.errors import ConfigError
+from asynccache.tree.keys import MAX_TOKEN_ID
 from asynccache.tree.queues import POLICIES
 from asynccache.tree.tree import WRITE_POLICIES
 
@@ -72,6 +73,9 @@ class CacheConfig:
     # SWA: at every cache_unfinished_req (chunked prefill), free the SWA slots of the request's
     # own tokens that slid out of the window (keeping window + one page), as release_swa_window.
     swa_free_out_of_window: bool = False
+    # The largest token id the model's vocabulary has (None: any uint32). Ids above it are
+    # rejected at admission (InvalidInputError), before anything is matched or allocated.
+    max_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -122,6 +126,13 @@ class CacheConfig:
             )
         if self.retraction_backup and not self.host_enabled:
             raise ConfigError("retraction_backup needs a host tier (host_tokens or host_bytes)")
+        if self.max_token_id is not None:
+            _positive("max_token_id", self.max_token_id, allow_zero=True)
+            if self.max_token_id > MAX_TOKEN_ID:
+                raise ConfigError(
+                    f"max_token_id must be <= {MAX_TOKEN_ID} (token ids are uint32), "
+                    f"got {self.max_token_id}"
+                )
         _positive("sliding_window", self.sliding_window, allow_zero=True)
         _positive("swa_layers", self.swa_layers)
         _positive("mamba_states", self.mamba_states, allow_zero=True)

@@ -25,7 +25,6 @@ from asynccache.tree.config import TreeConfig
 from asynccache.tree.events import EventRecorder, KVEvent, Medium
 from asynccache.tree.hashing import (
     chain_digests,
-    chain_seed,
     event_hash,
     event_hashes,
     storage_key,
@@ -357,10 +356,11 @@ class TreeBase:
         for node in reversed(chain):
             parent = node.parent
             assert parent is not None
-            prev = parent.digests[-1] if parent is not self._root and parent.digests else b""
-            if parent is self._root:
-                prev = chain_seed(node.ns)
-            node.digests = chain_digests(prev, node.key, self._pb)
+            prev = None
+            if parent is not self._root:
+                assert parent.digests is not None  # (computed above: root first)
+                prev = parent.digests[-1]
+            node.digests = chain_digests(node.ns, prev, node.key, self._pb)
         assert n.digests is not None
         return n.digests
 

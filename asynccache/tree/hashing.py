@@ -1,10 +1,21 @@
 """Page hashes: the SHA-256 chain used for storage keys and KV-event block hashes.
 
-``d_0 = sha256(seed || page_0)``, ``d_i = sha256(d_{i-1} || page_i)`` where a page is its tokens
-as little-endian uint32 and ``seed`` is empty for the default namespace, else a digest of the
-namespace. Storage keys are ``hex(d_i)``; they are position-aware because every page continues
-from the previous digest. This matches the reference system's keys, so storage and routers
-interoperate.
+A page is its tokens as little-endian uint32 bytes. In the default namespace
+``d_0 = sha256(page_0)`` and ``d_i = sha256(d_{i-1} || page_i)``: the reference system's keys,
+so storage and routers interoperate. In a namespace (extra key, cache salt) every page hashes
+``seed || d_{i-1} || page_i``, with ``seed`` the namespace's digest and ``d_{-1}`` 32 zero bytes.
+Storage keys are ``hex(d_i)``; they are position-aware because every page continues from the
+previous digest.
+
+Why namespaced pages carry the seed at every step: with the seed only as the first page's
+prefix (``sha256(seed || page_0)``), a default-namespace prompt whose first page *is* the seed's
+preimage read as uint32 tokens gets ``d_0 == seed``, and from then on its page i+1 has the key
+of the namespace's page i (another tenant's KV served from shared storage). Now the digest
+inputs differ in length: ``4 * page_size`` bytes (default, first page), ``32 + 4 * page_size``
+(default, later pages) and ``64 + 4 * page_size`` (namespaced), and two namespaces' inputs differ
+in their first 32 bytes, so a key is shared across namespaces only through a real SHA-256
+collision. (A store shared between caches of different page sizes holds pages of different
+sizes, which the page format's header tells apart.)
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ def _part(value: str | None) -> bytes:
 
 @lru_cache(maxsize=4096)
 def chain_seed(namespace: Namespace) -> bytes:
-    """The digest a namespace's chain starts from (empty for the default namespace)."""
+    """The digest that prefixes every page of a namespace's chain (empty for the default
+    namespace)."""
     if namespace.is_default:
         return b""
     return hashlib.sha256(
@@ -46,13 +58,22 @@ def _event_seed(namespace: Namespace) -> bytes:
     ).digest()
 
 
-def chain_digests(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
-    """Digests of each page of ``data`` continuing the chain from digest ``prev``."""
+_NO_PREV: Final = bytes(32)  # a namespaced chain's "previous digest" before its first page
+
+
+def chain_digests(
+    namespace: Namespace, prev: bytes | None, data: bytes, page_bytes: int
+) -> list[bytes]:
+    """Digests of each page of ``data`` in ``namespace``, continuing the chain from digest
+    ``prev`` (None: ``data`` starts at the first page)."""
     out: list[bytes] = []
     sha = hashlib.sha256
-    digest = prev
+    seed = chain_seed(namespace)
+    # Before the first page a namespaced chain's fixed-width "previous digest" is zeros.
+    first = _NO_PREV if seed else b""
+    digest = first if prev is None else prev
     for off in range(0, len(data), page_bytes):
-        digest = sha(digest + data[off : off + page_bytes]).digest()
+        digest = sha(seed + digest + data[off : off + page_bytes]).digest()
         out.append(digest)
     return out
 

@@ -16,7 +16,7 @@ from asynccache.tree import hybrid, hybrid_host, hybrid_prefetch
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
-from asynccache.tree.hashing import chain_digests, chain_seed, storage_key
+from asynccache.tree.hashing import chain_digests, storage_key
 from asynccache.tree.keys import RadixKey, as_key
 from asynccache.tree.node import HDUP, HLEAF, Node, frozen
 from asynccache.tree.results import (
@@ -177,10 +177,10 @@ class HostTier(TreeBase):
         """
         key = as_key(key)
         n = self._node(node_id)
-        prev = chain_seed(key.namespace) if n is self._root else self._digests(n)[-1]
+        prev = None if n is self._root else self._digests(n)[-1]
         data = key.data[start * 4 :]
         data = data[: len(data) - len(data) % self._pb]
-        return [storage_key(d) for d in chain_digests(prev, data, self._pb)]
+        return [storage_key(d) for d in chain_digests(key.namespace, prev, data, self._pb)]
 
     def tail_slots(self, node_id: int, num_tokens: int) -> np.ndarray | None:
         """Device slots of the last ``num_tokens`` tokens of the path ending at ``node_id``.

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asynccache.tree.hashing import chain_digests, chain_seed
+from asynccache.tree.hashing import chain_digests
 from asynccache.tree.keys import DEFAULT_NAMESPACE
 from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
 
@@ -140,14 +140,11 @@ def check_tree(tree: RadixTree) -> None:
                 _fail(f"node {n.id} queue {slot} membership is {not wanted[slot]}, want {wanted[slot]}")
             members[slot] += wanted[slot]
         if n.digests is not None:
-            if parent is root:
-                prev = chain_seed(n.ns)
-            elif parent.digests is not None:
-                prev = parent.digests[-1]
-            else:
-                prev = None
-            if prev is not None and n.digests != chain_digests(prev, n.key, pb):
-                _fail(f"node {n.id} page hashes do not continue its parent's chain")
+            pd = parent.digests
+            if parent is root or pd is not None:
+                prev = None if pd is None or parent is root else pd[-1]
+                if n.digests != chain_digests(n.ns, prev, n.key, pb):
+                    _fail(f"node {n.id} page hashes do not continue its parent's chain")
             if len(n.digests) != k // tree.page_size:
                 _fail(f"node {n.id} has {len(n.digests)} page hashes for {k} tokens")
     for slot, q in enumerate(tree._queues):

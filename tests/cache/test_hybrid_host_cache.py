@@ -94,8 +94,10 @@ async def test_backup_evict_load_back_round_trip_is_bit_exact(make_cache: Any, c
     cache.sanity_check()
     assert_same(served(cache, lb.device_indices), want)
     cache.release_load(lb)
-    # Host copies stay as duplicates; host eviction reclaims them with the component copies.
-    assert cache.evict_host(len(TOKENS)) == len(TOKENS)
+    # Host copies stay as duplicates (write-through keeps them unless asked); reclaiming them
+    # frees the component copies too.
+    assert cache.evict_host(len(TOKENS)) == 0
+    assert cache.evict_host(len(TOKENS), reclaim_duplicates=True) == len(TOKENS)
     cache.sanity_check()
     assert (cache.host_pool.allocator.used_size, len(cache.tree.component_host_slots(
         cache.tree.components[1]))) == (0, 0)
@@ -264,7 +266,7 @@ async def test_storage_round_trip_carries_swa_pages_and_states(
     make_cache: Any, combo: str, tmp_path: Any
 ) -> None:
     from asynccache.l3 import StoragePolicy
-    from storage.file import FileBackend
+    from asynccache.storage.file import FileBackend
 
     cache = await make_cache(**{**BASE, **COMBOS[combo], "host_tokens": 32})
     backend = FileBackend(tmp_path, cache.storage_layout())
@@ -327,7 +329,7 @@ async def test_cancelling_a_hybrid_prefetch_at_every_await_point_leaks_nothing(
     make_cache: Any, tmp_path: Any
 ) -> None:
     from asynccache.l3 import StoragePolicy
-    from storage.file import FileBackend
+    from asynccache.storage.file import FileBackend
 
     cache = await make_cache(**{**BASE, **COMBOS["full+swa+mamba"], "host_tokens": 32})
     backend = FileBackend(tmp_path, cache.storage_layout())

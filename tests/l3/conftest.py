@@ -1,8 +1,8 @@
 """Fixtures of the L3 (storage tier inside the engine) tests.
 
-Everything is real: CPU torch pools, the real copy thread, a real :class:`storage.file.FileBackend`
+Everything is real: CPU torch pools, the real copy thread, a real :class:`asynccache.storage.file.FileBackend`
 on a directory under ``tmp_path`` (optionally wrapped in the real
-:class:`storage.faults.FaultInjectingBackend`) and, for the S3 tests, a real SeaweedFS server on
+:class:`asynccache.storage.faults.FaultInjectingBackend`) and, for the S3 tests, a real SeaweedFS server on
 127.0.0.1 (skipped with the reason when the ``weed`` binary is missing).
 
 The tests run with ``--import-mode=importlib``, so helpers are handed out through the ``kit``
@@ -39,8 +39,8 @@ import torch
 
 from asynccache import CacheConfig, HierarchicalCache
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
+from asynccache.storage.file import FileBackend
 from asynccache.tree import RadixKey
-from storage.file import FileBackend
 
 TIMEOUT = 20.0  # seconds: a hang fails the test instead of blocking the run
 HANG_GUARD = 120.0  # seconds per test: past it, dump every thread's stack and exit
@@ -88,18 +88,20 @@ def assert_kv(cache: HierarchicalCache, toks: Sequence[int], slots: Any, what: s
 
 def page_keys(toks: Sequence[int], page_size: int = PS, namespace: str | None = None) -> list[str]:
     """Storage keys computed independently of the tree (behavior.md §1.14): a SHA-256 chain
-    over whole pages of uint32-LE tokens, seeded by the namespace digest (empty without one)."""
+    over whole pages of uint32-LE tokens; in a namespace every page hashes the namespace digest,
+    the previous digest (32 zero bytes before the first page) and the page."""
     if namespace is None:
-        prev = b""
+        seed = prev = b""
     else:
         raw = namespace.encode()
         part = b"\x01" + len(raw).to_bytes(8, "little") + raw
-        prev = hashlib.sha256(b"sglang-cache-namespace-v1" + part + b"\x00").digest()
+        seed = hashlib.sha256(b"sglang-cache-namespace-v1" + part + b"\x00").digest()
+        prev = bytes(32)
     out = []
     whole = len(toks) - len(toks) % page_size
     for i in range(0, whole, page_size):
         page = struct.pack(f"<{page_size}I", *(int(t) for t in toks[i : i + page_size]))
-        prev = hashlib.sha256(prev + page).digest()
+        prev = hashlib.sha256(seed + prev + page).digest()
         out.append(prev.hex())
     return out
 

@@ -11,10 +11,10 @@ from asynccache.tree import AllBlocksCleared, BlockRemoved, BlockStored, Medium,
 
 
 def _digests(tokens: list[int], page: int, seed: bytes = b"") -> list[bytes]:
-    out, prev = [], seed
+    out, prev = [], bytes(32) if seed else b""  # namespaced: H(seed || prev || page)
     for off in range(0, len(tokens) - len(tokens) % page, page):
         page_bytes = struct.pack(f"<{page}I", *tokens[off : off + page])
-        prev = hashlib.sha256(prev + page_bytes).digest()
+        prev = hashlib.sha256(seed + prev + page_bytes).digest()
         out.append(prev)
     return out
 

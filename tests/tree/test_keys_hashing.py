@@ -14,6 +14,7 @@ from asynccache.tree import (
     Namespace,
     RadixKey,
     RadixTree,
+    chain_digests,
     chain_seed,
     event_hash,
     storage_key,
@@ -50,10 +51,12 @@ def _seed(extra_key: str | None, cache_salt: str | None) -> bytes:
 
 
 def _chain(tokens: list[int], page: int, seed: bytes = b"") -> list[bytes]:
+    """Default namespace (empty seed): d_0 = H(page_0), d_i = H(d_{i-1} || page_i). Namespaced:
+    d_i = H(seed || d_{i-1} || page_i) with d_{-1} = 32 zero bytes."""
     out = []
-    prev = seed
+    prev = bytes(32) if seed else b""
     for off in range(0, len(tokens) - len(tokens) % page, page):
-        prev = hashlib.sha256(prev + _u32le(tokens[off : off + page])).digest()
+        prev = hashlib.sha256(seed + prev + _u32le(tokens[off : off + page])).digest()
         out.append(prev)
     return out
 
@@ -206,3 +209,46 @@ def test_page_hash_chain_namespaced_seed(ek, salt, alloc) -> None:
     ]
     assert set(tree.page_hashes(plain.last_node)).isdisjoint(tree.page_hashes(ns.last_node))
     tree.sanity_check()
+
+
+# ---------------------------------------------------------------- tenant isolation of keys
+def _crafted_default_prefix(extra_key: str, ps: int) -> list[int]:
+    """A first page whose uint32 bytes are exactly the namespace seed's preimage: under a chain
+    seeded by plain concatenation its digest would equal the namespace's seed."""
+    pre = b"sglang-cache-namespace-v1" + _part(extra_key) + _part(None)
+    assert len(pre) == 4 * ps, "choose the extra key's length to fill one page"
+    return list(struct.unpack(f"<{ps}I", pre))
+
+
+@pytest.mark.parametrize("ps", (16, 64))
+def test_crafted_default_prompt_shares_no_key_with_a_namespace(ps: int, alloc) -> None:
+    """A default-namespace prompt that starts with a namespace's seed preimage must not reach
+    that namespace's storage keys (issue: 4 of 4 crafted cases served another tenant's KV)."""
+    extra = "k" * (4 * ps - len(b"sglang-cache-namespace-v1") - 10)
+    prefix = _crafted_default_prefix(extra, ps)
+    assert max(prefix) > 10**9  # token ids the API accepts
+    body = list(range(1, 3 * ps + 1))
+    tree = RadixTree(page_size=ps, enable_page_hashes=True)
+    default = tree.chain_keys(tree.root_id, [*prefix, *body], 0)
+    tenant = tree.chain_keys(tree.root_id, RadixKey(body, extra, None), 0)
+    assert len(default) == 4 and len(tenant) == 3
+    assert not set(default) & set(tenant)
+    # The same through the tree's stored nodes.
+    a = tree.insert([*prefix, *body], alloc.take(4 * ps)).last_node
+    b = tree.insert(RadixKey(body, extra, None), alloc.take(3 * ps)).last_node
+    assert not set(tree.page_hashes(a)) & set(tree.page_hashes(b))
+    tree.sanity_check()
+
+
+def test_namespaced_chain_is_structurally_distinct() -> None:
+    """Namespaced pages hash ``seed || prev || page`` with a fixed-width ``prev`` (zeros for the
+    first page); default pages keep the reference's ``prev || page`` (empty prev first)."""
+    ns = Namespace("x", "s")
+    seed = _seed("x", "s")
+    p0, p1 = _u32le([5, 6]), _u32le([7, 8])
+    d0 = hashlib.sha256(seed + bytes(32) + p0).digest()
+    d1 = hashlib.sha256(seed + d0 + p1).digest()
+    assert chain_digests(ns, None, p0 + p1, 8) == [d0, d1]
+    assert chain_digests(ns, d0, p1, 8) == [d1]
+    e0 = hashlib.sha256(p0).digest()
+    assert chain_digests(DEFAULT_NAMESPACE, None, p0 + p1, 8) == [e0, hashlib.sha256(e0 + p1).digest()]

@@ -72,8 +72,10 @@ def _digest(ps: int, path: Page) -> bytes:
     got = _DIGESTS.get((ps, path))
     if got is None:
         ns, toks = path
-        prev = _SEEDS[ns][0] if len(toks) == ps else _digest(ps, (ns, toks[:-ps]))
-        got = hashlib.sha256(prev + struct.pack(f"<{ps}I", *toks[-ps:])).digest()
+        seed = _SEEDS[ns][0]  # namespaced pages hash seed || previous digest (zeros) || page
+        first = bytes(32) if seed else b""
+        prev = first if len(toks) == ps else _digest(ps, (ns, toks[:-ps]))
+        got = hashlib.sha256(seed + prev + struct.pack(f"<{ps}I", *toks[-ps:])).digest()
         _DIGESTS[(ps, path)] = got
     return got
 
