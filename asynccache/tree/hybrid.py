@@ -21,7 +21,7 @@ from asynccache.tree.components.layout import ACCT, LOCK, STAMP
 from asynccache.tree.config import _check_count
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import DLEAF, Node, frozen, state_slot
+from asynccache.tree.node import DLEAF, HDUP, Node, frozen, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
@@ -335,7 +335,9 @@ def insert(
                 _swa_tombstone(tree, child, pos, lo, hi, floor, recover_from, slots, swa_frees,
                                res.swa_adopted)
                 clock = tree._clock
-        if requeue and child.aux[DLEAF] is not None:
+        # (A walked node can be queued as a device leaf or, with a host tier, as a host
+        # duplicate; a host-only one was given the caller's slots by prepare_insert.)
+        if requeue and (child.aux[DLEAF] is not None or child.aux[HDUP] is not None):
             tree._requeue(child)
         node = child
         children = child.children

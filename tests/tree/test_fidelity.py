@@ -164,3 +164,26 @@ def test_write_through_counts_hits(policy: str, alloc) -> None:
             tree.abort_backup(b.op_id)
     res = tree.evict(2)
     assert [f.tolist() for f in res.device_frees] == [[1004, 1005]]
+
+
+@pytest.mark.parametrize("ps", (1, 16))
+@pytest.mark.parametrize("policy", ACCESS_POLICIES)
+@pytest.mark.parametrize("window", (0, 4096))
+def test_insert_refiles_host_duplicates_it_walks(window: int, policy: str, ps: int,
+                                                 alloc) -> None:
+    """Write-back: [1,1] is backed up at eviction (a host duplicate); insert [1] splits it and
+    stamps the prefix, which is newer than the refreshed suffix: the suffix's host copy goes
+    first. (Hybrid trees re-filed walked nodes only in the device-leaf queue, so the prefix kept
+    the queue position of its old stamp.)"""
+    kw: dict[str, Any] = {"sliding_window": window} if window else {}
+    tree = RadixTree(page_size=ps, host_enabled=True, write_policy="write_back",
+                     eviction_policy=policy, **kw)
+    tree.insert(_key([1, 1], ps), alloc.take(2 * ps))
+    (req,) = tree.evict(1).backups
+    host = alloc.take(2 * ps)
+    parts = {n: alloc.take(len(v)) for n, v in (req.component_slots or {}).items()}
+    tree.commit_backup(req.op_id, host, parts or None)
+    tree.insert(_key([1], ps), alloc.take(ps))
+    res = tree.evict_host(1)
+    assert [f.tolist() for f in res.host_frees] == [host[ps:].tolist()]
+    tree.sanity_check()

@@ -1,0 +1,339 @@
+"""Hypothesis stateful test of the tree's eviction *victims* against a naive reference tree.
+
+The model below is written from the reference's rules (behavior.md 1.3, 1.4, 1.5, 1.17), not
+from the tree's code: a plain radix tree of page symbols whose operations scan every node.
+
+* access stamps come from one logical clock: a split gives the suffix a fresh stamp (the prefix
+  keeps the old one); an insert stamps each node it walks, top first, then its new leaf; a
+  match stamps every node it walked, deepest newest;
+* hit counting: an insert counts a hit on every node it walks, a new leaf starts at 1; none
+  under write-back;
+* write-through backs up a node (with its un-backed ancestors) once its hits reach the
+  threshold (1: write_through, 2: write_through_selective); write-back at eviction;
+* evict: the device leaf (no child on device) first in policy order goes; backed up: demoted;
+  else deleted with its host-only subtree, or under write-back backed up first;
+* evict_host: host-only leaves in policy order, and host copies of device nodes only under
+  write-back (first there) or when asked, and then (under write-through) only those with no
+  host-copied child.
+
+Every evict and evict_host must free exactly the slots the model predicts, in the same order;
+inserts must report the predicted duplicates and backups, matches the predicted device and
+host hits. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
+page sizes 1 and 16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from asynccache.tree import POLICIES, RadixTree
+from tests.tree.stateful_cases import machine_case, stateful_settings
+
+POLICY_KEY = {
+    "lru": lambda n: (n.access,),
+    "mru": lambda n: (-n.access,),
+    "fifo": lambda n: (n.creation,),
+    "filo": lambda n: (-n.creation,),
+    "lfu": lambda n: (n.hits, n.access),
+    "priority": lambda n: (n.prio, n.access),
+}
+THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
+
+
+class MNode:
+    def __init__(self, pages: list[int], parent: MNode | None) -> None:
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[int, MNode] = {}
+        self.dev: np.ndarray | None = None
+        self.host: np.ndarray | None = None
+        self.access = self.creation = self.hits = self.prio = 0
+        self.pending = False  # a write-back backup in flight
+
+
+class Model:
+    """The naive reference tree (page symbols; ``ps`` slots per page)."""
+
+    def __init__(self, ps: int, policy: str, host: bool, write_policy: str) -> None:
+        self.ps = ps
+        self.key = POLICY_KEY[policy]
+        self.host = host
+        self.write_back = host and write_policy == "write_back"
+        self.threshold = THRESHOLD[write_policy] if host else None
+        self.root = MNode([], None)
+        self.clock = 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def nodes(self) -> list[MNode]:
+        out, todo = [], list(self.root.children.values())
+        while todo:
+            n = todo.pop()
+            out.append(n)
+            todo.extend(n.children.values())
+        return out
+
+    def split(self, n: MNode, k: int) -> MNode:
+        """Cut ``n`` after ``k`` pages; the new prefix keeps n's stamps, n gets a fresh access."""
+        parent = n.parent
+        assert parent is not None and 0 < k < len(n.pages)
+        p = MNode(n.pages[:k], parent)
+        cut = k * self.ps
+        p.dev = None if n.dev is None else n.dev[:cut]
+        p.host = None if n.host is None else n.host[:cut]
+        n.dev = None if n.dev is None else n.dev[cut:]
+        n.host = None if n.host is None else n.host[cut:]
+        p.access, p.creation, p.hits, p.prio = n.access, n.creation, n.hits, n.prio
+        n.access = self.tick()
+        parent.children[p.pages[0]] = p
+        n.pages = n.pages[k:]
+        p.children[n.pages[0]] = n
+        n.parent = p
+        return p
+
+    def _walk(self, key: list[int], visit: Any = None) -> list[tuple[MNode, int]]:
+        """Match ``key``, splitting a partly matched node (always the last one walked); each
+        walked node and its start, passed to ``visit`` as soon as it is matched."""
+        node, i, path = self.root, 0, []
+        while i < len(key):
+            c = node.children.get(key[i])
+            if c is None:
+                break
+            k = 0
+            while k < len(c.pages) and i + k < len(key) and c.pages[k] == key[i + k]:
+                k += 1
+            if k < len(c.pages):
+                c = self.split(c, k)
+            path.append((c, i))
+            if visit is not None:
+                visit(c, i)
+            node, i = c, i + k
+        return path
+
+    def _backup_chain(self, n: MNode, out: list[MNode]) -> None:
+        chain = []
+        while n is not self.root and n.host is None and n not in out:
+            chain.append(n)
+            assert n.parent is not None
+            n = n.parent
+        out.extend(reversed(chain))
+
+    def insert(self, key: list[int], slots: np.ndarray, prio: int) -> tuple[list[int], list[MNode]]:
+        """Returns (duplicate slots, nodes to back up)."""
+        ps = self.ps
+        dups: list[int] = []
+        backups: list[MNode] = []
+        def visit(c: MNode, i: int) -> None:
+            c.access = self.tick()
+            c.prio = max(c.prio, prio)
+            span = slots[i * ps : (i + len(c.pages)) * ps]
+            if c.dev is None:
+                c.dev = span  # a host-only node takes the caller's slots
+            else:
+                dups.extend(span.tolist())
+            if not self.write_back:
+                c.hits += 1
+                if self.threshold is not None and c.hits >= self.threshold:
+                    self._backup_chain(c, backups)
+
+        path = self._walk(key, visit)
+        node, i = (path[-1][0], path[-1][1] + len(path[-1][0].pages)) if path else (self.root, 0)
+        if i < len(key):
+            leaf = MNode(key[i:], node)
+            leaf.dev = slots[i * ps :]
+            leaf.access = leaf.creation = self.tick()
+            leaf.hits = 1
+            leaf.prio = prio
+            node.children[leaf.pages[0]] = leaf
+            if self.threshold == 1:
+                self._backup_chain(leaf, backups)
+        return dups, backups
+
+    def match(self, key: list[int]) -> tuple[int, int]:
+        path = [c for c, _ in self._walk(key)]
+        for c in path:
+            c.access = self.tick()
+        dev = sum(len(c.pages) for c in path if c.dev is not None)
+        host = sum(len(c.pages) for c in path if c.dev is None)
+        return dev * self.ps, host * self.ps
+
+    def _first(self, cands: list[MNode], seen: list[int], host: bool) -> MNode:
+        """The candidate first in policy order. Equal keys (split fragments share a creation
+        stamp, so fifo / filo can tie on host duplicates) are an implementation choice: any
+        tied node is right, so take the one the tree took first (``seen``: the first slot of
+        each of its victims, in order)."""
+        best = min(map(self.key, cands))
+        tied = [c for c in cands if self.key(c) == best]
+        order = {s: i for i, s in enumerate(seen)}
+
+        def rank(c: MNode) -> int:
+            slots = c.host if host else c.dev
+            assert slots is not None
+            return order.get(int(slots[0]), len(order))
+
+        return min(tied, key=rank)
+
+    def _remove(self, n: MNode) -> None:
+        assert n.parent is not None
+        del n.parent.children[n.pages[0]]
+
+    def evict(self, n: int, seen: list[int]) -> tuple[list[list[int]], list[int], list[MNode]]:
+        """Returns (device frees in order, host frees of deleted subtrees, write-back victims)."""
+        freed = pending = 0
+        frees: list[list[int]] = []
+        hfrees: list[int] = []
+        backups: list[MNode] = []
+        while freed + pending < n:
+            leaves = [x for x in self.nodes() if x.dev is not None and not x.pending
+                      and all(c.dev is None for c in x.children.values())]
+            if not leaves:
+                break
+            v = self._first(leaves, seen, host=False)
+            assert v.dev is not None
+            if v.host is not None:  # demote
+                frees.append(v.dev.tolist())
+                freed += len(v.dev)
+                v.dev = None
+            elif self.write_back:
+                v.pending = True
+                backups.append(v)
+                pending += len(v.dev)
+            else:  # delete with the host-only subtree
+                frees.append(v.dev.tolist())
+                freed += len(v.dev)
+                todo = list(v.children.values())
+                while todo:
+                    d = todo.pop()
+                    assert d.dev is None and d.host is not None
+                    hfrees.extend(d.host.tolist())
+                    todo.extend(d.children.values())
+                self._remove(v)
+        return frees, hfrees, backups
+
+    def evict_host(self, n: int, dups: bool | None, seen: list[int]) -> list[list[int]]:
+        reclaim = self.write_back if dups is None else dups
+        freed = 0
+        out: list[list[int]] = []
+        for kind in ("dup", "leaf") if self.write_back else ("leaf", "dup"):
+            if kind == "dup" and not reclaim:
+                continue
+            while freed < n:
+                if kind == "leaf":
+                    cands = [x for x in self.nodes()
+                             if x.dev is None and x.host is not None and not x.children]
+                else:
+                    cands = [x for x in self.nodes() if x.dev is not None and x.host is not None
+                             and (self.write_back or all(c.host is None
+                                                         for c in x.children.values()))]
+                if not cands:
+                    break
+                v = self._first(cands, seen, host=True)
+                assert v.host is not None
+                out.append(v.host.tolist())
+                freed += len(v.host)
+                v.host = None
+                if kind == "leaf":
+                    self._remove(v)
+        return out
+
+
+class VictimMachine(RuleBasedStateMachine):
+    HOST = False
+    WRITE_POLICY = "write_through_selective"
+    WINDOW = 0  # > 0: a hybrid tree with an SWA component of this window (never reached here)
+
+    @initialize(ps=st.sampled_from([1, 16]), policy=st.sampled_from(sorted(POLICIES)))
+    def setup(self, ps: int, policy: str) -> None:
+        self.ps = ps
+        kw: dict[str, Any] = {"host_enabled": self.HOST, "write_policy": self.WRITE_POLICY}
+        if self.WINDOW:
+            kw["sliding_window"] = self.WINDOW
+        self.tree = RadixTree(page_size=ps, eviction_policy=policy, **kw)
+        self.model = Model(ps, policy, self.HOST, self.WRITE_POLICY)
+        self.next_slot = 0
+        self.by_slot: dict[int, MNode] = {}
+
+    def _slots(self, n: int) -> np.ndarray:
+        out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
+        self.next_slot += n
+        return out
+
+    def _tokens(self, key: list[int]) -> list[int]:
+        return [s for s in key for _ in range(self.ps)]
+
+    def _commit(self, reqs: list[Any], want: list[MNode]) -> None:
+        """Commit every backup the tree asked for; they must be exactly the model's."""
+        got = sorted(s for r in reqs for s in r.device_slots.tolist())
+        assert got == sorted(s for m in want for s in m.dev.tolist())  # type: ignore[union-attr]
+        for r in reqs:
+            host = self._slots(r.num_tokens) + 10**6
+            parts = {name: self._slots(len(v)) + 2 * 10**6
+                     for name, v in (r.component_slots or {}).items()}
+            self.tree.commit_backup(r.op_id, host, parts or None)
+            (m,) = [m for m in want if m.dev is not None and m.dev[0] == r.device_slots[0]]
+            m.host = host
+            m.pending = False
+
+    @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5), prio=st.integers(0, 3))
+    def insert(self, key: list[int], prio: int) -> None:
+        slots = self._slots(len(key) * self.ps)
+        res = self.tree.insert(self._tokens(key), slots, priority=prio)
+        dups, backups = self.model.insert(key, slots, prio)
+        got = [s for f in res.device_frees for s in f.tolist()]
+        assert got == dups
+        self._commit(res.backups, backups)
+
+    @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def match(self, key: list[int]) -> None:
+        m = self.tree.match_prefix(self._tokens(key))
+        assert (m.device_prefix_len, m.host_hit_length) == self.model.match(key)
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n: int) -> None:
+        res = self.tree.evict(n * self.ps)
+        seen = [int(f[0]) for f in res.device_frees] + [int(b.device_slots[0]) for b in res.backups]
+        frees, hfrees, backups = self.model.evict(n * self.ps, seen)
+        assert [f.tolist() for f in res.device_frees] == frees
+        assert sorted(s for f in res.host_frees for s in f.tolist()) == sorted(hfrees)
+        assert res.num_evicted == sum(map(len, frees))
+        self._commit(res.backups, backups)
+
+    @precondition(lambda self: self.HOST)
+    @rule(n=st.integers(1, 4), dups=st.sampled_from([None, True, False]))
+    def evict_host(self, n: int, dups: bool | None) -> None:
+        res = self.tree.evict_host(n * self.ps, reclaim_duplicates=dups)
+        seen = [int(f[0]) for f in res.host_frees]
+        want = self.model.evict_host(n * self.ps, dups, seen)
+        assert [f.tolist() for f in res.host_frees] == want
+
+    @invariant()
+    def same_shape(self) -> None:
+        if not hasattr(self, "tree"):
+            return
+        self.tree.sanity_check()
+        assert self.tree.node_count == len(self.model.nodes())
+        dev = sum(len(n.dev) for n in self.model.nodes() if n.dev is not None)
+        host = sum(len(n.host) for n in self.model.nodes() if n.host is not None)
+        assert (self.tree.device_size, self.tree.host_size) == (dev, host)
+
+
+SETTINGS = stateful_settings(150)
+TestDevice = machine_case(VictimMachine, "Device", SETTINGS)
+TestHybridDevice = machine_case(VictimMachine, "HybridDevice", SETTINGS, WINDOW=4096)
+TestHostWriteThrough = machine_case(VictimMachine, "HostWT", SETTINGS, HOST=True,
+                                    WRITE_POLICY="write_through")
+TestHostSelective = machine_case(VictimMachine, "HostWTS", SETTINGS, HOST=True)
+TestHostWriteBack = machine_case(VictimMachine, "HostWB", SETTINGS, HOST=True,
+                                 WRITE_POLICY="write_back")
+TestHybridHostWriteThrough = machine_case(VictimMachine, "HybridHostWT", SETTINGS, HOST=True,
+                                          WRITE_POLICY="write_through", WINDOW=4096)
+TestHybridHostSelective = machine_case(VictimMachine, "HybridHostWTS", SETTINGS, HOST=True,
+                                       WINDOW=4096)
+TestHybridHostWriteBack = machine_case(VictimMachine, "HybridHostWB", SETTINGS, HOST=True,
+                                       WRITE_POLICY="write_back", WINDOW=4096)
