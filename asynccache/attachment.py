@@ -129,6 +129,7 @@ class StorageAttachmentMixin:
         what arrived meanwhile (``best_effort`` then means something). Returns whether a fetch
         is running. Cache host mode on one rank only (else False: use ``prefetch_request``)."""
         self._check_open()
+        self._check_request(req)
         if req.prefetch is not None:
             return True
         if (self._storage is None or self._agree is not None or self.config.disable
@@ -150,9 +151,9 @@ class StorageAttachmentMixin:
         the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
         """
         self._check_open()
+        self._check_active(req)
         if (self._storage is None and self._buffer is None) or self.config.disable:
             return 0
-        self._check_active(req)
         if req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: prefetch_request must come before it computes tokens"

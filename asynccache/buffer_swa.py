@@ -200,7 +200,7 @@ class SWABuffer:
                 return None
             if swa_tokens:
                 smap.adopt(full[num_tokens - swa_tokens :], swa)
-            cache._outstanding += len(full)
+            cache._ledger.hand_out(full)
             return full
 
         return await cache._alloc_waiting(

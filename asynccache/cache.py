@@ -33,6 +33,7 @@ from asynccache.hybrid_api import HybridMixin
 from asynccache.hybrid_slots import HybridSlots
 from asynccache.kvaccess import KVAccessMixin
 from asynccache.l3 import StorageTier
+from asynccache.ledger import SlotLedger
 from asynccache.loadback import LoadBackMixin, copy_error
 from asynccache.logs import get_logger
 from asynccache.metrics import CacheMetrics
@@ -135,7 +136,8 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._engine: Any = None
         self._state = "new"
         self._inflight: dict[int, CopyHandle] = {}
-        self._outstanding = 0  # device slots handed to callers, not yet freed or adopted
+        # Which device pages callers hold (handed out, not yet freed or adopted by the tree).
+        self._ledger = SlotLedger(self.device_pool.allocator)
         self._host_inflight = 0  # host slots owned by operations: backups in flight, staging, retracted KV
         self._evicted_total = 0
         self._matched = 0
@@ -250,6 +252,12 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             device, host = self.tree.reset() if not self.tree.pending_ops else ([], [])
             for slots in device:
                 self.device_pool.allocator.free(slots)
+            held = self._ledger.take_all()  # requests the close interrupted
+            if len(held):
+                if self.hybrid is not None:
+                    self.hybrid.free_full(held)
+                else:
+                    self.device_pool.allocator.free(held)
             if self.host_pool is not None:
                 for slots in host:
                     self.host_pool.allocator.free(slots)
@@ -302,11 +310,11 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         """Tree invariants plus pool accounting: every allocated slot has exactly one owner."""
         self.tree.sanity_check()
         dev_used = self.device_pool.allocator.used_size
-        want = self.tree.device_size + self._outstanding
-        if dev_used != want:
+        held = self._ledger.held_tokens
+        if dev_used != self.tree.device_size + held:
             raise AssertionError(
                 f"device accounting: allocator uses {dev_used} slots, tree holds "
-                f"{self.tree.device_size} and callers {self._outstanding}"
+                f"{self.tree.device_size} and callers {held}"
             )
         if self.host_pool is not None:
             host_used = self.host_pool.allocator.used_size
@@ -370,19 +378,42 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
         key = self._key(key)
+        value, lo = self._check_insert_slots(key, value, prev_prefix_len)
         if self.hybrid is not None:
             return self._insert_hybrid(key, value, prev_prefix_len, inserted_len, priority,
-                                       swa_evicted_seqlen, mamba_value)
+                                       swa_evicted_seqlen, mamba_value, lo)
         res = self.tree.insert(key, value, prev_prefix_len=prev_prefix_len,
                                inserted_len=inserted_len, priority=priority)
+        self._ledger.release(value[lo : max(lo, res.cached_len)], "value")
         for slots in res.device_frees:
             self.device_pool.allocator.free(slots)
-        self._outstanding -= max(0, res.cached_len - prev_prefix_len)
         if res.backups:
             self._start_backups(res.backups)
         if res.intents and self._buffer is not None:
             self._buffer.enqueue(res.intents)
         return res
+
+    def _check_insert_slots(self, key: RadixKey, value: Any,
+                            prev_prefix_len: Any) -> tuple[np.ndarray, int]:
+        """``value`` as slots, checked before the tree sees them: from the page of
+        ``prev_prefix_len`` to the key's last whole page (what the tree adopts or gives back as
+        duplicates) they must be whole pages the caller holds. Returns (slots, that start).
+        (Malformed arguments are left to the tree's own checks, which name them.)"""
+        slots = as_slots(value, "value")
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        if (isinstance(prev_prefix_len, bool) or not isinstance(prev_prefix_len, int)
+                or not 0 <= prev_prefix_len <= len(slots) or len(slots) != len(key)):
+            return slots, end
+        lo = prev_prefix_len - prev_prefix_len % ps
+        if end > lo:
+            self._ledger.check(slots[lo:end], "value")
+        return slots, lo
+
+    @property
+    def outstanding_device_tokens(self) -> int:
+        """Device slots held by callers: handed out, not yet freed or adopted by an insert."""
+        return self._ledger.held_tokens
 
     def lock(self, node_id: int, *, skip: tuple[str, ...] = ()) -> LockReceipt:
         """Pin a matched node (hybrid: also one SWA window and its Mamba state, unless
@@ -416,7 +447,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                            swa_num_tokens=max(0, need - swa) if hy.swa_map is not None else 0)
                 slots = hy.alloc(need)
             if slots is not None:
-                self._outstanding += len(slots)
+                self._ledger.hand_out(slots)
             return slots
         alloc = self.device_pool.allocator
         slots = alloc.alloc(need)
@@ -424,7 +455,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             self.evict(need - alloc.available_size)
             slots = alloc.alloc(need)
         if slots is not None:
-            self._outstanding += len(slots)
+            self._ledger.hand_out(slots)
         return slots
 
     async def alloc_device(self, num_tokens: int) -> np.ndarray:
@@ -453,7 +484,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
                 await self.evict_async(need - alloc.available_size)  # writes back if needed
                 slots = alloc.alloc(need)
             if slots is not None:
-                self._outstanding += len(slots)
+                self._ledger.hand_out(slots)
             return slots
 
         return await self._alloc_waiting(
@@ -482,14 +513,17 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         raise PoolExhaustedError(error())
 
     def free_device(self, slots: Any) -> None:
-        """Return slots obtained from :meth:`alloc_device` (whole pages)."""
+        """Return slots obtained from :meth:`alloc_device` (whole pages). Slots the caller does
+        not hold (the tree's, never handed out, already freed) are refused before anything is
+        freed (:class:`InvalidInputError` naming one)."""
+        self._check_open()
         arr = as_slots(slots, "slots")
         if len(arr):
+            self._ledger.release(arr)
             if self.hybrid is not None:
                 self.hybrid.free_full(arr)
             else:
                 self.device_pool.allocator.free(arr)
-            self._outstanding -= len(arr)
 
     def _alloc_host(self, num_tokens: int) -> np.ndarray | None:
         assert self.host_pool is not None

@@ -29,9 +29,17 @@ class KVAccessMixin:
         full = full if whole.all() else int(np.argmin(whole))
         return firsts[:full] // ps, full * ps
 
+    def _device_slots(self: HierarchicalCache, slots: Any) -> np.ndarray:
+        arr = as_slots(slots, "slots")
+        n = self.device_pool.num_slots
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= n):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            raise InvalidInputError(f"slots holds slot {bad}, out of the device pool's [0, {n})")
+        return arr
+
     def read_kv(self: HierarchicalCache, slots: Any) -> torch.Tensor:
         """A copy of the device KV of ``slots`` as (layers, 2, n, heads, head_dim)."""
-        arr = as_slots(slots, "slots")
+        arr = self._device_slots(slots)
         pool = self.device_pool
         L, H, D = self.shape.num_layers, self.shape.num_heads, self.shape.head_dim
         pages, covered = self._split_pages(arr)
@@ -48,7 +56,7 @@ class KVAccessMixin:
 
     def write_kv(self: HierarchicalCache, slots: Any, values: torch.Tensor) -> None:
         """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
-        arr = as_slots(slots, "slots")
+        arr = self._device_slots(slots)
         if values.dim() != 5 or values.shape[2] != len(arr):
             raise InvalidInputError(
                 f"KV of shape {tuple(values.shape)} for {len(arr)} slots; expected "

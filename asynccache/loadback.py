@@ -159,7 +159,7 @@ class LoadBackMixin:
             _log.info("load_back_skipped", node=match.best_node, sizes=sizes,
                       reason="pool_short")
             return None
-        self._outstanding += len(full)
+        self._ledger.hand_out(full)
         return self._start_load(match, full, parts)
 
     def _start_load(self: HierarchicalCache, match: MatchResult, slots: np.ndarray,
@@ -171,12 +171,12 @@ class LoadBackMixin:
             if parts is not None:
                 assert self.hybrid is not None and self.hybrid.tier is not None
                 self.hybrid.tier.free_load_parts(parts)
+                self._ledger.release(slots)
                 self.device_pool.allocator.free(slots)
-                self._outstanding -= len(slots)
             else:
                 self.free_device(slots)
             return None
-        self._outstanding -= len(slots)  # the tree owns them from here on
+        self._ledger.release(slots)  # the tree owns them from here on
         handle: CopyHandle
         group = None
         if parts is None:

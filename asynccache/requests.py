@@ -50,6 +50,9 @@ class CacheRequest:
     mamba_state: int | None = None  # hybrid: the request's own Mamba state slot
     swa_evicted: int = 0  # hybrid: SWA slots of tokens below this were freed (out of window)
     prefetch: PrefetchOp | None = None  # started by HierarchicalCache.begin_prefetch
+    # The cache that admitted it: every request call checks it (another cache's request would
+    # free and insert slots of the wrong pools).
+    owner: Any = field(default=None, repr=False, compare=False)
 
     @property
     def computed(self) -> int:
@@ -132,7 +135,7 @@ class RequestsMixin:
             last_node=m.last_device_node, best_node=m.best_node,
             host_hit_length=m.host_hit_length, receipt=receipt, host_receipt=host,
             pending_loads=m.pending_loads, priority=priority, session_id=session_id,
-            session_generation=gen, mamba_state=state,
+            session_generation=gen, mamba_state=state, owner=self,
         )
 
     def _rematch(self: HierarchicalCache, req: CacheRequest) -> None:
@@ -149,8 +152,19 @@ class RequestsMixin:
         req.host_hit_length = m.host_hit_length
         req.pending_loads = m.pending_loads
 
-    @staticmethod
-    def _check_active(req: CacheRequest) -> None:
+    def _check_request(self: HierarchicalCache, req: Any) -> None:
+        """``req`` is a request this cache admitted (else InvalidInputError naming it)."""
+        if not isinstance(req, CacheRequest):
+            raise InvalidInputError(
+                f"expected a CacheRequest (from admit), got {type(req).__name__}: {req!r}"
+            )
+        if req.owner is not self:
+            raise InvalidInputError(
+                f"request {req.rid} was admitted by another cache; it can only be used there"
+            )
+
+    def _check_active(self: HierarchicalCache, req: CacheRequest) -> None:
+        self._check_request(req)
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
         if req.retracted is not None:
@@ -222,8 +236,12 @@ class RequestsMixin:
 
         The caller writes the KV of those tokens into the returned slots.
         """
-        if num_tokens < 0:
-            raise InvalidInputError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._check_open()
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) or (
+            num_tokens < 0
+        ):
+            raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = int(num_tokens)
         self._check_active(req)
         spare = req.spare
         if num_tokens <= len(spare):
@@ -290,6 +308,7 @@ class RequestsMixin:
         """Hybrid: free the SWA slots of ``req``'s own tokens that slid out of the window,
         keeping a cushion of window + one page; returns how many were freed."""
         self._check_open()
+        self._check_request(req)
         hy = self._hybrid_slots()
         window = self.config.sliding_window
         if not window:
@@ -307,6 +326,7 @@ class RequestsMixin:
     def cache_finished_req(self: HierarchicalCache, req: CacheRequest, *, insert: bool = True) -> None:
         """Cache ``req``'s KV (unless ``insert=False``, e.g. on abort), free the rest, unlock."""
         self._check_open()
+        self._check_request(req)
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
         self.discard_retracted(req)

@@ -200,6 +200,7 @@ class RetractionMixin:
 
     def discard_retracted(self: HierarchicalCache, req: CacheRequest) -> None:
         """Drop ``req``'s retracted KV (the request will recompute or is being aborted)."""
+        self._check_request(req)
         backup = req.retracted
         if backup is None:
             return
@@ -212,6 +213,7 @@ class RetractionMixin:
     # ------------------------------------------------------------------ helpers
     def _check_retraction(self: HierarchicalCache, req: CacheRequest) -> None:
         self._check_open()
+        self._check_request(req)
         if not self.config.retraction_backup:
             raise ConfigError("retraction needs CacheConfig(retraction_backup=True)")
         if req.finished:
@@ -312,7 +314,7 @@ class RetractionMixin:
                 self.evict(num_tokens - alloc.available_size)
                 got = alloc.alloc(num_tokens)
             if got is not None:
-                self._outstanding += len(got)
+                self._ledger.hand_out(got)
             return got
 
         return await self._alloc_waiting(

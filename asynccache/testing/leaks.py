@@ -128,7 +128,7 @@ def _inspect(cache: HierarchicalCache, checks: frozenset[str], *, outstanding: b
                 "never finished (call storage.finish_prefetch() or abort_prefetch())"
             )
     if "pools" in checks and outstanding:
-        n = getattr(cache, "_outstanding", 0)
+        n = getattr(cache, "outstanding_device_tokens", 0)
         if n:
             problems.append(
                 f"device pool: {_plural(n, 'slot')} handed out by alloc_device / extend never "
@@ -176,7 +176,7 @@ async def close_and_check(cache: HierarchicalCache, *, checks: Iterable[str] = C
     if getattr(cache, "_state", None) == "running":
         problems += await quiesce(cache, timeout)
         problems += _inspect(cache, chosen, outstanding=False)
-    outstanding = getattr(cache, "_outstanding", 0)
+    outstanding = getattr(cache, "outstanding_device_tokens", 0)
     engine = getattr(cache, "_engine", None)
     try:
         await asyncio.wait_for(cache.aclose(), timeout)
@@ -185,12 +185,14 @@ async def close_and_check(cache: HierarchicalCache, *, checks: Iterable[str] = C
     except Exception as exc:
         problems.append(f"aclose() raised {exc!r}")
     if "pools" in chosen:
+        if outstanding:  # (aclose() takes them back from the requests it interrupts)
+            problems.append(f"device pool: {_plural(outstanding, 'slot')} handed out by "
+                            "alloc_device / extend never freed (free_device) or inserted into "
+                            "the tree before aclose()")
         used = cache.device_pool.allocator.used_size
         if used:
-            why = (" (handed out by alloc_device / extend and never freed or inserted into "
-                   "the tree)") if used == outstanding else ""
             problems.append(f"device pool: {_plural(used, 'slot')} still allocated after "
-                            f"aclose(){why}")
+                            "aclose()")
         host = cache.host_pool
         if host is not None and host.allocator.used_size:
             problems.append(f"host pool: {_plural(host.allocator.used_size, 'slot')} still "

@@ -74,7 +74,14 @@ def encode_tokens(tokens: Any) -> bytes:
     if isinstance(tokens, bytes | bytearray | memoryview):
         raise InvalidInputError("tokens must be a sequence of ints, got a bytes-like object")
     if isinstance(tokens, np.ndarray) or type(tokens).__module__.startswith("torch"):
-        arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+        try:
+            arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            where = getattr(tokens, "device", "?")
+            raise InvalidInputError(
+                f"tokens: cannot read the ids of a {type(tokens).__name__} on device {where} "
+                f"({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
         if arr.ndim != 1:
             raise InvalidInputError(f"tokens must be one-dimensional, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":

@@ -118,8 +118,8 @@ async def test_keeps_slots(asynccache_cache):
 """)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([
-        "asynccache teardown: device pool: 8 slots still allocated after aclose() "
-        "(handed out by alloc_device / extend and never freed or inserted into the tree)",
+        "asynccache teardown: device pool: 8 slots handed out by alloc_device / extend never "
+        "freed (free_device) or inserted into the tree before aclose()",
     ])
 
 

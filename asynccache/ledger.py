@@ -1,0 +1,93 @@
+"""The slot ledger: which device pages callers hold.
+
+A page is *held by a caller* from the moment the cache hands it out (``alloc_device``,
+``extend``, a load-back's destination before the tree takes it, a restore) until the caller
+frees it or the tree adopts it (an insert). Every slot a caller gives back (``insert``,
+``free_device``) is checked here first: in range, whole pages, no page twice, each page held by
+a caller. Slots the tree owns, slots never handed out and slots already freed are refused with
+an :class:`InvalidInputError` naming the slot, before anything changes: a caller can no longer
+make the tree adopt slots another request is about to be given (wrong KV), nor free the tree's.
+
+Synchronous, single-owner (the cache's loop); no I/O.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asynccache.errors import InvalidInputError
+from asynccache.transfers.allocator import PageAllocator
+from asynccache.transfers.indices import SlotIndices
+
+
+class SlotLedger:
+    """Per device page: held by a caller or not. The only writer of the caller-held count."""
+
+    __slots__ = ("_alloc", "_held", "_pages", "_ps", "_stamp")
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self._alloc = allocator
+        self._ps = allocator.page_size
+        self._held = np.zeros(allocator.num_pages, dtype=np.uint8)
+        self._stamp = np.zeros(allocator.num_pages, dtype=np.int64)
+        self._pages = 0
+
+    @property
+    def held_tokens(self) -> int:
+        """Device slots held by callers (handed out, not yet freed or adopted)."""
+        return self._pages * self._ps
+
+    def hand_out(self, slots: SlotIndices) -> None:
+        """``slots`` (whole pages, just allocated by the cache) now belong to a caller."""
+        pages = self._alloc.pages_of(slots, name="slots")
+        if self._held[pages].any():
+            bad = int(pages[int(np.argmax(self._held[pages]))])
+            raise AssertionError(f"page {bad} handed out twice")
+        self._held[pages] = 1
+        self._pages += len(pages)
+
+    def check(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
+        """The page ids of ``slots`` if a caller holds all of them (nothing changes), else
+        :class:`InvalidInputError` naming the first bad slot."""
+        pages = self._alloc.pages_of(slots, name=name)
+        n = len(pages)
+        if n == 0:
+            return pages
+        flags = self._held[pages]
+        if flags.tobytes() != b"\x01" * n:
+            at = int(np.argmin(flags))
+            slot = int(pages[at]) * self._ps
+            raise InvalidInputError(
+                f"{name}: slot {slot} (position {at * self._ps}) is not held by the caller: it "
+                "was never handed out by alloc_device / extend, was already freed, or belongs "
+                "to the cache (a cached prefix's slots are the tree's)"
+            )
+        if n > 1:
+            order = np.arange(n, dtype=np.int64)
+            self._stamp[pages] = order
+            seen = self._stamp[pages]
+            if seen.tobytes() != order.tobytes():
+                at = int(np.flatnonzero(seen != order)[0])
+                raise InvalidInputError(
+                    f"{name}: slot {int(pages[at]) * self._ps} appears twice"
+                )
+        return pages
+
+    def release(self, slots: SlotIndices, name: str = "slots") -> None:
+        """The caller gives ``slots`` up (freed, or adopted by the tree): checked as
+        :meth:`check`, then no longer held."""
+        pages = self.check(slots, name)
+        self._held[pages] = 0
+        self._pages -= len(pages)
+
+    def take_all(self) -> np.ndarray:
+        """Every slot callers still hold, now held by no one (the cache closes: requests
+        interrupted by it give their slots back)."""
+        pages = np.flatnonzero(self._held)
+        self._held[:] = 0
+        self._pages = 0
+        if self._ps == 1:
+            return pages.astype(np.int64)
+        base = pages.astype(np.int64)[:, None] * self._ps
+        out: np.ndarray = (base + np.arange(self._ps, dtype=np.int64)).reshape(-1)
+        return out

@@ -1,0 +1,151 @@
+"""Slots and requests are checked for ownership before anything changes (issue 23 item 3):
+inserting or freeing slots the caller does not hold is an InvalidInputError naming the slot,
+and the tree, the pools and the accounting are exactly as before; a request belongs to the cache
+that admitted it. Also the argument errors of item 6."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asynccache.errors import ClosedError, InvalidInputError
+
+PS = 4
+
+
+def _state(cache) -> tuple:
+    return (cache.tree.node_count, cache.tree.device_size, cache.device_pool.allocator.used_size,
+            cache.outstanding_device_tokens)
+
+
+async def _cached(cache, tokens: list[int]) -> np.ndarray:
+    req = cache.admit(tokens)
+    slots = await cache.extend(req, len(tokens))
+    cache.cache_finished_req(req)
+    return slots
+
+
+async def test_insert_of_slots_never_allocated_is_rejected(make_cache) -> None:
+    cache = await make_cache()
+    before = _state(cache)
+    with pytest.raises(InvalidInputError, match=r"slot 0 .*not held by the caller"):
+        cache.insert(list(range(8)), np.arange(8))  # valid slots, but never handed out
+    assert _state(cache) == before
+    cache.sanity_check()
+    # The next request gets those slots and its KV is its own.
+    req = cache.admit(list(range(100, 108)))
+    got = await cache.extend(req, 8)
+    assert got.tolist() == list(range(8))
+    cache.cache_finished_req(req)
+    assert cache.match_prefix(list(range(8))).device_prefix_len == 0
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize(("slots", "needle"), [
+    (np.arange(1000, 1008), "out of range"),
+    (np.array([1, 2, 3, 4, 5, 6, 7, 8]), "whole pages"),
+    (np.array([0, 1, 2, 3, 0, 1, 2, 3]), "twice"),
+])
+async def test_insert_of_bad_slots_is_rejected_before_the_tree_changes(make_cache, slots,
+                                                                      needle) -> None:
+    cache = await make_cache()
+    held = await cache.alloc_device(8)
+    assert held.tolist() == list(range(8))
+    before = _state(cache)
+    with pytest.raises(InvalidInputError, match=needle):
+        cache.insert(list(range(8)), slots)
+    assert _state(cache) == before
+    assert cache.tree.pending_ops == 0
+    cache.free_device(held)
+    cache.sanity_check()
+
+
+async def test_free_device_of_tree_slots_is_rejected(make_cache) -> None:
+    cache = await make_cache()
+    tree_slots = await _cached(cache, list(range(8)))
+    before = _state(cache)
+    with pytest.raises(InvalidInputError, match=rf"slot {int(tree_slots[0])} .*not held"):
+        cache.free_device(tree_slots)
+    assert _state(cache) == before
+    assert cache.match_prefix(list(range(8))).device_prefix_len == 8
+    cache.sanity_check()
+
+
+async def test_double_free_device_is_rejected(make_cache) -> None:
+    cache = await make_cache()
+    slots = await cache.alloc_device(4)
+    cache.free_device(slots)
+    with pytest.raises(InvalidInputError, match="not held"):
+        cache.free_device(slots)
+    cache.sanity_check()
+
+
+async def test_insert_of_tree_slots_past_prev_prefix_is_rejected(make_cache) -> None:
+    cache = await make_cache()
+    tree_slots = await _cached(cache, list(range(8)))
+    with pytest.raises(InvalidInputError, match="not held"):
+        cache.insert(list(range(50, 58)), tree_slots)
+    cache.sanity_check()
+
+
+async def test_a_request_belongs_to_its_cache(make_cache) -> None:
+    a = await make_cache()
+    b = await make_cache()
+    await _cached(a, list(range(8)))
+    req = a.admit(list(range(12)))
+    before_a, before_b = _state(a), _state(b)
+    for call in (lambda: b.cache_finished_req(req), lambda: b.abort_req(req),
+                 lambda: b.cache_unfinished_req(req)):
+        with pytest.raises(InvalidInputError, match=f"request {req.rid} .*another cache"):
+            call()
+    with pytest.raises(InvalidInputError, match="another cache"):
+        await b.extend(req, 4)
+    with pytest.raises(InvalidInputError, match="another cache"):
+        await b.load_back_request(req)
+    assert (_state(a), _state(b)) == (before_a, before_b)
+    a.abort_req(req)
+    a.sanity_check()
+    b.sanity_check()
+
+
+@pytest.mark.parametrize(("n", "needle"), [
+    (1.5, "1.5"), ("8", "'8'"), (True, "True"), (-1, "-1"), (None, "None"),
+])
+async def test_extend_rejects_bad_counts_by_name(make_cache, n, needle) -> None:
+    cache = await make_cache()
+    req = cache.admit(list(range(8)))
+    with pytest.raises(InvalidInputError, match=rf"num_tokens must be .*{needle}"):
+        await cache.extend(req, n)
+    cache.abort_req(req)
+
+
+async def test_request_helpers_reject_a_non_request(make_cache) -> None:
+    cache = await make_cache()
+    for call in (cache.cache_finished_req, cache.cache_unfinished_req, cache.abort_req):
+        with pytest.raises(InvalidInputError, match=r"CacheRequest.*None"):
+            call(None)
+
+
+async def test_read_kv_out_of_range_names_the_slot(make_cache) -> None:
+    cache = await make_cache()
+    with pytest.raises(InvalidInputError, match="100000"):
+        cache.read_kv([100000])
+    with pytest.raises(InvalidInputError, match="-1"):
+        cache.read_kv([-1])
+
+
+async def test_admit_a_meta_tensor_is_a_clear_error(make_cache) -> None:
+    cache = await make_cache()
+    with pytest.raises(InvalidInputError, match="meta"):
+        cache.admit(torch.empty(8, dtype=torch.int64, device="meta"))
+
+
+async def test_extend_after_close_is_refused(cache_factory, kit) -> None:
+    async with cache_factory(kit.config, kit.quiesce_and_check, kit.close_and_check) as make:
+        cache = await make()
+        req = cache.admit(list(range(6)))
+        await cache.extend(req, 5)  # a spare slot is left in the page
+        await cache.aclose()
+        with pytest.raises(ClosedError):
+            await cache.extend(req, 1)
