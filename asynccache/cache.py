@@ -9,6 +9,7 @@ awaiter cannot leave a copy half-committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -490,26 +491,47 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         return await self._alloc_waiting(
             attempt_full,
             lambda: f"cannot allocate {need} device slots: {alloc.available_size} free, "
-                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked",
+                    f"{self.tree.evictable_size} evictable, {self.tree.protected_size} locked, "
+                    f"{self._ledger.held_tokens} held by requests",
         )
 
     async def _alloc_waiting(self, attempt: Callable[[], Awaitable[np.ndarray | None]],
                              error: Callable[[], str]) -> np.ndarray:
         """Await ``attempt`` (an allocation that evicts as needed) until it gives slots.
         Between tries it waits for copies in flight, which pin their victims until they land
-        (write-back and write-through), and for storage writes, which pin theirs on host.
+        (write-back and write-through), and, for at most ``alloc_wait_s``, for storage writes
+        when their host pins are what protects device pages (``tree.host_pinned_size``): a
+        storage write can free nothing else, and a dead store must not stall the scheduler.
         Raises :class:`PoolExhaustedError` with ``error()`` when nothing is left to wait for."""
+        deadline: float | None = None
         for _ in range(64):
             got = await attempt()
             if got is not None:
                 return got
             in_flight = list(self._inflight.values())
-            if not in_flight:
-                if self._storage is not None and self._storage.writes_pending:
-                    await self._storage.drain()
-                    continue
+            if in_flight:
+                await self._settle(in_flight)
+                continue
+            storage = self._storage
+            if storage is None or not storage.writes_pending or not self.tree.host_pinned_size:
                 break
-            await self._settle(in_flight)
+            if self._agree is not None:
+                # Several ranks must take the same decision: no local deadline (the drain
+                # retires writes at agreed ticks).
+                await storage.drain()
+                continue
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.config.alloc_wait_s
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PoolExhaustedError(
+                    f"{error()}; {self.tree.host_pinned_size} device tokens wait for storage "
+                    f"writes that did not finish within alloc_wait_s={self.config.alloc_wait_s}"
+                )
+            # (drain() shields the writes: the timeout only stops this wait.)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(storage.drain(), left)
         raise PoolExhaustedError(error())
 
     def free_device(self, slots: Any) -> None:

@@ -76,6 +76,10 @@ class CacheConfig:
     # The largest token id the model's vocabulary has (None: any uint32). Ids above it are
     # rejected at admission (InvalidInputError), before anything is matched or allocated.
     max_token_id: int | None = None
+    # The longest alloc_device / extend waits for storage writes whose host pins are what keeps
+    # device pages from eviction (seconds); past it, PoolExhaustedError. Allocations that no
+    # storage write could help fail at once.
+    alloc_wait_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -133,6 +137,10 @@ class CacheConfig:
                     f"max_token_id must be <= {MAX_TOKEN_ID} (token ids are uint32), "
                     f"got {self.max_token_id}"
                 )
+        if isinstance(self.alloc_wait_s, bool) or not isinstance(self.alloc_wait_s, int | float) \
+                or not 0 <= self.alloc_wait_s < float("inf"):
+            raise ConfigError(f"alloc_wait_s must be a number of seconds >= 0, got "
+                              f"{self.alloc_wait_s!r}")
         _positive("sliding_window", self.sliding_window, allow_zero=True)
         _positive("swa_layers", self.swa_layers)
         _positive("mamba_states", self.mamba_states, allow_zero=True)

@@ -48,6 +48,11 @@ class StoragePolicy:
     what has arrived), ``wait_complete`` (all of it), ``timeout`` (all of it or
     ``timeout_base_s + tokens / 1024 * timeout_per_ki_token_s``, whichever comes first).
     ``prefetch_capacity_fraction``: prefetches may occupy at most this share of the host pool.
+    ``write_failure_threshold`` consecutive failed write batches (nothing stored) open a circuit
+    breaker: backups are not written to storage (counted as skipped, ``circuit_open``) for
+    ``write_backoff_s``, doubling while the store keeps failing (up to 64x); a write that stores
+    something closes it. A dead store then costs one failed batch per back-off, not a queue of
+    writes that grows with every backup.
     """
 
     prefetch_threshold: int = 256
@@ -57,6 +62,8 @@ class StoragePolicy:
     prefetch_capacity_fraction: float = 0.5
     write_concurrency: int = 4
     known_keys: int = 1 << 20
+    write_failure_threshold: int = 3
+    write_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefetch_policy not in PREFETCH_POLICIES:
@@ -76,6 +83,12 @@ class StoragePolicy:
             )
         if self.write_concurrency < 1 or self.known_keys < 0:
             raise ConfigError("write_concurrency must be >= 1 and known_keys >= 0")
+        if isinstance(self.write_failure_threshold, bool) or not isinstance(
+                self.write_failure_threshold, int) or self.write_failure_threshold < 1:
+            raise ConfigError(f"write_failure_threshold must be an int >= 1, got "
+                              f"{self.write_failure_threshold!r}")
+        if not isinstance(self.write_backoff_s, int | float) or not self.write_backoff_s > 0:
+            raise ConfigError(f"write_backoff_s must be a number > 0, got {self.write_backoff_s!r}")
 
     def timeout_s(self, num_tokens: int) -> float:
         """The ``timeout`` policy's deadline for a prefetch of ``num_tokens`` tokens."""
@@ -148,6 +161,10 @@ class StorageTier:
         self._agreeing: list[PrefetchOp] = []  # multi-rank: prefetches in start order
         self._occupied = 0
         self._aborts: set[asyncio.Task[None]] = set()  # releases of prefetches nobody finished
+        # Write circuit breaker: consecutive failed batches, and writes are off until this time.
+        self._failures = 0
+        self._closed_until = 0.0
+        self._backoff = 0.0
         host = cache.host_pool
         self._host = host
         self._page_bytes = host.page_bytes
@@ -183,6 +200,27 @@ class StorageTier:
         """Forget which keys were seen stored (the backend was cleared)."""
         self._known.clear()
 
+    # ------------------------------------------------------------------ write breaker
+    def _writes_suspended(self) -> bool:
+        return self._closed_until > 0 and time.monotonic() < self._closed_until
+
+    def _write_outcome(self, stored: int, tried: int) -> None:
+        """Count a write batch for the breaker: ``stored`` of ``tried`` pages landed."""
+        if stored:
+            self._failures = 0
+            self._closed_until = self._backoff = 0.0
+            return
+        if not tried:
+            return
+        self._failures += 1
+        if self._failures >= self.policy.write_failure_threshold and not self._writes_suspended():
+            base = self.policy.write_backoff_s
+            self._backoff = min(self._backoff * 2, base * 64) if self._backoff else base
+            self._closed_until = time.monotonic() + self._backoff
+            self.cache.metrics.storage_write_circuit_opened.inc()
+            _log.warning("storage_writes_suspended", failed_batches=self._failures,
+                         backoff_s=self._backoff)
+
     # ------------------------------------------------------------------ backup (L2 -> L3)
     def backup_nodes(self, node_ids: Sequence[int]) -> None:
         """Write the pages of freshly backed-up nodes to storage (in the background)."""
@@ -197,6 +235,10 @@ class StorageTier:
             if all(k in self._known for k in keys) and not (extra and extra[0]):
                 self.cache.metrics.storage_backup_skipped_tokens.labels(reason="exists").inc(
                     len(keys) * self.cache.page_size)
+                continue
+            if self._writes_suspended():
+                self.cache.metrics.storage_backup_skipped_tokens.labels(
+                    reason="circuit_open").inc(len(keys) * self.cache.page_size)
                 continue
             pin = tree.lock_host(nid)
             host_slots = tree.host_slots_of(nid)
@@ -235,12 +277,17 @@ class StorageTier:
                             (len(batch) - len(todo)) * ps)
                     if not todo:
                         continue
+                    if self._writes_suspended():  # (queued before the breaker opened)
+                        metrics.storage_backup_skipped_tokens.labels(reason="circuit_open").inc(
+                            len(todo) * ps)
+                        continue
                     pages = page_buffers(self._host, slots, fill=True)
                     t0 = time.perf_counter()
                     ok = await self.backend.set_batch([batch[j] for j in todo],
                                                       [pages[j] for j in todo])
                     dt = time.perf_counter() - t0
                     written = sum(ok)
+                    self._write_outcome(written, len(todo))
                     for j, good in zip(todo, ok, strict=True):
                         if good:
                             self._remember(batch[j])

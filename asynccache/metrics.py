@@ -65,8 +65,11 @@ class CacheMetrics:
             "asynccache_storage_backup_tokens", "Tokens written host -> storage", registry=r)
         self.storage_backup_skipped_tokens = Counter(
             "asynccache_storage_backup_skipped_tokens",
-            "Tokens not written to storage (known to exist, or the write failed)",
+            "Tokens not written to storage (reason: exists, failed, circuit_open)",
             ["reason"], registry=r)
+        self.storage_write_circuit_opened = Counter(
+            "asynccache_storage_write_circuit_opened",
+            "Times storage writes were suspended after consecutive failures", registry=r)
         self.storage_hit_tokens = Counter(
             "asynccache_storage_prefetch_hit_tokens", "Tokens found in storage by prefetch queries",
             registry=r)

@@ -123,6 +123,7 @@ class TreeBase:
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        self._host_pinned = 0  # of _protected: tokens only host pins protect (class 3)
         self._host_size = 0
         self._pending: dict[int, _PendingOp] = {}
         self._receipts: dict[int, tuple[Node, bool]] = {}
@@ -162,6 +163,13 @@ class TreeBase:
     def protected_size(self) -> int:
         """Device tokens pinned by locks."""
         return self._protected
+
+    @property
+    def host_pinned_size(self) -> int:
+        """Of the protected device tokens, those only host pins protect: device-only nodes
+        whose host-side descendants are pinned (e.g. by storage writes or prefetches), which
+        eviction may take once those pins go."""
+        return self._host_pinned
 
     @property
     def device_size(self) -> int:
@@ -283,14 +291,16 @@ class TreeBase:
     def _account(self, n: Node) -> None:
         """Count ``n``'s device tokens as evictable or protected, per its current state.
 
-        Protected: device-locked, or host-pinned without a host copy (eviction could only
-        delete it, which the pin forbids). The sizes are therefore exactly what ``evict`` can
-        free and what it cannot.
+        Protected: device-locked (class 2), or host-pinned without a host copy (class 3:
+        eviction could only delete it, which the pin forbids). The sizes are therefore exactly
+        what ``evict`` can free and what it cannot.
         """
         if n.value is None:
             want = 0
-        elif n.lock_ref or (n.host_value is None and n.host_lock_ref):
+        elif n.lock_ref:
             want = 2
+        elif n.host_value is None and n.host_lock_ref:
+            want = 3
         else:
             want = 1
         have = n.acct
@@ -298,12 +308,16 @@ class TreeBase:
             k = n.ntok
             if have == 1:
                 self._evictable -= k
-            elif have == 2:
+            elif have:
                 self._protected -= k
+                if have == 3:
+                    self._host_pinned -= k
             if want == 1:
                 self._evictable += k
-            elif want == 2:
+            elif want:
                 self._protected += k
+                if want == 3:
+                    self._host_pinned += k
             n.acct = want
 
     def _refresh(self, n: Node) -> None:

@@ -75,7 +75,7 @@ def check_tree(tree: RadixTree) -> None:
         if node is not root and (nodes.get(node.id) is not node or token not in (node.anchors or ())):
             _fail(f"session ref {token} is anchored at node {node.id}, which does not list it")
 
-    evictable = protected = host_size = 0
+    evictable = protected = host_pinned = host_size = 0
     dev_slots: list[np.ndarray] = []
     host_slots: list[np.ndarray] = []
     members = [0, 0, 0]
@@ -97,6 +97,8 @@ def check_tree(tree: RadixTree) -> None:
             dev_slots.append(n.value)
             if n.lock_ref or (n.host_value is None and n.host_lock_ref):
                 protected += k
+                if not n.lock_ref:
+                    host_pinned += k
             else:
                 evictable += k
         elif n.lock_ref:
@@ -111,7 +113,7 @@ def check_tree(tree: RadixTree) -> None:
         if n.host_lock_ref != exp_host.get(n.id, 0):
             _fail(f"node {n.id} host_lock_ref {n.host_lock_ref} != {exp_host.get(n.id, 0)}")
         if n.value is not None and n.acct != (
-            2 if n.lock_ref or (n.host_value is None and n.host_lock_ref) else 1
+            2 if n.lock_ref else 3 if n.host_value is None and n.host_lock_ref else 1
         ):
             _fail(f"node {n.id} is counted in size class {n.acct}, not its state's")
         sref = len(n.anchors or ()) + sum(c.sref for c in n.children.values())
@@ -150,15 +152,16 @@ def check_tree(tree: RadixTree) -> None:
     for slot, q in enumerate(tree._queues):
         if len(q) != members[slot]:
             _fail(f"queue {slot} counts {len(q)} live entries, {members[slot]} expected")
-    if (evictable, protected, host_size) != (
+    if (evictable, protected, host_pinned, host_size) != (
         tree._evictable,
         tree._protected,
+        tree._host_pinned,
         tree._host_size,
     ):
         _fail(
-            f"sizes (evictable, protected, host) = "
-            f"{(tree._evictable, tree._protected, tree._host_size)}, "
-            f"recomputed {(evictable, protected, host_size)}"
+            f"sizes (evictable, protected, host-pinned, host) = "
+            f"{(tree._evictable, tree._protected, tree._host_pinned, tree._host_size)}, "
+            f"recomputed {(evictable, protected, host_pinned, host_size)}"
         )
     for name, parts in (("device", dev_slots), ("host", host_slots)):
         if parts:

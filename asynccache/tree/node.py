@@ -70,7 +70,9 @@ class Node:
         self.digests: list[bytes] | None = None
         self.pending = 0  # id of the in-flight backup or load-back covering this node
         self.dchildren = 0  # number of children holding a device value
-        self.acct = 0  # how its device tokens are counted: 0 none, 1 evictable, 2 protected
+        # How its device tokens are counted: 0 none, 1 evictable, 2 protected (device-locked),
+        # 3 protected by host pins only.
+        self.acct = 0
         # Session references: ``anchors`` are the tokens of the refs registered at this node,
         # ``sref`` counts the refs at this node and below (it orders eviction: referenced
         # nodes go last).

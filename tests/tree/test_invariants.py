@@ -28,10 +28,12 @@ def _node(tree: RadixTree, node_id: int):
 
 
 CORRUPTIONS: list[tuple[str, str, Callable[[RadixTree], None]]] = [
-    ("evictable size", "sizes (evictable, protected, host)",
+    ("evictable size", "sizes (evictable, protected, host-pinned, host)",
      lambda t: setattr(t, "_evictable", t._evictable + 1)),
-    ("host size", "sizes (evictable, protected, host)",
+    ("host size", "sizes (evictable, protected, host-pinned, host)",
      lambda t: setattr(t, "_host_size", t._host_size - 2)),
+    ("host-pinned size", "sizes (evictable, protected, host-pinned, host)",
+     lambda t: setattr(t, "_host_pinned", t._host_pinned + 1)),
     ("device child count", "dchildren",
      lambda t: setattr(_node(t, 2), "dchildren", 0)),
     ("lock count", "lock_ref 1 != expected 0",

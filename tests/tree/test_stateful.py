@@ -221,19 +221,27 @@ class TreeMachine(RuleBasedStateMachine):
         tail = tuple((bits >> k) & 1 for k in range(length))
         return ns, (base + tail)[: 4 * ps + 1]
 
-    def _protected(self) -> set[Pos]:
+    def _device_locked(self) -> set[Pos]:
         anchors = [a for _, a in self.receipts if a is not None]
         anchors += [a for _, a in self.backups.values()]
         anchors += [positions[-1][:2] for _, positions in self.loads.values()]
         out: set[Pos] = set()
         for a in anchors:
             out |= _positions(a, self.ps)
-        # Host-pinned device pages without a host copy: eviction could only delete them.
+        return out
+
+    def _pin_protected(self) -> set[Pos]:
+        """Host-pinned device pages without a host copy (eviction could only delete them)
+        that no device lock protects."""
+        out: set[Pos] = set()
         for _, a in self.host_receipts:
             if a is not None:
                 out |= {p for p in _positions(a, self.ps)
                         if p in self.model_dev and p not in self.model_host}
-        return out
+        return out - self._device_locked()
+
+    def _protected(self) -> set[Pos]:
+        return self._device_locked() | self._pin_protected()
 
     def _host_pinned(self) -> set[Pos]:
         out: set[Pos] = set()
@@ -634,6 +642,7 @@ class TreeMachine(RuleBasedStateMachine):
         t = self.tree
         assert t.device_size == t.evictable_size + t.protected_size == len(self.model_dev)
         assert t.protected_size == len(self._protected())
+        assert t.host_pinned_size == len(self._pin_protected())
         assert t.host_size == len(self.model_host)
         assert t.held_locks == len(self.receipts) + len(self.host_receipts)
         assert t.pending_ops == len(self.backups) + len(self.loads)
