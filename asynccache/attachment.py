@@ -4,6 +4,7 @@ buffer-only host mode: :mod:`asynccache.buffer_mode`)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from asynccache.buffer_mode import BufferModePipeline
@@ -81,10 +82,21 @@ class StorageAttachmentMixin:
         """Stop using storage: abort prefetches, wait for writes, release their pins.
 
         Never raises for a storage fault: it is logged and ``False`` is returned (the tier is
-        detached either way).
+        detached either way). Requests waiting on the tier see no storage from now on.
+        Cancelling the call does not stop the detach: it finishes in the background, and
+        ``aclose`` waits for it before freeing anything.
         """
         tier, self._storage = self._storage, None
         buffer, self._buffer = self._buffer, None
+        if tier is None and buffer is None:
+            return True
+        task = asyncio.get_running_loop().create_task(self._close_tiers(tier, buffer))
+        self._detaching.add(task)
+        task.add_done_callback(self._detaching.discard)
+        return await asyncio.shield(task)
+
+    @staticmethod
+    async def _close_tiers(tier: StorageTier | None, buffer: BufferModePipeline | None) -> bool:
         try:
             if tier is not None:
                 await tier.close()
@@ -161,20 +173,23 @@ class StorageAttachmentMixin:
         if self._buffer is not None:  # buffer-only host: fetch into a bounce parked for req
             self._rematch(req)
             return await self._buffer.prefetch_request(req, policy)
-        assert self._storage is not None
+        tier = self._storage
+        assert tier is not None
         op, req.prefetch = req.prefetch, None
         if op is not None:  # begun at arrival: stop it now, per the policy
-            got = await self._storage.finish_prefetch(op, policy)
+            got = await tier.finish_prefetch(op, policy)
             if got:
                 self._rematch(req)
             return got
         if req.pending_loads:
             await self.wait_loads(req.pending_loads)
         self._rematch(req)  # other requests may have cached more of the prompt since admit
-        op = self._storage.start_prefetch(req.key, self._match_of(req))
+        if self._storage is not tier or self._state != "running":
+            return 0  # detached (or closing) while it waited
+        op = tier.start_prefetch(req.key, self._match_of(req))
         if op is None:
             return 0
-        got = await self._storage.finish_prefetch(op, policy)
+        got = await tier.finish_prefetch(op, policy)
         if got:
             self._rematch(req)
         return got

@@ -145,6 +145,9 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._hits = 0
         self._next_rid = 0
         self._close_task: asyncio.Task[None] | None = None
+        # Detaches of storage tiers still closing (a cancelled detach_storage keeps going);
+        # aclose waits for them before it frees anything.
+        self._detaching: set[asyncio.Task[bool]] = set()
         self._storage: StorageTier | None = None
         self._buffer: BufferModePipeline | None = None  # buffer-only host mode with storage
         self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
@@ -236,10 +239,9 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
     async def _close(self) -> None:
         try:
             await self._settle(list(self._inflight.values()))
-            if self._storage is not None:
-                await self._storage.close()
-            if self._buffer is not None:
-                await self._buffer.close()
+            await self.detach_storage()
+            while self._detaching:
+                await asyncio.gather(*list(self._detaching), return_exceptions=True)
             if self._engine is not None:
                 await self._engine.aclose()
             if self.hybrid is not None and self.hybrid.tier is not None:
