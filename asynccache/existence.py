@@ -1,6 +1,7 @@
 """What the engine believes is stored in L3: a bounded LRU of page keys plus in-flight writes.
 
-Used by the buffer-only host mode to write a page to storage only once. The belief is advisory:
+Used by the storage tier and the buffer-only host mode to write a page to storage only once. The
+belief is advisory:
 a stale positive (the backend evicted or lost the page) costs skipped writes until a prefetch's
 hit query comes up short and :meth:`StorageExistenceCache.invalidate_beyond` forgets the pages
 past the shortfall; a missing entry costs a redundant write the backend deduplicates. Served KV
@@ -94,6 +95,23 @@ class StorageExistenceCache:
                 self._inflight[k] = n - 1
         self.add(k for k, ok in zip(keys, stored, strict=True) if ok)
 
+    def forget(self, keys: Iterable[str]) -> int:
+        """Stop believing ``keys`` stored (a read of them failed, or the backend said it removed
+        them); returns how many were believed. Keys being written stay covered."""
+        gone = 0
+        for k in keys:
+            if self._lru.pop(k, 0) is None:
+                gone += 1
+        self.invalidated += gone
+        return gone
+
+    def resize(self, max_entries: int) -> None:
+        """Bound the belief to ``max_entries`` keys from now on (the oldest go first)."""
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ConfigError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self.add(())
+
     def invalidate_beyond(self, chain: Sequence[str], keep_pages: int) -> int:
         """A hit query found only the first ``keep_pages`` pages of ``chain``: forget the rest.
 
@@ -104,12 +122,7 @@ class StorageExistenceCache:
             raise InvalidInputError(
                 f"keep_pages must be an int in [0, {len(chain)}], got {keep_pages!r}"
             )
-        gone = 0
-        for k in chain[keep_pages:]:
-            if self._lru.pop(k, 0) is None:
-                gone += 1
-        self.invalidated += gone
-        return gone
+        return self.forget(chain[keep_pages:])
 
     def clear(self) -> None:
         """Forget every belief (the backend was cleared or replaced); writes in flight stay."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.existence import StorageExistenceCache
 from asynccache.hostpages import page_buffers, read_pages
 from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
@@ -155,7 +155,9 @@ class StorageTier:
         self.cache = cache
         self.backend = backend
         self.policy = policy
-        self._known: OrderedDict[str, None] = OrderedDict()
+        # Page keys believed stored (written or read by this tier): writes skip them. A prefetch
+        # that finds a page missing, or fails to read it, forgets it (and the pages after it).
+        self._known = StorageExistenceCache(max(1, policy.known_keys))
         self._writes: set[asyncio.Task[None]] = set()
         self._prefetches: set[PrefetchOp] = set()
         self._agreeing: list[PrefetchOp] = []  # multi-rank: prefetches in start order
@@ -185,16 +187,20 @@ class StorageTier:
         self.policy = policy
         self._write_sem = asyncio.Semaphore(policy.write_concurrency)
         self._capacity_limit = int(self.cache.host_pool.num_slots * policy.prefetch_capacity_fraction)
-        while len(self._known) > policy.known_keys:
-            self._known.popitem(last=False)
+        if policy.known_keys:
+            self._known.resize(policy.known_keys)
+        else:
+            self._known.clear()
 
     # ------------------------------------------------------------------ known keys
-    def _remember(self, key: str) -> None:
+    def _remember(self, keys: Sequence[str]) -> None:
         if self.policy.known_keys:
-            self._known[key] = None
-            self._known.move_to_end(key)
-            if len(self._known) > self.policy.known_keys:
-                self._known.popitem(last=False)
+            self._known.add(keys)
+
+    @property
+    def known_keys(self) -> int:
+        """How many page keys the tier believes stored."""
+        return len(self._known)
 
     def forget_known(self) -> None:
         """Forget which keys were seen stored (the backend was cleared)."""
@@ -288,9 +294,7 @@ class StorageTier:
                     dt = time.perf_counter() - t0
                     written = sum(ok)
                     self._write_outcome(written, len(todo))
-                    for j, good in zip(todo, ok, strict=True):
-                        if good:
-                            self._remember(batch[j])
+                    self._remember([batch[j] for j, good in zip(todo, ok, strict=True) if good])
                     metrics.storage_backup_tokens.inc(written * ps)
                     if written < len(todo):
                         metrics.storage_backup_skipped_tokens.labels(reason="failed").inc(
@@ -356,6 +360,8 @@ class StorageTier:
             hit += found
             if found < len(batch):
                 break
+        if hit < len(op.keys):  # the backend's answer is evidence: forget what it lacks
+            self._known.invalidate_beyond(op.keys, hit)
         return hit
 
     def _floor_pages(self) -> int:
@@ -458,8 +464,9 @@ class StorageTier:
             keys = op.keys[i : min(want, i + BATCH_PAGES)]
             slots = host[i * ps : (i + len(keys)) * ps]
             good = await read_pages(self.backend, self._host, keys, slots)
-            for k in keys[:good]:
-                self._remember(k)
+            self._remember(keys[:good])
+            if good < len(keys):  # missing, corrupt or unreadable from there on
+                self._known.invalidate_beyond(op.keys, i + good)
             op.completed_tokens += good * ps
             if cache._agree is not None:
                 cache._agree.note_progress()

@@ -39,10 +39,10 @@ async def test_clear_storage_removes_every_page(kit, make_cache, make_file_backe
     await kit.write_sequences(w, seqs)
     paths = [kit.object_path(b, k) for s in seqs for k in kit.page_keys(s)]
     assert all(p.exists() for p in paths) and len(paths) == 12
-    assert len(w.storage._known) == 12
+    assert w.storage.known_keys == 12
     assert await w.clear_storage() == 12
     assert not any(p.exists() for p in paths)
-    assert len(w.storage._known) == 0
+    assert w.storage.known_keys == 0
     fresh = await make_cache()
     fresh.attach_storage(await make_file_backend(fresh), StoragePolicy(prefetch_threshold=4))
     r = await kit.serve(fresh, seqs[0])
