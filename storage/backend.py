@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
@@ -22,7 +22,13 @@ from asynccache.storage.base import StorageLayout
 from asynccache.storage.faults import Fault, FaultHook
 from asynccache.storage.metrics import StorageMetrics
 
-__all__ = ["MISS", "OK", "PRESENT", "BackendBase", "os_error_reason"]
+__all__ = ["MISS", "OK", "PRESENT", "BackendBase", "EvictionListener", "os_error_reason"]
+
+#: ``fn(keys)``: pages this backend no longer has (see :meth:`BackendBase.add_eviction_listener`).
+EvictionListener = Callable[[list[str]], None]
+
+#: Why a backend dropped pages (``stats()["removed"]``).
+REMOVAL_CAUSES = ("capacity", "no_space", "corrupt", "missing", "delete", "clear")
 
 OK = "ok"
 MISS = "miss"
@@ -86,6 +92,9 @@ class BackendBase:
         self._log = get_logger(f"asynccache.storage.{self.kind}").bind(backend=label)
         self._hook: FaultHook | None = None
         self._closed = False
+        self._listeners: list[EvictionListener] = []
+        self._removed: Counter[str] = Counter()
+        self._listener_errors = 0
 
     # -- small helpers --------------------------------------------------------------------------
 
@@ -104,6 +113,43 @@ class BackendBase:
     def _fault(self, op: str, key: str) -> Fault | None:
         hook = self._hook
         return hook.decide(op, key) if hook is not None else None
+
+    # -- eviction listeners ---------------------------------------------------------------------
+
+    def add_eviction_listener(self, fn: EvictionListener) -> None:
+        """Call ``fn(keys)`` whenever pages this backend had are gone.
+
+        ``keys`` is a non-empty list of page keys (as passed to ``set_batch``). It is called on
+        the event loop thread, synchronously, before the backend call that found out returns:
+        pages evicted for capacity (at ``set_batch``, or when ``start`` trims to the capacity),
+        evicted because the filesystem was full, removed as corrupt by ``get_batch``, found
+        missing by ``get_batch`` although the backend knew of them (another writer or an
+        operator deleted them), removed by ``delete`` or ``clear``. ``fn`` must not block;
+        an exception it raises is logged (``storage_listener_error``) and counted, never
+        raised. A listener added twice is called twice.
+        """
+        if not callable(fn):
+            raise ConfigError(f"an eviction listener must be callable, got {fn!r}")
+        self._listeners.append(fn)
+
+    def remove_eviction_listener(self, fn: EvictionListener) -> None:
+        """Stop calling ``fn`` (one registration of it; nothing if it was not added)."""
+        for i, listener in enumerate(self._listeners):
+            if listener == fn:
+                del self._listeners[i]
+                return
+
+    def _gone(self, keys: Sequence[str], cause: str) -> None:
+        """Tell the listeners that ``keys`` are gone (on the loop thread)."""
+        if not keys:
+            return
+        self._removed[cause] += len(keys)
+        for fn in list(self._listeners):
+            try:
+                fn(list(keys))
+            except Exception as exc:
+                self._listener_errors += 1
+                self._log.exception("storage_listener_error", cause=cause, error=repr(exc))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -171,6 +217,8 @@ class BackendBase:
             "layout_tag": self._layout.tag,
             "closed": self._closed,
             **self.metrics.snapshot(),
+            "removed": dict(self._removed),
+            "listener_errors": self._listener_errors,
         }
 
     async def __aenter__(self) -> BackendBase:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -234,6 +234,17 @@ class FaultInjectingBackend:
 
     async def clear(self) -> int:
         return await self.inner.clear()
+
+    def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+        """Forwarded to the wrapped backend (nothing if it has no listeners)."""
+        add = getattr(self.inner, "add_eviction_listener", None)
+        if add is not None:
+            add(fn)
+
+    def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+        remove = getattr(self.inner, "remove_eviction_listener", None)
+        if remove is not None:
+            remove(fn)
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())

@@ -18,10 +18,14 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
   into the caller's buffer under the call's :class:`~asynccache.storage.threadio.PageGuard` (a
   timed-out call's threads can never write a buffer the caller has reused). A bad page's
   name is removed.
-* Bulk I/O runs on ``io_threads`` worker threads via ``anyio.to_thread`` with
-  ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
+* Bulk I/O runs on ``io_threads`` daemon worker threads (:mod:`asynccache.storage.threadio`)
+  with ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
   (open, read, close: three per page) and ``read()`` allocates a new bytes object per page;
   ``scripts/bench_storage.py`` measures both. The backend works under any anyio backend.
+* A read still running when its call's deadline passes (a FIFO at a page's name, a file on a
+  dead NFS server) is abandoned and its pages are *quarantined*: later reads of them are
+  immediate ``quarantined`` misses (and ``exists_prefix`` stops there) until the stuck read
+  returns or the page is written again. Healthy pages keep their threads meanwhile.
 * Capacity: an LRU index of files (:mod:`asynccache.storage.fileindex`) bounds the bytes of this
   backend's objects; new pages evict the least recently used files (a segment goes whole).
   Hits and re-sets refresh recency; a hit also refreshes the file's mtime when it is over a
@@ -35,13 +39,13 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ConfigError, StorageError
@@ -58,6 +62,7 @@ __all__ = ["FileBackend"]
 _SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
 _KEY_RE = re.compile(r"[0-9a-f]{64}(?:\.[a-z0-9_-]{1,32})?")
 _STALE_TMP_S = 3600.0
+_MAX_STUCK = 32  # default max_stuck_threads: abandoned threads before calls fail fast
 _MiB = 1 << 20
 #: A read job takes at most this many bytes of neighbouring segment pages (one preadv) ...
 _READ_CHUNK_MAX = 4 * _MiB
@@ -111,7 +116,7 @@ class FileBackend(BackendBase):
                 raise ConfigError(f"{name} must be an int > 0 or None, got {value!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
-        stuck = io_threads if max_stuck_threads is None else max_stuck_threads
+        stuck = _MAX_STUCK if max_stuck_threads is None else max_stuck_threads
         if isinstance(stuck, bool) or not isinstance(stuck, int) or stuck < 1:
             raise ConfigError(f"max_stuck_threads must be an int >= 1, got {max_stuck_threads!r}")
         self.root = Path(os.path.abspath(os.fspath(root)))
@@ -127,11 +132,19 @@ class FileBackend(BackendBase):
         self._victims: list[str] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
+        # key -> generation: pages whose read was abandoned while still running
+        self._quarantine: dict[str, int] = {}
+        self._quarantine_gen = 0
+        self._quarantine_lock = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key[:2]}/{key}{self._suffix}"
+
+    def path(self, key: str) -> str:
+        """The file name under which page ``key`` is stored (whether it exists or not)."""
+        return self._path(validate_keys([key])[0])
 
     # -- start: rebuild the index from the directory ---------------------------------------------
 
@@ -152,8 +165,7 @@ class FileBackend(BackendBase):
             if self._started:
                 return
             try:
-                with anyio.fail_after(max(self.timeout_s, 60.0)):
-                    entries = await anyio.to_thread.run_sync(self._scan, abandon_on_cancel=True)
+                entries = await self._scan_in_thread()
             except (OSError, TimeoutError) as exc:
                 self._log.error("storage_start_failed", root=str(self.root), error=repr(exc))
                 if strict:
@@ -172,6 +184,7 @@ class FileBackend(BackendBase):
                 victims = self._index.evict(self.capacity_bytes, 0, protect=())
             if victims:
                 await self._runner.run(len(victims), self._unlink_job(victims), self._deadline())
+                self._gone(victims, "capacity")
             self._set_usage()
             self._log.info(
                 "storage_started",
@@ -179,6 +192,26 @@ class FileBackend(BackendBase):
                 objects=len(self._index),
                 bytes=self._index.used,
             )
+
+    async def _scan_in_thread(self) -> list[tuple[int, str, int, int]]:
+        """:meth:`_scan` on a worker thread; raises its OSError, or TimeoutError."""
+        result: list[list[tuple[int, str, int, int]]] = []
+        error: list[OSError] = []
+
+        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
+            try:
+                result.append(self._scan())
+                guard.finish(i, OK)
+            except OSError as exc:
+                error.append(exc)
+                guard.finish(i, os_error_reason(exc), str(exc))
+
+        outcomes, details = await self._runner.run(1, job, max(self.timeout_s, 60.0))
+        if error:
+            raise error[0]
+        if outcomes[0] != OK:
+            raise TimeoutError(f"scanning the directory: {outcomes[0]} ({details[0]})")
+        return result[0]
 
     def _scan(self) -> list[tuple[int, str, int, int]]:
         """(mtime_ns, key, size, inode) of this layout's objects; removes stale temp files."""
@@ -223,6 +256,32 @@ class FileBackend(BackendBase):
         self._reserved += size
         return True
 
+    # -- quarantine -----------------------------------------------------------------------------
+
+    def _quarantine_keys(self, keys: list[str]) -> Callable[[], None]:
+        """Quarantine ``keys`` (their read is stuck); returns what lifts it when the read
+        returns (from its worker thread; a page written or deleted since stays lifted)."""
+        with self._quarantine_lock:
+            self._quarantine_gen += 1
+            gen = self._quarantine_gen
+            for key in keys:
+                self._quarantine[key] = gen
+        self._log.warning("storage_quarantined", keys=keys, quarantined=len(self._quarantine))
+
+        def lift() -> None:
+            with self._quarantine_lock:
+                for key in keys:
+                    if self._quarantine.get(key) == gen:
+                        del self._quarantine[key]
+
+        return lift
+
+    def _unquarantine(self, keys: Sequence[str]) -> None:
+        if self._quarantine:
+            with self._quarantine_lock:
+                for key in keys:
+                    self._quarantine.pop(key, None)
+
     def _unlink_job(self, keys: list[str], first_slot: int = 0) -> Job:
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             key = keys[i - first_slot]
@@ -245,11 +304,12 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         started = time.perf_counter()
         n = 0
+        quarantine = self._quarantine
         for key in key_list:
-            if key not in self._index:
+            if key not in self._index or key in quarantine:
                 break
             n += 1
-        if n < len(key_list) and self.adopt_external:
+        if n < len(key_list) and self.adopt_external and key_list[n] not in quarantine:
             n += await self._adopt(key_list[n:])
         self.metrics.page("exists", "hit", n)
         self.metrics.page("exists", "miss", min(1, len(key_list) - n))
@@ -263,6 +323,8 @@ class FileBackend(BackendBase):
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             for key in keys:
+                if key in self._quarantine:
+                    break
                 try:
                     pre_fault(self._fault("exists", key), "stat")
                     found.append((key, os.stat(self._path(key))))
@@ -304,11 +366,16 @@ class FileBackend(BackendBase):
         key_list, views = check_batch(keys, buffers, writable=True)
         await self._ensure_started()
         started = time.perf_counter()
+        n = len(key_list)
+        outcomes: list[str] = ["quarantined"] * n
+        details: list[str | None] = ["a read of this page is stuck"] * n
+        quarantine = self._quarantine
+        live = [i for i, k in enumerate(key_list) if k not in quarantine]
         reqs = [
-            ReadReq(i, k, k + self._suffix, v)
-            for i, (k, v) in enumerate(zip(key_list, views, strict=True))
+            ReadReq(j, key_list[i], key_list[i] + self._suffix, views[i])
+            for j, i in enumerate(live)
         ]
-        total = sum(v.nbytes for v in views)
+        total = sum(r.target.nbytes for r in reqs)
         runs = self._read_runs(reqs, total)
 
         def job(g: int, guard: PageGuard, scratch: Scratch) -> None:
@@ -320,17 +387,32 @@ class FileBackend(BackendBase):
                 for r in run:
                     guard.finish(r.slot, "internal", repr(exc))
 
-        outcomes, details = await self._runner.run(
-            len(runs), job, self._deadline(total), slots=len(reqs)
-        )
+        def on_stuck(g: int, done: list[str]) -> Callable[[], None] | None:
+            hung = [r.key for r in runs[g][0] if done[r.slot] == "timeout"]
+            return self._quarantine_keys(hung) if hung else None
+
+        if reqs:
+            done, done_details = await self._runner.run(
+                len(runs), job, self._deadline(total), slots=len(reqs), on_stuck=on_stuck
+            )
+            for j, i in enumerate(live):
+                outcomes[i], details[i] = done[j], done_details[j]
+        corrupt: list[str] = []
+        missing: list[str] = []
         for key, outcome in zip(key_list, outcomes, strict=True):
             if outcome == OK:
                 self._index.touch(key)
-            elif outcome in (MISS, "corrupt", "partial"):
+            elif outcome in ("corrupt", "partial"):
                 self._index.drop(key)
+                corrupt.append(key)  # the object was removed
+            elif outcome == MISS and self._index.drop(key):
+                missing.append(key)  # known, but gone: deleted behind this backend's back
         self._set_usage()
         sizes = [v.nbytes for v in views]
-        return self._account("get", key_list, outcomes, details, sizes, started)
+        results = self._account("get", key_list, outcomes, details, sizes, started)
+        self._gone(corrupt, "corrupt")
+        self._gone(missing, "missing")
+        return results
 
     def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
         """Split a batch into read jobs: neighbouring pages of one segment go together
@@ -368,8 +450,9 @@ class FileBackend(BackendBase):
         protect = set(key_list)
         todo: list[int] = []
         first: dict[str, int] = {}  # a key repeated within the batch is written once
+        quarantine = self._quarantine
         for i, key in enumerate(key_list):
-            if key in self._index:  # content-addressed: only refresh recency
+            if key in self._index and key not in quarantine:  # content-addressed: recency only
                 self._index.touch(key)
                 outcomes[i] = PRESENT
             elif first.setdefault(key, i) == i:
@@ -423,6 +506,7 @@ class FileBackend(BackendBase):
         for v, outcome in zip(victims, done, strict=False):
             if outcome not in (OK, MISS):
                 self._log.warning("storage_evict_failed", key=v, reason=outcome)
+        self._gone(victims, "capacity")
         if self.fsync:
             written = [key_list[i] for g, _ in files for i in g if done[nv + i] == OK]
             failed = await self._sync_dirs(written)
@@ -436,6 +520,7 @@ class FileBackend(BackendBase):
             stored = [key_list[i] for i in g if done[nv + i] == OK]
             if stored:
                 self._index.add(stored, size)
+                self._unquarantine(stored)  # a new file under the name: readable again
         for i, key in enumerate(key_list):
             j = first.get(key, i)
             if j != i:
@@ -495,27 +580,35 @@ class FileBackend(BackendBase):
         key_list = list(dict.fromkeys(validate_keys(keys)))
         await self._ensure_started()
         started = time.perf_counter()
-        for key in key_list:
-            self._index.drop(key)
+        known = {key for key in key_list if self._index.drop(key)}
         outcomes, details = await self._runner.run(
             len(key_list), self._unlink_job(key_list), self._deadline()
         )
+        self._unquarantine([k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)])
         self._set_usage()
         sizes = [0] * len(key_list)
-        return sum(self._account("delete", key_list, outcomes, details, sizes, started))
+        removed = sum(self._account("delete", key_list, outcomes, details, sizes, started))
+        self._gone(
+            [k for k, o in zip(key_list, outcomes, strict=True) if o == OK or k in known],
+            "delete",
+        )
+        return removed
 
     async def clear(self) -> int:
         """Remove every object of this layout under the root (also ones not in the index)."""
         self._check_open()
         await self._ensure_started()
+        known = self._index.keys()
         self._index.clear()
-        removed: list[int] = [0]
+        with self._quarantine_lock:
+            self._quarantine.clear()
+        removed: list[str] = []
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             for _mtime, key, _size, _ino in self._scan():
                 try:
                     os.unlink(self._path(key))
-                    removed[0] += 1
+                    removed.append(key)
                 except FileNotFoundError:
                     pass
             guard.finish(i, OK)
@@ -525,7 +618,9 @@ class FileBackend(BackendBase):
             self.metrics.fault("clear", outcomes[0])
             self._log.warning("storage_clear_failed", reason=outcomes[0], detail=details[0])
         self._set_usage()
-        return removed[0]
+        done = list(removed)  # a timed-out thread may still append
+        self._gone(list(dict.fromkeys([*done, *known])), "clear")
+        return len(done)
 
     # -- misc -----------------------------------------------------------------------------------
 
@@ -541,6 +636,7 @@ class FileBackend(BackendBase):
             "objects": len(self._index),
             "files": self._index.files,
             "stuck_threads": self._runner.stuck,
+            "quarantined": len(self._quarantine),
         }
 
     async def aclose(self) -> None:

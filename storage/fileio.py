@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -334,6 +335,8 @@ class PageFiles:
         try:
             st = os.fstat(fd)
             ino = st.st_ino
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a directory: never a page
+                raise CorruptPageError("corrupt", f"object {first.name}: not a regular file")
             want = HEADER_SIZE + first.target.nbytes
             # A page known to live in a segment: read the table first, not page 0's bytes.
             if direct:

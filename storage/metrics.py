@@ -29,6 +29,7 @@ FAULT_REASONS = (
     "permission",  # credentials rejected, EACCES
     "connection",  # connection refused / reset / dropped
     "unavailable",  # too many stuck calls: failing fast until they drain
+    "quarantined",  # a read of this page is stuck: an immediate miss until it returns
     "capacity",  # the page does not fit in the capacity bound
     "internal",  # a bug: logged with a traceback
 )

@@ -304,11 +304,20 @@ class S3Backend(BackendBase):
 
         total = sum(v.nbytes for v in views)
         outcomes, details = await self._run_pages(len(key_list), one, self._deadline(total))
+        corrupt: list[str] = []
+        missing: list[str] = []
         for key, outcome in zip(key_list, outcomes, strict=True):
+            if outcome in ("corrupt", "partial"):
+                corrupt.append(key)  # the object was deleted
+            elif outcome == MISS and key in self._known:
+                missing.append(key)  # seen stored, now gone: another writer deleted it
             if outcome in (MISS, "corrupt", "partial"):
                 self._forget(key)
         sizes = [v.nbytes for v in views]
-        return self._account("get", key_list, outcomes, details, sizes, started)
+        results = self._account("get", key_list, outcomes, details, sizes, started)
+        self._gone(corrupt, "corrupt")
+        self._gone(missing, "missing")
+        return results
 
     async def _get_one(self, key: str, target: memoryview) -> tuple[str, str | None]:
         name = self._name(key)
@@ -432,14 +441,16 @@ class S3Backend(BackendBase):
 
         outcomes, details = await self._run_pages(len(key_list), one, self._deadline())
         sizes = [0] * len(key_list)
-        return sum(self._account("delete", key_list, outcomes, details, sizes, started))
+        removed = sum(self._account("delete", key_list, outcomes, details, sizes, started))
+        self._gone([k for k, o in zip(key_list, outcomes, strict=True) if o == OK], "delete")
+        return removed
 
     async def clear(self) -> int:
         """Delete every object of this layout under the prefix."""
         self._check_open()
         self._known.clear()
         suffix = self._suffix
-        removed = 0
+        removed: list[str] = []
         try:
             with anyio.fail_after(max(self.timeout_s, 60.0)):
                 stream = obstore.list(self._store, chunk_size=1000)
@@ -447,11 +458,12 @@ class S3Backend(BackendBase):
                     paths = [m["path"] for m in batch if m["path"].endswith(suffix)]
                     if paths:
                         await obstore.delete_async(self._store, paths)
-                        removed += len(paths)
+                        removed += [p.rsplit("/", 1)[-1][: -len(suffix)] for p in paths]
         except Exception as exc:
             self.metrics.fault("clear", _reason(exc))
-            self._log.warning("storage_clear_failed", error=_short(exc), removed=removed)
-        return removed
+            self._log.warning("storage_clear_failed", error=_short(exc), removed=len(removed))
+        self._gone(removed, "clear")
+        return len(removed)
 
     async def check(self) -> None:
         """Round-trip a probe object; raise StorageError saying what is wrong (credentials,

@@ -1,8 +1,10 @@
 """Run a batch of blocking per-page I/O on a few worker threads, safely abandonable.
 
-One call = one :class:`PageGuard` and at most ``threads`` worker threads (anyio's
-``to_thread``), each pulling page indices in order, so leading pages (the ones a prefix needs)
-finish first. The loop thread pays one thread hop per worker, not one per page.
+One call = one :class:`PageGuard` and at most ``threads`` worker threads, each pulling page
+indices in order, so leading pages (the ones a prefix needs) finish first. The loop thread
+pays one thread hop per worker, not one per page. The threads are daemons from a
+:class:`~asynccache.storage.daemonpool.DaemonPool` (not anyio's worker threads, which are joined
+at interpreter exit: a thread stuck in a syscall would keep the process alive forever).
 
 A call that times out or is cancelled abandons its threads (a thread stuck in a syscall on a
 dead NFS server cannot be interrupted). The guard makes that safe for the caller's buffers:
@@ -16,7 +18,10 @@ dead NFS server cannot be interrupted). The guard makes that safe for the caller
   publishing it; the caller's buffer is no longer read at that point.
 
 Abandoned threads still running are counted; while ``max_stuck`` or more are stuck, calls fail
-fast with the ``unavailable`` reason instead of piling up more threads.
+fast with the ``unavailable`` reason instead of piling up more threads. An abandoned thread no
+longer counts against ``threads``: healthy calls get fresh threads meanwhile. ``on_stuck``
+tells the caller which jobs a call abandoned while still running (the file backend
+quarantines their pages) and takes a function to call when each finally ends.
 """
 
 from __future__ import annotations
@@ -24,12 +29,11 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
-from functools import partial
 
 import anyio
-import anyio.to_thread
 
 from asynccache.logs import get_logger
+from asynccache.storage.daemonpool import DaemonPool, loop_caller
 
 __all__ = ["PageGuard", "Scratch", "ThreadRunner"]
 
@@ -71,6 +75,9 @@ class PageGuard:
         self._next = 0
         self._touching = 0
         self._workers = 0
+        self._active: set[int] = set()  # jobs claimed and not finished
+        self._release: dict[int, Callable[[], None]] = {}
+        self.stuck_jobs: list[int] = []  # jobs still running when the call ended
         self.cancelled = False
 
     # -- worker side ----------------------------------------------------------------------------
@@ -81,7 +88,16 @@ class PageGuard:
                 return None
             i = self._next
             self._next += 1
+            self._active.add(i)
             return i
+
+    def job_done(self, i: int) -> None:
+        """Job ``i`` has returned; runs the release registered for it if it was abandoned."""
+        with self._lock:
+            self._active.discard(i)
+            release = self._release.pop(i, None)
+        if release is not None:
+            release()
 
     def enter(self) -> bool:
         """Begin touching caller memory; False once the call is over."""
@@ -132,18 +148,30 @@ class PageGuard:
             if not self.cancelled:
                 self.cancelled = True
                 self._runner._stuck_delta(self._workers)
+                self.stuck_jobs = sorted(self._active)
             if self._touching and not self._idle.wait_for(lambda: self._touching == 0, wait_s):
                 # Unreachable unless the process is starved for seconds inside a memcpy.
                 _log.error("storage_guard_wait_expired", touching=self._touching)
             return list(self.outcomes), list(self.details)
 
+    def when_finished(self, i: int, release: Callable[[], None]) -> None:
+        """Call ``release()`` (from the worker thread) when abandoned job ``i`` returns; at
+        once if it already has."""
+        with self._lock:
+            if i in self._active:
+                self._release[i] = release
+                return
+        release()
+
 
 class ThreadRunner:
-    """Runs page batches on at most ``threads`` worker threads."""
+    """Runs page batches on at most ``threads`` worker threads at a time (plus the abandoned
+    ones still stuck, at most ``max_stuck``)."""
 
-    def __init__(self, threads: int, max_stuck: int) -> None:
+    def __init__(self, threads: int, max_stuck: int, pool: DaemonPool | None = None) -> None:
         self.threads = threads
         self.max_stuck = max_stuck
+        self.pool = pool if pool is not None else DaemonPool()
         self._lock = threading.Lock()
         self._stuck = 0
         self._scratch: list[Scratch] = []
@@ -179,6 +207,8 @@ class ThreadRunner:
                 except Exception as exc:  # a bug: keep the engine alive, count it, log it
                     _log.exception("storage_worker_error", page=i, error=repr(exc))
                     guard.finish(i, "internal", repr(exc))
+                finally:
+                    guard.job_done(i)
         finally:
             self._give_scratch(scratch)
             guard.worker_done()
@@ -189,12 +219,17 @@ class ThreadRunner:
         fn: Callable[[int, PageGuard, Scratch], None],
         timeout_s: float,
         slots: int | None = None,
+        on_stuck: Callable[[int, list[str]], Callable[[], None] | None] | None = None,
     ) -> tuple[list[str], list[str | None]]:
         """Run ``fn(i, guard, scratch)`` for i in range(n); return (outcomes, details).
 
         There is one outcome per job, or ``slots`` outcomes when a job reports for several
         pages (``guard.finish(slot, ...)``). Slots that did not finish in time get the
         ``timeout`` outcome; when too many threads are stuck, nothing starts: ``unavailable``.
+        ``on_stuck(i, outcomes)`` runs on the loop for each job still running when the
+        deadline ends the call (not when the caller cancels it; ``outcomes``: what this call
+        returns); the function it returns (if any) runs on the worker thread when that job
+        returns.
         """
         size = n if slots is None else slots
         if n == 0:
@@ -205,19 +240,38 @@ class ThreadRunner:
             self._limiter = anyio.CapacityLimiter(self.threads)
         guard = PageGuard(n, self, slots)
         limiter = self._limiter
-        work = partial(self._worker, guard, fn)
+        call = loop_caller()
+
+        async def one_worker() -> None:
+            async with limiter:
+                done = anyio.Event()
+
+                def target() -> None:
+                    try:
+                        self._worker(guard, fn)
+                    finally:
+                        call(done.set)
+
+                try:
+                    self.pool.submit(target)
+                except RuntimeError as exc:  # no thread can be started: pages time out
+                    _log.error("storage_thread_start_failed", error=repr(exc))
+                    return
+                await done.wait()  # a cancel abandons the thread; the limiter is released
+
+        timed_out = False
         try:
-            with anyio.move_on_after(timeout_s):
+            with anyio.move_on_after(timeout_s) as scope:
                 async with anyio.create_task_group() as tg:
                     for _ in range(min(self.threads, n)):
-                        tg.start_soon(
-                            partial(
-                                anyio.to_thread.run_sync,
-                                work,
-                                abandon_on_cancel=True,
-                                limiter=limiter,
-                            )
-                        )
+                        tg.start_soon(one_worker)
+            timed_out = scope.cancelled_caught
         finally:
-            outcomes, details = guard.cancel()
-        return [o if o is not None else "timeout" for o in outcomes], details
+            raw, details = guard.cancel()
+            outcomes = [o if o is not None else "timeout" for o in raw]
+            if on_stuck is not None and timed_out:  # not when the caller cancelled
+                for i in guard.stuck_jobs:
+                    release = on_stuck(i, outcomes)
+                    if release is not None:
+                        guard.when_finished(i, release)
+        return outcomes, details

@@ -33,12 +33,14 @@ __all__ = [
     "LeakError",
     "S3Server",
     "Served",
+    "StuckPages",
     "assert_quiescent",
     "cancel_at",
     "close_and_check",
     "faults",
     "find_leaks",
     "small_config",
+    "stuck_pages",
     "sweep_cancellations",
 ]
 
@@ -61,6 +63,8 @@ _WHERE = {
     "faults": "asynccache.testing.faultwrap",
     "find_leaks": "asynccache.testing.leaks",
     "small_config": "asynccache.testing.configs",
+    "StuckPages": "asynccache.testing.stuck",
+    "stuck_pages": "asynccache.testing.stuck",
     "sweep_cancellations": "asynccache.testing.cancel",
 }
 

@@ -16,7 +16,7 @@ the raw-I/O hook.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -165,6 +165,16 @@ class ProtocolFaultAdapter:
 
     async def clear(self) -> int:
         return await self.inner.clear()
+
+    def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+        add = getattr(self.inner, "add_eviction_listener", None)
+        if add is not None:
+            add(fn)
+
+    def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+        remove = getattr(self.inner, "remove_eviction_listener", None)
+        if remove is not None:
+            remove(fn)
 
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
