@@ -8,6 +8,7 @@ SHA-256 page chain hashes (no conversion when storage hashing or KV events are o
 from __future__ import annotations
 
 import sys
+import weakref
 from array import array
 from collections.abc import Sequence
 from typing import Any, Final
@@ -26,16 +27,23 @@ class Namespace:
     """A key namespace: ``extra_key`` (LoRA id / adapter name) and ``cache_salt``.
 
     Keys of different namespaces never share a node, a storage object or an event hash.
-    Instances are interned, so identity comparison is exact.
+    Instances are interned while anything uses them (a key, a node, a cached hash seed), so
+    identity comparison is exact; the intern table holds them weakly, so per-request salts do
+    not accumulate.
     """
 
-    __slots__ = ("cache_salt", "extra_key")
-    _interned: dict[tuple[str | None, str | None], Namespace] = {}
+    __slots__ = ("__weakref__", "cache_salt", "extra_key")
+    _interned: weakref.WeakValueDictionary[tuple[str | None, str | None], Namespace] = (
+        weakref.WeakValueDictionary()
+    )
+    _default: Namespace | None = None
 
     extra_key: str | None
     cache_salt: str | None
 
     def __new__(cls, extra_key: str | None = None, cache_salt: str | None = None) -> Namespace:
+        if extra_key is None and cache_salt is None and cls._default is not None:
+            return cls._default
         for name, val in (("extra_key", extra_key), ("cache_salt", cache_salt)):
             if val is not None and not isinstance(val, str):
                 raise InvalidInputError(f"{name} must be a str or None, got {val!r}")
@@ -63,6 +71,12 @@ class Namespace:
 
 
 DEFAULT_NAMESPACE: Final = Namespace()
+Namespace._default = DEFAULT_NAMESPACE  # held for good (and found without a table lookup)
+
+
+def interned_namespaces() -> int:
+    """How many namespaces are interned now (the ones something still uses)."""
+    return len(Namespace._interned)
 
 
 def encode_tokens(tokens: Any) -> bytes:

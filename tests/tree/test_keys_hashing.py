@@ -252,3 +252,24 @@ def test_namespaced_chain_is_structurally_distinct() -> None:
     assert chain_digests(ns, d0, p1, 8) == [d1]
     e0 = hashlib.sha256(p0).digest()
     assert chain_digests(DEFAULT_NAMESPACE, None, p0 + p1, 8) == [e0, hashlib.sha256(e0 + p1).digest()]
+
+
+def test_namespace_intern_table_drops_unused_namespaces(alloc) -> None:
+    """Per-request salts must not accumulate forever (issue: 46.6 MB after 200k salts); a
+    namespace stays interned (identity-exact) while anything uses it."""
+    import gc
+
+    from asynccache.tree.keys import interned_namespaces
+
+    base = interned_namespaces()
+    tree = RadixTree(page_size=1)
+    kept = RadixKey([1, 2], None, "kept-salt")
+    tree.insert(RadixKey([5, 6], None, "in-tree-salt"), alloc.take(2))
+    for i in range(5000):
+        RadixKey([1, 2, 3], None, f"salt-{i}")
+    gc.collect()
+    assert interned_namespaces() <= base + 2
+    assert Namespace(None, "kept-salt") is kept.namespace
+    m = tree.match_prefix(RadixKey([5, 6], None, "in-tree-salt"))
+    assert m.device_prefix_len == 2  # the tree's namespace is still the interned one
+    assert Namespace() is DEFAULT_NAMESPACE
