@@ -473,6 +473,41 @@ class FileBackend(BackendBase):
                 outcomes[i] = "capacity"
                 details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
         victims, self._victims = self._victims, []
+        done = await self._write_files(key_list, views, files, victims, "capacity")
+        # ENOSPC: the filesystem is full, whatever the capacity says. That is capacity
+        # pressure: evict least recently used files and write those pages once more.
+        full = [i for g, _ in files for i in g if done[i][0] == "no_space"]
+        if full:
+            retry = self._make_room(full, views, protect)
+            if retry is not None:
+                more_files, more_victims = retry
+                self.metrics.no_space_retry(len(full))
+                # The space must be free before the writes start: unlink first.
+                await self._write_files(key_list, views, [], more_victims, "no_space")
+                self._reserved += sum(size for _, size in more_files)  # released by the call
+                done.update(await self._write_files(key_list, views, more_files, [], "no_space"))
+        for i, (outcome, detail) in done.items():
+            outcomes[i], details[i] = outcome, detail
+        for i, key in enumerate(key_list):
+            j = first.get(key, i)
+            if j != i:
+                outcomes[i] = PRESENT if outcomes[j] == OK else outcomes[j]
+                details[i] = details[j]
+        self._set_usage()
+        sizes = [v.nbytes for v in views]
+        return self._account("set", key_list, outcomes, details, sizes, started)
+
+    async def _write_files(
+        self,
+        key_list: list[str],
+        views: list[memoryview],
+        files: list[tuple[list[int], int]],
+        victims: list[str],
+        cause: str,
+    ) -> dict[int, tuple[str, str | None]]:
+        """Unlink ``victims`` (evicted for ``cause``) and write ``files`` (reserved page
+        groups, indices into the batch); index what was stored. Returns each page's outcome."""
+        n = len(key_list)
         nv = len(victims)
         unlink = self._unlink_job(victims)
         writes = [
@@ -506,7 +541,7 @@ class FileBackend(BackendBase):
         for v, outcome in zip(victims, done, strict=False):
             if outcome not in (OK, MISS):
                 self._log.warning("storage_evict_failed", key=v, reason=outcome)
-        self._gone(victims, "capacity")
+        self._gone(victims, cause)
         if self.fsync:
             written = [key_list[i] for g, _ in files for i in g if done[nv + i] == OK]
             failed = await self._sync_dirs(written)
@@ -514,21 +549,29 @@ class FileBackend(BackendBase):
                 for i in g:
                     if done[nv + i] == OK and key_list[i][:2] in failed:
                         done[nv + i], done_details[nv + i] = failed[key_list[i][:2]]
+        out: dict[int, tuple[str, str | None]] = {}
         for g, size in files:
             for i in g:
-                outcomes[i], details[i] = done[nv + i], done_details[nv + i]
+                out[i] = (done[nv + i], done_details[nv + i])
             stored = [key_list[i] for i in g if done[nv + i] == OK]
             if stored:
                 self._index.add(stored, size)
                 self._unquarantine(stored)  # a new file under the name: readable again
-        for i, key in enumerate(key_list):
-            j = first.get(key, i)
-            if j != i:
-                outcomes[i] = PRESENT if outcomes[j] == OK else outcomes[j]
-                details[i] = details[j]
-        self._set_usage()
-        sizes = [v.nbytes for v in views]
-        return self._account("set", key_list, outcomes, details, sizes, started)
+        return out
+
+    def _make_room(
+        self, full: list[int], views: list[memoryview], protect: set[str]
+    ) -> tuple[list[tuple[list[int], int]], list[str]] | None:
+        """After ENOSPC: evict least recently used files for twice the bytes of the pages
+        that did not fit (so the next batch of that size usually fits at once); returns the
+        files to write again (they fitted the capacity before: no new reservation check) and
+        the victims. None when nothing can be evicted."""
+        groups = self._plan_files(full, views)
+        sizes = [_file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
+        victims = self._index.evict(self._index.used - 2 * sum(sizes), 0, protect)
+        if not victims:
+            return None
+        return list(zip(groups, sizes, strict=True)), victims
 
     def _plan_files(self, todo: list[int], views: list[memoryview]) -> list[list[int]]:
         """Group the pages to write into files: runs of up to ``segment_bytes`` (and
@@ -637,6 +680,7 @@ class FileBackend(BackendBase):
             "files": self._index.files,
             "stuck_threads": self._runner.stuck,
             "quarantined": len(self._quarantine),
+            "no_space_retries": self.metrics.no_space_retries,
         }
 
     async def aclose(self) -> None:

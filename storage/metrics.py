@@ -43,6 +43,7 @@ class _Families:
     bytes: PromCounter
     faults: PromCounter
     evictions: PromCounter
+    no_space_retries: PromCounter
     seconds: Histogram
     used_bytes: Gauge
     objects: Gauge
@@ -78,6 +79,13 @@ def _families_for(registry: CollectorRegistry) -> _Families:
                 evictions=PromCounter(
                     "asynccache_storage_evictions",
                     "Objects evicted by the capacity bound",
+                    ["backend"],
+                    registry=registry,
+                ),
+                no_space_retries=PromCounter(
+                    "asynccache_storage_no_space_retries",
+                    "Pages written again after the filesystem was full (ENOSPC) and least "
+                    "recently used objects were evicted to make room",
                     ["backend"],
                     registry=registry,
                 ),
@@ -120,6 +128,7 @@ class StorageMetrics:
         self.bytes_read = 0
         self.bytes_written = 0
         self.evictions = 0
+        self.no_space_retries = 0
 
     def page(self, op: str, outcome: str, n: int = 1) -> None:
         if n:
@@ -145,6 +154,11 @@ class StorageMetrics:
         if n:
             self.evictions += n
             self._fam.evictions.labels(self.label).inc(n)
+
+    def no_space_retry(self, n: int) -> None:
+        if n:
+            self.no_space_retries += n
+            self._fam.no_space_retries.labels(self.label).inc(n)
 
     def observe(self, op: str, seconds: float) -> None:
         self._fam.seconds.labels(self.label, op).observe(seconds)

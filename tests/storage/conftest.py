@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shutil
 import socket
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -94,3 +96,27 @@ def silent_endpoint() -> Iterator[str]:
     finally:
         with contextlib.suppress(OSError):
             srv.close()
+
+
+# -- a small real filesystem ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[str]:
+    """A 4 MiB tmpfs mounted for the test (needs CAP_SYS_ADMIN: skipped where mount is refused).
+
+    A real filesystem that fills up: writes fail with ENOSPC exactly as on a full disk."""
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount / umount command to make a small filesystem")
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True, text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a 4 MiB tmpfs here: {made.stderr.strip() or made.returncode}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
