@@ -15,18 +15,16 @@ a pooled KV store with per-node caches).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asynccache.cache import HierarchicalCache
 from asynccache.config import CacheConfig
 from asynccache.errors import ConfigError
-from asynccache.replay.driver import Replayer, ReplayOptions, ReplayStats
+from asynccache.replay.driver import ReplayOptions, ReplayStats, RunOutcome, TraceDriver
 from asynccache.replay.formats import TraceRequest
+from asynccache.replay.report import ratio, run_status, write_model
 
 ROUTES = ("round_robin", "prefix_hash")
 
@@ -34,10 +32,11 @@ ROUTES = ("round_robin", "prefix_hash")
 @dataclass
 class ClusterStats:
     instances: list[ReplayStats]
-    bound: ReplayStats  # the pooled infinite-cache bound over every request
+    bound: ReplayStats  # over every served request: the pooled infinite-cache bound
     route: str
     wall_s: float = 0.0
     storage: dict[str, Any] = field(default_factory=dict)
+    outcome: RunOutcome = field(default_factory=RunOutcome)
 
 
 def route_of(req: TraceRequest, index: int, instances: int, route: str, route_tokens: int) -> int:
@@ -50,15 +49,15 @@ def route_of(req: TraceRequest, index: int, instances: int, route: str, route_to
 
 class ClusterReplayer:
     """Replays a trace across ``instances`` caches built from ``config``; ``options.storage_url``
-    (if any) is the L3 they share."""
+    (if any) is the L3 they share. The replay model is :mod:`asynccache.replay.driver`'s: every
+    step runs alone and its copies and storage writes complete before the next one, so the
+    result is a function of the trace and the options (an instance's storage writes are
+    readable by every instance from the next request on, or at the time a modelled write
+    bandwidth gives)."""
 
     def __init__(self, config: CacheConfig, options: ReplayOptions | None = None, *,
                  instances: int = 2, route: str = "round_robin", route_tokens: int = 1024,
-                 drain_each: bool = False,
                  progress: Callable[[int], None] | None = None) -> None:
-        """``drain_each``: finish each request and wait for every instance's copies and
-        storage writes before the next one (a deterministic, slower replay: tests, debugging
-        a routing); otherwise requests overlap as in :class:`Replayer`."""
         if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
             raise ConfigError(f"instances must be an int >= 1, got {instances!r}")
         if route not in ROUTES:
@@ -70,110 +69,54 @@ class ClusterReplayer:
         self.instances = instances
         self.route = route
         self.route_tokens = route_tokens
-        self.drain_each = drain_each
-        self._progress = progress
+        self.driver = TraceDriver(
+            config, self.options, instances,
+            lambda tr, i: route_of(tr, i, instances, route, route_tokens), progress)
+
+    @property
+    def running_hit_rate(self) -> float:
+        return self.driver.running_hit_rate
 
     async def run(self, trace: Iterable[TraceRequest]) -> ClusterStats:
-        opts = self.options
-        t0 = time.perf_counter()
-        reps = [Replayer(self.config, opts, self._progress) for _ in range(self.instances)]
-        pooled = Replayer(self.config, opts)  # only its infinite-cache bound is used
-        caches = [HierarchicalCache(self.config) for _ in reps]
-        backend = None
-        failure: list[BaseException] = []
-        try:
-            for cache in caches:
-                await cache.start()
-            if opts.storage_url:
-                from asynccache.storage.factory import open_backend
-
-                backend = await open_backend(opts.storage_url, caches[0].storage_layout())
-                for cache in caches:
-                    cache.attach_storage(backend, opts.storage_policy)
-            for rep, cache in zip(reps, caches, strict=True):
-                rep.cache = cache
-            sems = [asyncio.Semaphore(opts.max_in_flight) for _ in reps]
-            tasks: set[asyncio.Task[None]] = set()
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            for i, req in enumerate(trace):
-                if (opts.limit is not None and i >= opts.limit) or failure:
-                    break
-                if opts.time_scale > 0:
-                    delay = start + req.arrival * opts.time_scale - loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                k = route_of(req, i, self.instances, self.route, self.route_tokens)
-                await sems[k].acquire()
-                pooled._account_bound(req)
-                reps[k]._account_bound(req)
-                task = loop.create_task(reps[k]._one(caches[k], req))
-                tasks.add(task)
-
-                def _done(t: asyncio.Task[None], sem: asyncio.Semaphore = sems[k]) -> None:
-                    tasks.discard(t)
-                    sem.release()
-                    if not t.cancelled() and t.exception() is not None:
-                        failure.append(t.exception())  # type: ignore[arg-type]
-
-                task.add_done_callback(_done)
-                if self.drain_each:
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    for cache in caches:
-                        await cache.flush()
-                        if cache.storage is not None:
-                            await cache.storage.drain()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if failure:
-                raise failure[0]
-            for rep, cache in zip(reps, caches, strict=True):
-                await cache.flush()
-                if cache.storage is not None:
-                    await cache.storage.drain()
-                cache.sanity_check()
-                rep.stats.extra = Replayer._engine_figures(cache)
-            storage = backend.stats() if backend is not None and hasattr(backend, "stats") else {}
-        finally:
-            for cache in caches:
-                if cache._state == "running":
-                    await cache.detach_storage()
-                await cache.aclose()
-            if backend is not None:
-                await backend.aclose()
-        wall = time.perf_counter() - t0
-        for rep in reps:
-            rep.stats.wall_s = wall
-        return ClusterStats([r.stats for r in reps], pooled.stats, self.route, wall,
-                            storage if isinstance(storage, dict) else {})
-
-
-def _rate(a: float, b: float) -> float:
-    return round(a / b, 4) if b else 0.0
+        stats = await self.driver.run(trace)
+        d = self.driver
+        storage = d.store.stats() if d.store is not None else {}
+        return ClusterStats(stats, d.pooled, self.route, d.pooled.wall_s,
+                            storage if isinstance(storage, dict) else {}, d.outcome)
 
 
 def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: CacheConfig,
-                   source: str, storage: str | None) -> dict[str, Any]:
-    """Per-instance local / global hit rates, totals, and pooled vs isolated."""
+                   source: str, storage: str | None, *,
+                   options: ReplayOptions | None = None) -> dict[str, Any]:
+    """Per-instance local / global hit rates, totals, and pooled vs isolated (token rates over
+    served requests; rejected requests are counted apart)."""
+    opts = options or ReplayOptions()
+    out_ = pooled.outcome
+    warm = bool(storage) and out_.warm_storage
     per = []
-    tot = dict.fromkeys(("prompt", "local", "l3", "requests", "bound"), 0)
+    tot = dict.fromkeys(("prompt", "local", "l3", "served", "bound", "rejected", "read"), 0)
     for i, s in enumerate(pooled.instances):
         local = s.device_hit_tokens + s.host_hit_tokens
         per.append({
             "instance": i,
             "requests": s.completed,
+            "rejected": s.rejected,
             "prompt_tokens": s.prompt_tokens,
-            "local_hit_rate": _rate(local, s.prompt_tokens),
-            "global_hit_rate": _rate(local + s.storage_hit_tokens, s.prompt_tokens),
-            "local_infinite_bound": _rate(s.bound_hit_tokens, s.prompt_tokens),
+            "local_hit_rate": ratio(local, s.prompt_tokens),
+            "global_hit_rate": ratio(local + s.storage_hit_tokens, s.prompt_tokens),
+            "local_infinite_bound": ratio(s.bound_hit_tokens, s.prompt_tokens),
         })
         tot["prompt"] += s.prompt_tokens
         tot["local"] += local
         tot["l3"] += s.storage_hit_tokens
-        tot["requests"] += s.completed
+        tot["served"] += s.completed
         tot["bound"] += s.bound_hit_tokens
+        tot["rejected"] += s.rejected
+        tot["read"] += s.requests
+    b = pooled.bound
     out: dict[str, Any] = {
         "trace": source,
+        "status": run_status(out_),
         "instances": len(pooled.instances),
         "route": pooled.route,
         "config": {
@@ -183,45 +126,88 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
             "shared_storage": storage,
             "write_policy": config.write_policy,
         },
-        "requests": tot["requests"],
+        "model": {
+            "max_in_flight": opts.max_in_flight,
+            "prefill_rate": opts.prefill_rate,
+            "decode_rate": opts.decode_rate,
+            "storage_writes": write_model(opts),
+        },
+        "requests": tot["served"],
+        "requests_read": tot["read"],
+        "rejected": tot["rejected"],
         "prompt_tokens": tot["prompt"],
-        "local_hit_rate": _rate(tot["local"], tot["prompt"]),
-        "storage_hit_rate": _rate(tot["l3"], tot["prompt"]),
-        "global_hit_rate": _rate(tot["local"] + tot["l3"], tot["prompt"]),
-        "per_node_infinite_bound": _rate(tot["bound"], tot["prompt"]),
-        "pooled_infinite_bound": _rate(pooled.bound.bound_hit_tokens, pooled.bound.prompt_tokens),
+        "local_hit_rate": ratio(tot["local"], tot["prompt"]),
+        "storage_hit_rate": ratio(tot["l3"], tot["prompt"]),
+        "global_hit_rate": ratio(tot["local"] + tot["l3"], tot["prompt"]),
+        "per_node_infinite_bound": None if warm else ratio(tot["bound"], tot["prompt"]),
+        "pooled_infinite_bound": None if warm else ratio(b.bound_hit_tokens, b.prompt_tokens),
+        "max_in_flight": b.max_in_flight,
+        "overlapped_requests": sum(s.overlapped for s in pooled.instances),
         "per_instance": per,
         "wall_s": round(pooled.wall_s, 3),
     }
+    if storage:
+        out["storage_state"] = {"pages_at_start": out_.storage_pages_at_start,
+                                "pages_from_before": out_.storage_foreign_pages, "warm": warm}
     if isolated is not None:
         iso_prompt = sum(s.prompt_tokens for s in isolated.instances)
         iso_hit = sum(s.reused_tokens for s in isolated.instances)
-        out["isolated_hit_rate"] = _rate(iso_hit, iso_prompt)
-        out["pooled_vs_isolated"] = _rate(out["global_hit_rate"], out["isolated_hit_rate"])
+        out["isolated_hit_rate"] = ratio(iso_hit, iso_prompt)
+        out["pooled_vs_isolated"] = ratio(out["global_hit_rate"], out["isolated_hit_rate"])
         out["isolated_wall_s"] = round(isolated.wall_s, 3)
+        if isolated.outcome.interrupted or isolated.outcome.stopped_by:
+            out["status"] = f"{out['status']}; isolated replay: {run_status(isolated.outcome)}"
+    out["notes"] = _cluster_notes(out)
     return out
 
 
+def _cluster_notes(r: dict[str, Any]) -> list[str]:
+    notes: list[str] = []
+    if r["status"] != "complete":
+        notes.append(f"PARTIAL RESULT: {r['status']}")
+    if r["rejected"]:
+        notes.append(f"{r['rejected']} requests did not fit in an instance's device pool "
+                     f"({r['config']['device_tokens_per_instance']:,} tokens) and are left out "
+                     "of the hit rates")
+    state = r.get("storage_state")
+    if state and state["warm"]:
+        notes.append("WARNING: the shared storage was not empty at start: hit rates include "
+                     "pages of an earlier run and the bounds do not apply (--clear-storage)")
+    if r["config"]["shared_storage"]:
+        notes.append(f"storage writes: {r['model']['storage_writes']} (trace time)")
+    return notes
+
+
 def format_cluster(report: dict[str, Any]) -> str:
+    def pct(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2%}"
+
+    shared = report["config"]["shared_storage"]
     rows = [
         ("trace", report["trace"]),
+        ("status", report["status"]),
         ("instances / route", f"{report['instances']} / {report['route']}"),
-        ("requests", f"{report['requests']}"),
+        ("requests served / rejected", f"{report['requests']:,} / {report['rejected']:,} "
+                                       f"(of {report['requests_read']:,} read)"),
         ("prompt tokens", f"{report['prompt_tokens']:,}"),
-        ("local hit rate (L1+L2)", f"{report['local_hit_rate']:.2%}"),
-        ("shared L3 hit rate", f"{report['storage_hit_rate']:.2%}"
-         if report.get("shared_storage") else "- (no --storage: the instances share nothing)"),
-        ("global hit rate", f"{report['global_hit_rate']:.2%}"),
+        ("local hit rate (L1+L2)", pct(report["local_hit_rate"])),
+        ("shared L3 hit rate", pct(report["storage_hit_rate"]) if shared
+         else "- (no --storage: the instances share nothing)"),
+        ("global hit rate", pct(report["global_hit_rate"])),
     ]
     if "isolated_hit_rate" in report:
-        rows.append(("isolated hit rate (no shared L3)", f"{report['isolated_hit_rate']:.2%}"))
+        rows.append(("isolated hit rate (no shared L3)", pct(report["isolated_hit_rate"])))
         rows.append(("pooled / isolated", f"x{report['pooled_vs_isolated']:.2f}"))
     rows.append(("infinite bound per node / pooled",
-                 f"{report['per_node_infinite_bound']:.2%} / {report['pooled_infinite_bound']:.2%}"))
+                 f"{pct(report['per_node_infinite_bound'])} / "
+                 f"{pct(report['pooled_infinite_bound'])}"))
+    rows.append(("requests in flight (max / overlapped)",
+                 f"{report['max_in_flight']} / {report['overlapped_requests']:,}"))
     for p in report["per_instance"]:
         rows.append((f"instance {p['instance']} local / global",
-                     f"{p['local_hit_rate']:.2%} / {p['global_hit_rate']:.2%} "
+                     f"{pct(p['local_hit_rate'])} / {pct(p['global_hit_rate'])} "
                      f"({p['requests']} requests)"))
     rows.append(("wall time", f"{report['wall_s']} s"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines + [f"note: {n}" for n in report["notes"]])

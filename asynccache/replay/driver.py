@@ -1,30 +1,55 @@
-"""The replay driver: requests of a trace through the real engine on one event loop.
+"""The replay driver: a trace through real caches, with every cache decision taken in trace
+order and trace time, never at this machine's speed.
 
-Each request matches its prompt, waits for load-backs of its prefix, loads its host hit back
-(L2 -> L1), "computes" the missed tokens (allocates slots and writes their deterministic KV),
-verifies the KV it was served from L2, caches its prompt and finishes. Requests arrive on the
-trace's clock (scaled) or as fast as possible, many in flight at once.
+**The model.** Time is the trace's (arrival times in seconds). A request is *admitted* at its
+arrival, or later when its instance already has ``max_in_flight`` requests running (then in
+arrival order): it matches its prompt, prefetches from storage (L3 -> L2), loads its host hit
+back (L2 -> L1), "computes" the missed tokens (allocates slots and writes their deterministic
+KV) and verifies the KV it was served from L2 / L3. It *finishes* (caches its prompt, frees
+the rest) ``computed / prefill_rate + output_len / decode_rate`` seconds later; with both
+rates 0 (the default) compute takes no trace time, so every request finishes before the next
+one arrives. Finishes come before admissions at the same time. A request that does not fit
+in device memory while others hold it waits for the next finish of its instance; one that
+does not fit alone is *rejected* (counted apart, not in the hit rates).
+
+**Determinism.** Each admission and each finish is one *step*, run alone to completion, and
+after every step the driver waits for every copy and storage write it started
+(``flush`` + ``drain``). So the next step sees a state that depends only on the trace and the
+options, and every storage write completes before the next request is admitted — unless a
+write bandwidth is modelled (:class:`~asynccache.replay.storemodel.TraceTimeStore`). Requests
+*overlap in trace time* (several admitted, holding their prefix pins and slots, none of them
+finished); the engine runs one step at a time. Prefetch stop policies other than
+``wait_complete`` stop on the wall clock (``timeout``) or on what has arrived
+(``best_effort``), so only ``wait_complete`` is deterministic with storage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from asynccache.cache import HierarchicalCache
 from asynccache.config import CacheConfig
-from asynccache.errors import AsyncCacheError, PoolExhaustedError
+from asynccache.errors import AsyncCacheError, ConfigError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
 from asynccache.logs import get_logger
-from asynccache.replay.formats import TraceRequest
+from asynccache.replay.bound import InfiniteBound
+from asynccache.replay.formats import TraceFormatError, TraceRequest
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
-from asynccache.tree import RadixKey, RadixTree
+from asynccache.replay.storemodel import TraceTimeStore
+from asynccache.requests import CacheRequest
+from asynccache.tree import RadixKey
 
 _log = get_logger("replay")
+PAGE_HEADER_BYTES = 64  # a stored page's header (asynccache.storage.pageformat.HEADER_SIZE)
 
 
 class KVMismatchError(AsyncCacheError):
@@ -33,22 +58,29 @@ class KVMismatchError(AsyncCacheError):
 
 @dataclass
 class ReplayStats:
-    requests: int = 0
+    """What one cache instance served. Token and page counters are over *served* requests
+    (completed); rejected requests are counted apart."""
+
+    requests: int = 0  # routed to this instance (served + rejected + never admitted)
     completed: int = 0
     rejected: int = 0  # did not fit in device memory even alone
+    rejected_tokens: int = 0
+    largest_rejected: int = 0  # tokens of the longest rejected prompt
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     computed_tokens: int = 0
-    bound_hit_tokens: int = 0  # infinite-cache upper bound
-    prompt_pages: int = 0
+    bound_hit_tokens: int = 0  # infinite-cache upper bound (whole pages seen before)
+    prompt_pages: int = 0  # every page of every prompt, the partial last one included
     device_hit_pages: int = 0
     host_hit_pages: int = 0
     storage_hit_pages: int = 0
     bound_hit_pages: int = 0
     verified_tokens: int = 0
-    max_in_flight: int = 0
+    max_in_flight: int = 0  # most requests admitted and unfinished at once (trace time)
+    overlapped: int = 0  # requests admitted while another one of the instance was running
+    queued: int = 0  # requests admitted after their arrival (in-flight cap or memory)
     wall_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -56,163 +88,355 @@ class ReplayStats:
     def reused_tokens(self) -> int:
         return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
 
+    @property
+    def reused_pages(self) -> int:
+        return self.device_hit_pages + self.host_hit_pages + self.storage_hit_pages
+
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    time_scale: float = 0.0  # 0: as fast as possible; 1: real time; 0.1: 10x faster
-    max_in_flight: int = 32
+    """How a trace is replayed (see the module docstring for the model)."""
+
+    time_scale: float = 0.0  # wall-clock pacing only: 0 as fast as possible, 1 the trace's clock
+    max_in_flight: int = 32  # requests admitted and unfinished at once, per instance
     verify: str = "loaded"  # "loaded" (KV served from L2/L3), "all" (also device hits), "none"
-    limit: int | None = None
+    limit: int | None = None  # read only the first N requests of the trace
     storage_url: str | None = None  # file:///dir or s3://bucket/prefix?endpoint=...
     storage_policy: StoragePolicy | None = None
+    prefill_rate: float = 0.0  # computed tokens per second of modelled compute (0: no time)
+    decode_rate: float = 0.0  # output tokens per second per request (0: no decode time)
+    write_bandwidth: float | None = None  # storage write bytes/s (None: done by the next request)
+    clear_storage: bool = False  # empty the store (this layout's pages) before replaying
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "prefill_rate", "decode_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+                raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+        m = self.max_in_flight
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"max_in_flight must be an int >= 1, got {m!r}")
+        if self.verify not in ("loaded", "all", "none"):
+            raise ConfigError(f"verify must be 'loaded', 'all' or 'none', got {self.verify!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or self.limit < 0):
+            raise ConfigError(f"limit must be an int >= 0, got {self.limit!r}")
+        bw = self.write_bandwidth
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, int | float)
+                               or not 0 < bw < float("inf")):
+            raise ConfigError(f"write_bandwidth must be a number of bytes/s > 0, got {bw!r}")
+
+    def service_s(self, computed: int, output_len: int) -> float:
+        """Trace seconds a request runs for after its admission."""
+        t = computed / self.prefill_rate if self.prefill_rate else 0.0
+        return t + (output_len / self.decode_rate if self.decode_rate else 0.0)
 
 
-class Replayer:
-    """Replays a trace through a :class:`HierarchicalCache` built from ``config``."""
+@dataclass(eq=False)
+class _Flight:
+    tr: TraceRequest
+    req: CacheRequest
+    inst: _Instance
 
-    def __init__(self, config: CacheConfig, options: ReplayOptions | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+
+@dataclass(eq=False)
+class _Instance:
+    index: int
+    cache: HierarchicalCache
+    stats: ReplayStats
+    bound: InfiniteBound
+    waiting: deque[TraceRequest] = field(default_factory=deque)
+    running: int = 0
+    blocked: bool = False  # the head of ``waiting`` needs memory a running request holds
+
+
+@dataclass
+class RunOutcome:
+    """How a run ended, besides its statistics."""
+
+    stopped_by: str | None = None  # a malformed trace record ended the run early
+    interrupted: bool = False  # cancelled (Ctrl-C): the report covers what finished
+    storage_pages_at_start: int | None = None  # None: the backend cannot tell
+    storage_foreign_pages: int = 0  # pages found that this run did not write
+    storage_hidden_misses: int = 0  # lookups cut short by a modelled write still running
+
+    @property
+    def warm_storage(self) -> bool:
+        return bool(self.storage_pages_at_start) or self.storage_foreign_pages > 0
+
+
+Router = Callable[[TraceRequest, int], int]
+
+
+class TraceDriver:
+    """Replays one trace through ``instances`` caches built from ``config`` (one shared L3,
+    ``options.storage_url``), routed by ``router(request, index)``."""
+
+    def __init__(self, config: CacheConfig, options: ReplayOptions, instances: int,
+                 router: Router, progress: Callable[[int], None] | None = None) -> None:
         self.config = config
-        self.options = options or ReplayOptions()
-        self.stats = ReplayStats()
-        self._progress = progress
-        self._bound = RadixTree(page_size=config.page_size)  # never evicts: the upper bound
-        self._bound_slots = 0
-        self._in_flight = 0
-        self._waiting = 0
-        self._freed = asyncio.Event()
+        self.options = options
+        self.n = instances
+        self.router = router
+        self.progress = progress
+        self.clock = 0.0
+        self.pooled_bound = InfiniteBound(config.page_size)
+        self.pooled = ReplayStats()  # requests, prompt and bound over all instances
+        self.outcome = RunOutcome()
+        self.instances: list[_Instance] = []
+        self.store: TraceTimeStore | None = None
+        self._finishes: list[tuple[float, int, _Flight]] = []
+        self._seq = 0
+        self._wall0 = 0.0
+        self._warned_too_long = False
+        self._stop = False
+        self._stopped = asyncio.Event()
 
-    async def run(self, trace: Iterable[TraceRequest]) -> ReplayStats:
-        opts = self.options
-        st = self.stats
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, trace: Iterable[TraceRequest]) -> list[ReplayStats]:
         t0 = time.perf_counter()
+        caches = [HierarchicalCache(self.config) for _ in range(self.n)]
         backend = None
-        async with HierarchicalCache(self.config) as cache:
-            self.cache = cache
-            if opts.storage_url:
-                from asynccache.storage.factory import open_backend
+        try:
+            for c in caches:
+                await c.start()
+            ps = self.config.page_size
+            self.instances = [_Instance(i, c, ReplayStats(), InfiniteBound(ps))
+                              for i, c in enumerate(caches)]
+            if self.options.storage_url:
+                backend = await self._open_storage(caches[0])
+                policy = self.options.storage_policy or StoragePolicy(
+                    prefetch_policy="wait_complete")
+                for c in caches:
+                    c.attach_storage(self.store, policy)
+            await self._replay(trace)
+            await self._quiesce()
+            for inst in self.instances:
+                inst.cache.sanity_check()
+                inst.stats.extra = engine_figures(inst.cache)
+            if self.store is not None:
+                self.outcome.storage_foreign_pages = self.store.foreign_pages
+                self.outcome.storage_hidden_misses = self.store.hidden_misses
+        finally:
+            for c in caches:
+                if c._state == "running":
+                    await c.detach_storage()
+                await c.aclose()
+            if backend is not None:
+                await backend.aclose()
+        wall = time.perf_counter() - t0
+        for inst in self.instances:
+            inst.stats.wall_s = wall
+        self.pooled.wall_s = wall
+        return [inst.stats for inst in self.instances]
 
-                backend = await open_backend(opts.storage_url, cache.storage_layout())
-                cache.attach_storage(backend, opts.storage_policy)
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            sem = asyncio.Semaphore(opts.max_in_flight)
-            tasks: set[asyncio.Task[None]] = set()
-            failure: list[BaseException] = []
-            for i, req in enumerate(trace):
-                if opts.limit is not None and i >= opts.limit:
-                    break
-                if failure:
-                    break
-                if opts.time_scale > 0:
-                    delay = start + req.arrival * opts.time_scale - loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                await sem.acquire()
-                self._account_bound(req)
-                task = loop.create_task(self._one(cache, req))
-                tasks.add(task)
+    async def _open_storage(self, cache: HierarchicalCache) -> Any:
+        from asynccache.storage.factory import open_backend
 
-                def _done(t: asyncio.Task[None]) -> None:
-                    tasks.discard(t)
-                    sem.release()
-                    if not t.cancelled() and t.exception() is not None:
-                        failure.append(t.exception())  # type: ignore[arg-type]
-
-                task.add_done_callback(_done)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if failure:
-                raise failure[0]
-            await cache.flush()
-            if cache.storage is not None:
-                await cache.storage.drain()
-            cache.sanity_check()
-            st.extra = self._engine_figures(cache)
-            await cache.detach_storage()
-        if backend is not None:
+        backend = await open_backend(self.options.storage_url, cache.storage_layout())
+        try:
+            stats = backend.stats() if hasattr(backend, "stats") else {}
+            capacity = stats.get("capacity_bytes")
+            page = self.config.page_size * cache.shape.bytes_per_token + PAGE_HEADER_BYTES
+            if capacity is not None and capacity < page:
+                raise ConfigError(
+                    f"storage capacity {capacity:,} bytes ({self.options.storage_url}) holds no "
+                    f"page: one page takes {page:,} bytes ({self.config.page_size} tokens x "
+                    f"{cache.shape.bytes_per_token} B of KV + a {PAGE_HEADER_BYTES}-byte "
+                    "header)")
+            if self.options.clear_storage:
+                await backend.clear()
+            objects = backend.stats().get("objects") if hasattr(backend, "stats") else None
+            self.outcome.storage_pages_at_start = int(objects) if objects is not None else None
+            self.store = TraceTimeStore(backend, lambda: self.clock, self.options.write_bandwidth)
+        except BaseException:
             await backend.aclose()
-        st.wall_s = time.perf_counter() - t0
-        return st
+            raise
+        return backend
 
-    def _account_bound(self, req: TraceRequest) -> None:
-        """Infinite-cache bound: every page-aligned prefix seen before is a hit."""
+    async def _replay(self, trace: Iterable[TraceRequest]) -> None:
+        self._wall0 = time.perf_counter()
+        try:
+            await self._feed(iter(trace))
+            await self._advance(float("inf"))
+        except BaseException:
+            await self._abort_running()
+            raise
+
+    def request_stop(self) -> None:
+        """Stop reading the trace and admitting requests (Ctrl-C); requests already admitted
+        still finish, and :meth:`run` returns what was served (``outcome.interrupted``)."""
+        self._stop = True
+        self._stopped.set()
+        self.outcome.interrupted = True
+
+    async def _feed(self, it: Iterator[TraceRequest]) -> None:
+        limit = self.options.limit
+        index = 0
+        while (limit is None or index < limit) and not self._stop:
+            try:
+                tr = next(it)
+            except StopIteration:
+                return
+            except TraceFormatError as err:
+                if index == 0:
+                    raise
+                self.outcome.stopped_by = str(err)
+                return
+            t = max(float(tr.arrival), self.clock)
+            await self._advance(t)
+            self.clock = t
+            inst = self.instances[self.router(tr, index) if self.n > 1 else 0]
+            inst.stats.requests += 1
+            self.pooled.requests += 1
+            inst.waiting.append(tr)
+            await self._admit(inst)
+            index += 1
+
+    async def _advance(self, t: float) -> None:
+        """Run every finish due by trace time ``t`` (and the admissions each one unblocks)."""
+        while self._finishes and self._finishes[0][0] <= t:
+            when, _, flight = heapq.heappop(self._finishes)
+            self.clock = max(self.clock, when)
+            await self._finish(flight)
+            await self._admit(flight.inst)
+
+    async def _pace(self) -> None:
+        scale = self.options.time_scale
+        if scale > 0 and self.clock < float("inf") and not self._stop:
+            delay = self._wall0 + self.clock * scale - time.perf_counter()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):  # woken early by request_stop()
+                    await asyncio.wait_for(self._stopped.wait(), delay)
+
+    # ------------------------------------------------------------------ steps
+    async def _admit(self, inst: _Instance) -> None:
+        while (inst.waiting and not inst.blocked and not self._stop
+               and inst.running < self.options.max_in_flight):
+            tr = inst.waiting[0]
+            admitted = await self._admit_one(inst, tr)
+            if admitted is None:  # others hold the memory: wait for a finish
+                inst.blocked = True
+                return
+            inst.waiting.popleft()
+
+    async def _admit_one(self, inst: _Instance, tr: TraceRequest) -> bool | None:
+        """Admit ``tr`` now; None when it must wait for memory another request holds."""
+        await self._pace()
+        st, cache, opts = inst.stats, inst.cache, self.options
+        n = len(tr.tokens)
+        if n == 0:
+            st.completed += 1
+            self._progress()
+            return True
+        key = RadixKey(tr.tokens, extra_key=tr.namespace)
+        req = cache.admit(key, rid=tr.rid)
+        try:
+            dev_hit = req.prefix_len
+            fetched = await cache.prefetch_request(req)
+            loaded = await cache.load_back_request(req)
+            if opts.verify == "all" and dev_hit:
+                self._verify(inst, tr, req.slots[:dev_hit], 0)
+            if loaded and opts.verify != "none":
+                self._verify(inst, tr, req.slots[dev_hit : dev_hit + loaded], dev_hit)
+            start = req.prefix_len
+            new = await cache.extend(req, n - start)
+            cache.write_kv(new, expected_kv(cache.shape, tr.tokens[start:], np.arange(start, n)))
+        except PoolExhaustedError:
+            cache.abort_req(req)
+            await self._quiesce()
+            if inst.running:
+                return None
+            self._reject(inst, tr)
+            return False
+        except BaseException:
+            if not req.finished:
+                cache.abort_req(req)
+            raise
         ps = self.config.page_size
-        key = RadixKey(req.tokens, extra_key=req.namespace)
-        hit = self._bound.match_prefix(key).device_prefix_len
-        n = len(key)
-        self._bound.insert(key, np.arange(self._bound_slots, self._bound_slots + n), prev_prefix_len=0)
-        self._bound_slots += n
-        st = self.stats
-        st.requests += 1
+        from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
+        computed = n - dev_hit - loaded
         st.prompt_tokens += n
-        st.prompt_pages += n // ps
+        st.prompt_pages += -(-n // ps)
+        st.device_hit_tokens += dev_hit
+        st.host_hit_tokens += loaded - from_l3
+        st.storage_hit_tokens += from_l3
+        st.device_hit_pages += dev_hit // ps
+        st.host_hit_pages += (loaded - from_l3) // ps
+        st.storage_hit_pages += from_l3 // ps
+        st.computed_tokens += computed
+        hit = inst.bound.access(tr.tokens, tr.namespace)
         st.bound_hit_tokens += hit
         st.bound_hit_pages += hit // ps
+        pooled = self.pooled
+        pooled.prompt_tokens += n
+        pooled.prompt_pages += -(-n // ps)
+        hit = self.pooled_bound.access(tr.tokens, tr.namespace)
+        pooled.bound_hit_tokens += hit
+        pooled.bound_hit_pages += hit // ps
+        if tr.arrival < self.clock:
+            st.queued += 1
+        if inst.running:
+            st.overlapped += 1
+        inst.running += 1
+        st.max_in_flight = max(st.max_in_flight, inst.running)
+        pooled.max_in_flight = max(pooled.max_in_flight, sum(i.running for i in self.instances))
+        flight = _Flight(tr, req, inst)
+        self._seq += 1
+        done_at = self.clock + opts.service_s(computed, tr.output_len)
+        heapq.heappush(self._finishes, (done_at, self._seq, flight))
+        await self._quiesce()
+        return True
 
-    async def _one(self, cache: HierarchicalCache, tr: TraceRequest) -> None:
-        st = self.stats
-        self._in_flight += 1
-        st.max_in_flight = max(st.max_in_flight, self._in_flight)
-        try:
-            key = RadixKey(tr.tokens, extra_key=tr.namespace)
-            n = len(key)
-            if n == 0:
-                st.completed += 1
-                return
-            while True:
-                req = cache.admit(key, rid=tr.rid)
-                try:
-                    dev_hit = req.prefix_len
-                    fetched = await cache.prefetch_request(req)
-                    loaded = await cache.load_back_request(req)
-                    if self.options.verify == "all" and dev_hit:
-                        self._verify(cache, tr, req.slots[:dev_hit], 0)
-                    if loaded and self.options.verify != "none":
-                        self._verify(cache, tr, req.slots[dev_hit : dev_hit + loaded], dev_hit)
-                    start = req.prefix_len
-                    new = await cache.extend(req, n - start)
-                    pos = np.arange(start, n)
-                    cache.write_kv(new, expected_kv(cache.shape, tr.tokens[start:], pos))
-                except PoolExhaustedError:
-                    cache.abort_req(req)
-                    if self._in_flight - self._waiting > 1:
-                        # Others hold the memory; retry once one of them finishes.
-                        self._freed.clear()
-                        self._waiting += 1
-                        try:
-                            await self._freed.wait()
-                        finally:
-                            self._waiting -= 1
-                        continue
-                    st.rejected += 1
-                    _log.info("request_rejected", rid=tr.rid, tokens=n,
-                              device_tokens=cache.device_pool.num_slots)
-                    return
-                except BaseException:
-                    if not req.finished:
-                        cache.abort_req(req)
-                    raise
-                break
-            cache.cache_finished_req(req)
-            ps = self.config.page_size
-            from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
-            st.device_hit_tokens += dev_hit
-            st.host_hit_tokens += loaded - from_l3
-            st.storage_hit_tokens += from_l3
-            st.device_hit_pages += dev_hit // ps
-            st.host_hit_pages += (loaded - from_l3) // ps
-            st.storage_hit_pages += from_l3 // ps
-            st.computed_tokens += n - dev_hit - loaded
-            st.completed += 1
-            if self._progress is not None:
-                self._progress(1)
-        finally:
-            self._in_flight -= 1
-            self._freed.set()
+    async def _finish(self, flight: _Flight) -> None:
+        await self._pace()
+        inst = flight.inst
+        inst.cache.cache_finished_req(flight.req)
+        inst.running -= 1
+        inst.blocked = False
+        inst.stats.completed += 1
+        await self._quiesce()
+        self._progress()
 
-    def _verify(self, cache: HierarchicalCache, tr: TraceRequest, slots: np.ndarray,
-                start: int) -> None:
+    def _reject(self, inst: _Instance, tr: TraceRequest) -> None:
+        st = inst.stats
+        n = len(tr.tokens)
+        st.rejected += 1
+        st.rejected_tokens += n
+        st.largest_rejected = max(st.largest_rejected, n)
+        self.pooled.rejected += 1
+        device = inst.cache.device_pool.num_slots
+        _log.info("request_rejected", rid=tr.rid, tokens=n, device_tokens=device)
+        if not self._warned_too_long:
+            self._warned_too_long = True
+            _log.warning("request_longer_than_device_pool", rid=tr.rid, tokens=n,
+                         device_tokens=device,
+                         fix=f"pass --device-tokens {suggest_capacity(n, self.config.page_size)} "
+                             "or more; rejected requests are left out of the hit rates")
+        self._progress()
+
+    async def _abort_running(self) -> None:
+        """On an error: drop every request admitted and not finished (nothing is cached)."""
+        while self._finishes:
+            _, _, flight = heapq.heappop(self._finishes)
+            if not flight.req.finished:
+                flight.inst.cache.abort_req(flight.req)
+            flight.inst.running -= 1
+        await self._quiesce()
+
+    async def _quiesce(self) -> None:
+        """Wait for every copy and storage write started so far, on every instance."""
+        for inst in self.instances:
+            await inst.cache.flush()
+            tier = inst.cache.storage
+            if tier is not None:
+                await tier.drain()
+
+    def _progress(self) -> None:
+        if self.progress is not None:
+            self.progress(1)
+
+    def _verify(self, inst: _Instance, tr: TraceRequest, slots: np.ndarray, start: int) -> None:
+        cache = inst.cache
         n = len(slots)
         got = cache.read_kv(slots)
         want = expected_kv(cache.shape, tr.tokens[start : start + n], np.arange(start, start + n))
@@ -222,28 +446,73 @@ class Replayer:
                 f"request {tr.rid}: KV served for token position {start + bad} "
                 f"(slot {int(slots[bad])}) differs from the KV of its tokens"
             )
-        self.stats.verified_tokens += n
+        inst.stats.verified_tokens += n
 
-    @staticmethod
-    def _engine_figures(cache: HierarchicalCache) -> dict[str, float]:
-        reg = cache.metrics.registry
+    # ------------------------------------------------------------------ running figures
+    @property
+    def running_hit_rate(self) -> float:
+        """Reused / prompt tokens over every served request so far."""
+        prompt = sum(i.stats.prompt_tokens for i in self.instances)
+        reused = sum(i.stats.reused_tokens for i in self.instances)
+        return reused / prompt if prompt else 0.0
 
-        def val(name: str, **labels: str) -> float:
-            v = reg.get_sample_value(name, labels or None)
-            return float(v) if v is not None else 0.0
 
-        return {
-            "evicted_tokens": val("asynccache_evicted_tokens_total"),
-            "backup_tokens": val("asynccache_backup_tokens_total"),
-            "backup_bytes": val("asynccache_backup_bytes_total"),
-            "load_back_tokens": val("asynccache_load_back_tokens_total"),
-            "load_back_bytes": val("asynccache_load_back_bytes_total"),
-            "dropped_tokens": val("asynccache_dropped_tokens_total", reason="host_pressure")
-            + val("asynccache_dropped_tokens_total", reason="backup_failed"),
-            "storage_write_tokens": val("asynccache_storage_backup_tokens_total"),
-            "prefetched_tokens": val("asynccache_prefetched_tokens_total"),
-            "storage_read_bytes": val("asynccache_prefetched_tokens_total")
-            * cache.shape.bytes_per_token,
-            "storage_write_bytes": val("asynccache_storage_backup_tokens_total")
-            * cache.shape.bytes_per_token,
-        }
+def suggest_capacity(tokens: int, page_size: int) -> str:
+    """A device capacity (in ``--device-tokens`` syntax) that holds a ``tokens`` prompt with
+    room to spare: the prompt rounded up to pages, plus a quarter, in whole Ki."""
+    need = -(-tokens // page_size) * page_size
+    ki = -(-(need + need // 4) // 1024)
+    return f"{ki}Ki"
+
+
+def engine_figures(cache: HierarchicalCache) -> dict[str, float]:
+    """Counters of the cache's metrics registry that the report shows."""
+    reg = cache.metrics.registry
+
+    def val(name: str, **labels: str) -> float:
+        v = reg.get_sample_value(name, labels or None)
+        return float(v) if v is not None else 0.0
+
+    return {
+        "evicted_tokens": val("asynccache_evicted_tokens_total"),
+        "backup_tokens": val("asynccache_backup_tokens_total"),
+        "backup_bytes": val("asynccache_backup_bytes_total"),
+        "load_back_tokens": val("asynccache_load_back_tokens_total"),
+        "load_back_bytes": val("asynccache_load_back_bytes_total"),
+        "dropped_tokens": val("asynccache_dropped_tokens_total", reason="host_pressure")
+        + val("asynccache_dropped_tokens_total", reason="backup_failed"),
+        "storage_write_tokens": val("asynccache_storage_backup_tokens_total"),
+        "prefetched_tokens": val("asynccache_prefetched_tokens_total"),
+        "storage_read_bytes": val("asynccache_prefetched_tokens_total")
+        * cache.shape.bytes_per_token,
+        "storage_write_bytes": val("asynccache_storage_backup_tokens_total")
+        * cache.shape.bytes_per_token,
+    }
+
+
+class Replayer:
+    """Replays a trace through one :class:`HierarchicalCache` built from ``config``;
+    ``progress(1)`` is called for every request served or rejected."""
+
+    def __init__(self, config: CacheConfig, options: ReplayOptions | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.config = config
+        self.options = options or ReplayOptions()
+        self.stats = ReplayStats()
+        self.outcome = RunOutcome()
+        self.driver = TraceDriver(config, self.options, 1, lambda tr, i: 0, progress)
+
+    @property
+    def cache(self) -> HierarchicalCache:
+        return self.driver.instances[0].cache
+
+    @property
+    def running_hit_rate(self) -> float:
+        return self.driver.running_hit_rate
+
+    async def run(self, trace: Iterable[TraceRequest]) -> ReplayStats:
+        try:
+            (self.stats,) = await self.driver.run(trace)
+        finally:
+            self.outcome = self.driver.outcome
+        return self.stats

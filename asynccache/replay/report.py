@@ -1,24 +1,72 @@
-"""The replay report: a table for people, JSON for tools, a plot for capacity sweeps."""
+"""The replay report: a table for people, JSON for tools (plots: :mod:`.plots`).
+
+Definitions (the same in ``asynccache replay --help`` and the README):
+
+* **token hit rate** — prompt tokens served from a tier / prompt tokens, over served requests;
+* **block hit rate** — hit blocks / *all* prompt blocks, a block being a page of
+  ``page_size`` tokens and a prompt of ``n`` tokens having ``ceil(n / page_size)`` of them, the
+  partial last one included (the published definition of Mooncake and of vLLM-style block
+  accounting). The cache keeps whole pages only, so a partial block never hits;
+* **infinite-cache bound** — what a cache that never evicts would have served: for each
+  prompt, its longest prefix of whole pages seen before (same namespace), in both units. Not
+  applicable when storage held pages from before the replay (they can beat it);
+* **rejected** requests (longer than the device pool) are left out of every rate and counted
+  apart.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from asynccache.config import CacheConfig
-from asynccache.replay.driver import ReplayStats
+from asynccache.replay.driver import ReplayOptions, ReplayStats, RunOutcome, suggest_capacity
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b else 0.0
 
 
+def human_tokens(n: int | float) -> str:
+    """``262144`` -> ``256Ki``, ``250000`` -> ``250k``, ``2883584`` -> ``2816Ki``."""
+    n = int(n)
+    if n and n % 1024 == 0:
+        for unit, size in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+            if n % size == 0:
+                return f"{n // size}{unit}"
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return str(n)
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def write_model(options: ReplayOptions) -> str:
+    bw = options.write_bandwidth
+    if bw:
+        return f"visible {human_bytes(bw)}/s after the write starts (one at a time)"
+    return "complete before the next request"
+
+
 def build_report(stats: ReplayStats, config: CacheConfig, source: str,
-                 source_storage: str | None = None) -> dict[str, Any]:
+                 source_storage: str | None = None, *, options: ReplayOptions | None = None,
+                 outcome: RunOutcome | None = None, skipped_records: int = 0,
+                 auto_device: str | None = None) -> dict[str, Any]:
     s = stats
-    tok = s.prompt_tokens
-    pages = s.prompt_pages
-    return {
+    opts = options or ReplayOptions()
+    out = outcome or RunOutcome()
+    tok, pages = s.prompt_tokens, s.prompt_pages
+    warm = bool(source_storage) and out.warm_storage
+    bound_tok = None if warm else ratio(s.bound_hit_tokens, tok)
+    bound_blk = None if warm else ratio(s.bound_hit_pages, pages)
+    report: dict[str, Any] = {
         "trace": source,
+        "status": run_status(out),
         "config": {
             "page_size": config.page_size,
             "device_tokens": config.device_tokens,
@@ -28,25 +76,43 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
             "write_policy": config.write_policy,
             "eviction_policy": config.eviction_policy,
             "kv_shape": [config.num_layers, config.num_heads, config.head_dim, config.dtype],
+            "device": config.device,
+        },
+        "model": {
+            "max_in_flight": opts.max_in_flight,
+            "prefill_rate": opts.prefill_rate,
+            "decode_rate": opts.decode_rate,
+            "storage_writes": write_model(opts),
+            "prefetch_policy": (opts.storage_policy.prefetch_policy
+                                if opts.storage_policy is not None else "wait_complete"),
         },
         "requests": s.requests,
         "completed": s.completed,
         "rejected": s.rejected,
+        "rejected_tokens": s.rejected_tokens,
+        "largest_rejected_tokens": s.largest_rejected,
+        "skipped_records": skipped_records,
         "prompt_tokens": tok,
+        "prompt_blocks": pages,
         "reused_tokens": s.reused_tokens,
         "computed_tokens": s.computed_tokens,
         "hit_rate": {
-            "device_tokens": _ratio(s.device_hit_tokens, tok),
-            "host_tokens": _ratio(s.host_hit_tokens, tok),
-            "storage_tokens": _ratio(s.storage_hit_tokens, tok),
-            "total_tokens": _ratio(s.reused_tokens, tok),
-            "device_blocks": _ratio(s.device_hit_pages, pages),
-            "host_blocks": _ratio(s.host_hit_pages, pages),
-            "storage_blocks": _ratio(s.storage_hit_pages, pages),
-            "total_blocks": _ratio(s.device_hit_pages + s.host_hit_pages + s.storage_hit_pages,
-                                   pages),
-            "infinite_cache_bound_tokens": _ratio(s.bound_hit_tokens, tok),
-            "fraction_of_bound": _ratio(s.reused_tokens, s.bound_hit_tokens),
+            "device_tokens": ratio(s.device_hit_tokens, tok),
+            "host_tokens": ratio(s.host_hit_tokens, tok),
+            "storage_tokens": ratio(s.storage_hit_tokens, tok),
+            "total_tokens": ratio(s.reused_tokens, tok),
+            "device_blocks": ratio(s.device_hit_pages, pages),
+            "host_blocks": ratio(s.host_hit_pages, pages),
+            "storage_blocks": ratio(s.storage_hit_pages, pages),
+            "total_blocks": ratio(s.reused_pages, pages),
+            "infinite_cache_bound_tokens": bound_tok,
+            "infinite_cache_bound_blocks": bound_blk,
+            "fraction_of_bound": None if warm else ratio(s.reused_tokens, s.bound_hit_tokens),
+        },
+        "overlap": {
+            "max_in_flight": s.max_in_flight,
+            "overlapped_requests": s.overlapped,
+            "queued_requests": s.queued,
         },
         "moved": {
             "device_to_host_bytes": int(s.extra.get("backup_bytes", 0)),
@@ -57,28 +123,111 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         "evicted_device_tokens": int(s.extra.get("evicted_tokens", 0)),
         "dropped_tokens": int(s.extra.get("dropped_tokens", 0)),
         "verified_tokens": s.verified_tokens,
-        "max_in_flight": s.max_in_flight,
         "wall_s": round(s.wall_s, 3),
         "requests_per_s": round(s.completed / s.wall_s, 1) if s.wall_s else 0.0,
         "tokens_per_s": round(tok / s.wall_s) if s.wall_s else 0,
     }
+    if source_storage:
+        report["storage_state"] = {
+            "pages_at_start": out.storage_pages_at_start,
+            "pages_from_before": out.storage_foreign_pages,
+            "warm": warm,
+        }
+    report["notes"] = notes(report, opts, auto_device=auto_device)
+    return report
+
+
+def run_status(out: RunOutcome) -> str:
+    if out.stopped_by:
+        return f"partial: the trace stopped at a malformed record ({out.stopped_by})"
+    if out.interrupted:
+        return "partial: interrupted"
+    return "complete"
+
+
+def notes(report: dict[str, Any], opts: ReplayOptions, *,
+          auto_device: str | None = None) -> list[str]:
+    """What a reader needs to read the figures right."""
+    out: list[str] = []
+    cfg = report["config"]
+    if report["status"] != "complete":
+        out.append(f"PARTIAL RESULT: {report['status']}; the figures cover the "
+                   f"{report['completed']} requests served before it")
+    if auto_device:
+        out.append(auto_device)
+    if report["rejected"]:
+        out.append(
+            f"{report['rejected']} requests ({report['rejected_tokens']:,} tokens) did not fit in "
+            f"the device pool ({cfg['device_tokens']:,} tokens) and are left out of the hit rates; "
+            f"the longest has {report['largest_rejected_tokens']:,} tokens: pass --device-tokens "
+            f"{suggest_capacity(report['largest_rejected_tokens'], cfg['page_size'])} or more")
+    if report["skipped_records"]:
+        out.append(f"{report['skipped_records']} malformed trace records were skipped "
+                   "(--skip-bad-lines)")
+    state = report.get("storage_state")
+    if state and state["warm"]:
+        at_start = state["pages_at_start"]
+        held = f"held {at_start:,} pages at start" if at_start else "held pages from before"
+        out.append(
+            f"WARNING: the storage was not empty: it {held} ({state['pages_from_before']:,} of "
+            "them were found during the replay), so the hit rates include pages of an earlier "
+            "run and the infinite-cache bound does not apply; --clear-storage starts from an "
+            "empty store")
+    if cfg["write_policy"] == "write_through_selective" and cfg["host_tokens"] \
+            and cfg["host_mode"] == "cache":
+        out.append(
+            "L2 admission is write_through_selective: a page is copied to host memory once a "
+            "second request has used it, so a prefix used once is never in L2 and an evicted "
+            "page that was used once is lost (on the Mooncake traces L2 stays far below the "
+            "bound); --write-policy write_through copies every page (--sweep shows both)")
+    if not opts.prefill_rate and not opts.decode_rate:
+        out.append(
+            "compute takes no trace time (--prefill-rate / --decode-rate 0): every request "
+            "finishes before the next one arrives, so requests never overlap and "
+            "--max-in-flight has no effect")
+    if report["config"]["storage"] and report["model"]["prefetch_policy"] != "wait_complete":
+        out.append(
+            f"--prefetch-policy {report['model']['prefetch_policy']} stops prefetches on this "
+            "machine's clock or progress: storage hit rates may differ between runs "
+            "(wait_complete is deterministic)")
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2%}"
 
 
 def format_table(report: dict[str, Any]) -> str:
     hr = report["hit_rate"]
+    ov = report["overlap"]
+    cfg = report["config"]
+    storage = cfg["storage"]
     rows = [
         ("trace", report["trace"]),
-        ("requests (completed / rejected)",
-         f"{report['requests']} ({report['completed']} / {report['rejected']})"),
-        ("prompt tokens", f"{report['prompt_tokens']:,}"),
+        ("status", report["status"]),
+        ("requests served / rejected", f"{report['completed']:,} / {report['rejected']:,} "
+                                       f"(of {report['requests']:,} read)"),
+        ("prompt tokens / blocks", f"{report['prompt_tokens']:,} / {report['prompt_blocks']:,} "
+                                   f"(blocks of {cfg['page_size']} tokens)"),
         ("reused / computed tokens", f"{report['reused_tokens']:,} / {report['computed_tokens']:,}"),
-        ("hit rate L1 device (tokens / blocks)", f"{hr['device_tokens']:.2%} / {hr['device_blocks']:.2%}"),
-        ("hit rate L2 host (tokens / blocks)", f"{hr['host_tokens']:.2%} / {hr['host_blocks']:.2%}"),
+        ("capacity L1 / L2 (tokens)", f"{human_tokens(cfg['device_tokens'] or 0)} / "
+                                      f"{human_tokens(cfg['host_tokens'])}"
+                                      + (f" ({cfg['host_mode']})" if cfg['host_mode'] != "cache"
+                                         else "")),
+        ("hit rate L1 device (tokens / blocks)", f"{_pct(hr['device_tokens'])} / "
+                                                 f"{_pct(hr['device_blocks'])}"),
+        ("hit rate L2 host (tokens / blocks)", f"{_pct(hr['host_tokens'])} / "
+                                               f"{_pct(hr['host_blocks'])}"),
         ("hit rate L3 storage (tokens / blocks)",
-         f"{hr['storage_tokens']:.2%} / {hr['storage_blocks']:.2%}"),
-        ("hit rate total (tokens / blocks)", f"{hr['total_tokens']:.2%} / {hr['total_blocks']:.2%}"),
-        ("infinite-cache bound", f"{hr['infinite_cache_bound_tokens']:.2%}"),
-        ("fraction of the bound reached", f"{hr['fraction_of_bound']:.2%}"),
+         f"{_pct(hr['storage_tokens'])} / {_pct(hr['storage_blocks'])}" if storage
+         else "- (no --storage)"),
+        ("hit rate total (tokens / blocks)", f"{_pct(hr['total_tokens'])} / "
+                                             f"{_pct(hr['total_blocks'])}"),
+        ("infinite-cache bound (tokens / blocks)",
+         f"{_pct(hr['infinite_cache_bound_tokens'])} / {_pct(hr['infinite_cache_bound_blocks'])}"),
+        ("fraction of the bound reached", _pct(hr["fraction_of_bound"])),
+        ("requests in flight (max / overlapped)", f"{ov['max_in_flight']} / "
+                                                  f"{ov['overlapped_requests']:,}"),
         ("bytes D->H / H->D", f"{report['moved']['device_to_host_bytes']:,} / "
                               f"{report['moved']['host_to_device_bytes']:,}"),
         ("bytes H->L3 / L3->H", f"{report['moved']['host_to_storage_bytes']:,} / "
@@ -89,32 +238,40 @@ def format_table(report: dict[str, Any]) -> str:
         ("throughput", f"{report['requests_per_s']} req/s, {report['tokens_per_s']:,} tok/s"),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
 
 
-def plot_sweep(points: list[dict[str, Any]], path: str) -> None:
-    """Hit rate per tier against device capacity (one point per replay of the sweep). Needs
-    matplotlib (the ``asynccache[plot]`` extra)."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'asynccache[plot]'") from exc
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    caps = [p["config"]["device_tokens"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("device_tokens", "L1 device"), ("total_tokens", "all tiers"),
-                       ("infinite_cache_bound_tokens", "infinite cache")):
-        ax.plot(caps, [p["hit_rate"][key] for p in points], marker="o", label=label)
-    ax.set_xlabel("device capacity (tokens)")
-    ax.set_ylabel("token hit rate")
-    ax.set_xscale("log")
-    ax.set_ylim(0, 1)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax.set_title(points[0]["trace"] if points else "")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def format_sweep(points: list[dict[str, Any]],
+                 write_through: list[dict[str, Any]] | None = None) -> str:
+    """One line per device capacity: L1, L1+L2, all tiers, the bound (tokens / blocks)."""
+    head = ["L1 capacity", "L1", "L1+L2", "all tiers", "bound"]
+    if write_through:
+        head.append("all tiers, write_through")
+    rows = [head]
+    for i, p in enumerate(points):
+        hr = p["hit_rate"]
+        l12 = (ratio(hr["device_tokens"] + hr["host_tokens"], 1),
+               ratio(hr["device_blocks"] + hr["host_blocks"], 1))
+        row = [f"{human_tokens(p['config']['device_tokens'])} tokens",
+               f"{_pct(hr['device_tokens'])} / {_pct(hr['device_blocks'])}",
+               f"{_pct(l12[0])} / {_pct(l12[1])}",
+               f"{_pct(hr['total_tokens'])} / {_pct(hr['total_blocks'])}",
+               f"{_pct(hr['infinite_cache_bound_tokens'])} / "
+               f"{_pct(hr['infinite_cache_bound_blocks'])}"]
+        if write_through:
+            w = write_through[i]["hit_rate"]
+            row.append(f"{_pct(w['total_tokens'])} / {_pct(w['total_blocks'])}")
+        rows.append(row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    first = points[0] if points else None
+    title = f"trace {first['trace']}: hit rate (tokens / blocks) by device capacity" if first else ""
+    notes_seen: list[str] = []
+    for p in points:
+        for n in p["notes"]:
+            if n not in notes_seen and not n.startswith("PARTIAL"):
+                notes_seen.append(n)
+    return "\n".join([title, *lines, *(f"note: {n}" for n in notes_seen)])

@@ -38,8 +38,7 @@ def _replayer(storage: str | None, route: str = "round_robin") -> ClusterReplaye
     opts = ReplayOptions(storage_url=storage, verify="all",
                          storage_policy=StoragePolicy(prefetch_threshold=PS,
                                                       prefetch_policy="wait_complete"))
-    return ClusterReplayer(_config(), opts, instances=2, route=route, route_tokens=64,
-                           drain_each=True)
+    return ClusterReplayer(_config(), opts, instances=2, route=route, route_tokens=64)
 
 
 async def test_pooled_instances_fetch_each_others_pages(tmp_path: Path) -> None:
