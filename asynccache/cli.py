@@ -1,37 +1,75 @@
-"""The ``asynccache`` command line: ``asynccache replay [TRACE] [options]``."""
+"""The ``asynccache`` command line: ``asynccache replay [TRACE] [options]``.
+
+Building the parser imports nothing heavy (no torch, no numpy): ``--help`` and ``--version``
+answer at once. The replay's modules load when a replay runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import glob
 import json
+import os
 import re
+import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from asynccache.config import HOST_MODES, CacheConfig
+from asynccache import __version__
 from asynccache.errors import AsyncCacheError, ConfigError
-from asynccache.l3 import PREFETCH_POLICIES, StoragePolicy
-from asynccache.logs import LOG_FORMATS, configure_logging
-from asynccache.replay.driver import Replayer, ReplayOptions
-from asynccache.replay.formats import (
-    TraceRequest,
-    detect_format,
-    read_kvtester,
-    read_mooncake,
-    read_tokens,
-)
-from asynccache.replay.report import build_report, format_table, plot_sweep
-from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+# The engine's choices, repeated here so that --help needs no engine import
+# (tests/test_cli_help.py checks they stay equal).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HOST_MODES = ("cache", "buffer_only")
+DTYPES = ("float16", "bfloat16", "float32")
+LOG_FORMATS = ("console", "json")
+FORMATS = ("auto", "mooncake", "kvtester", "tokens")
+ROUTES = ("round_robin", "prefix_hash")
+DEFAULT_DEVICE_TOKENS = 32768  # the synthetic workload's L1; file traces: sized from the trace
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+EPILOG = """\
+examples:
+  asynccache replay
+      the built-in synthetic workload (system prompts, documents, multi-turn chats)
+  asynccache replay ../shared/traces/mooncake/conversation_trace.jsonl --page-size 512 \\
+      --device-tokens 5000Ki --host-tokens 0 --layers 1 --heads 1 --head-dim 8 --verify none
+      Mooncake's conversation trace, L1 only, LRU at 10,000 blocks of 512 tokens
+  asynccache replay ../shared/traces/kv-cache-tester/traces.tar.xz --page-size 64 --limit 2000
+      the first 2,000 requests of 710 Claude Code conversations, read from the archive;
+      L1 sized from the longest prompt, L2 four times L1
+  asynccache replay TRACE --instances 10 --storage "file:///dev/shm/l3?capacity=964MB"
+      ten caches sharing one L3, then the same without it: pooled vs isolated hit rate
+
+hit rates (over served requests; rejected ones are counted apart):
+  tokens   prompt tokens served from a tier / prompt tokens
+  blocks   hit blocks / all prompt blocks; a block is a page of --page-size tokens and a
+           prompt of n tokens has ceil(n / page) of them, the partial last one included
+           (Mooncake's and vLLM's definition); a partial block never hits: the cache keeps
+           whole pages only
+  bound    the infinite-cache bound: what a cache that never evicts would serve (whole
+           pages seen before, same namespace), in both units; n/a when the storage held
+           pages of an earlier run
+
+replay model (results depend on the trace and the options, never on this machine's speed):
+  requests are admitted at their trace time, in trace order; each step (admit, finish) runs
+  alone, and every copy and storage write it starts completes before the next step, so
+  another instance reads a page from the next request on (or, with
+  --storage-write-bandwidth, once a store writing that many bytes per second would have
+  finished it). A request finishes computed/--prefill-rate + output/--decode-rate seconds
+  after its admission: with both 0 it finishes before the next request arrives; with a rate,
+  requests overlap (up to --max-in-flight per instance), holding their memory.
+"""
 
 
 def parse_size(text: str) -> int:
     """``4096``, ``64k``, ``3M``, ``2GiB``, ``1.5e6`` -> an int (bytes suffixes ``B``/``iB`` allowed)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 4096, 64k, 3M, 2GiB)")
     try:
@@ -48,126 +86,195 @@ def parse_size(text: str) -> int:
     return out
 
 
-def load_trace(args: argparse.Namespace) -> tuple[str, Iterator[TraceRequest]]:
-    if args.trace in (None, "synthetic"):
-        return "synthetic", synthetic_trace(SyntheticSpec(seed=args.seed))
-    paths = sorted(glob.glob(args.trace)) or [args.trace]
-    fmt = args.format if args.format != "auto" else detect_format(paths[0])
-    if fmt == "kvtester":
-        return args.trace, read_kvtester(paths, gap_s=args.conversation_gap)
-    if len(paths) != 1:
-        raise ConfigError(f"{fmt} traces are one file; {args.trace!r} matches {len(paths)}")
-    reader = read_mooncake if fmt == "mooncake" else read_tokens
-    return args.trace, reader(paths[0])
+def parse_rate(text: str) -> int:
+    """A bandwidth: a size per second (``2GiB``, ``500MB/s``)."""
+    return parse_size(re.sub(r"/s\s*$", "", text))
 
 
-def _config(args: argparse.Namespace, device_tokens: int | None = None) -> CacheConfig:
-    return CacheConfig(
-        page_size=args.page_size,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        device_tokens=device_tokens if device_tokens is not None else (
-            None if args.device_bytes else args.device_tokens),
-        device_bytes=None if device_tokens is not None else args.device_bytes,
-        host_tokens=None if args.host_bytes else args.host_tokens,
-        host_bytes=args.host_bytes,
-        write_policy=args.write_policy,
-        eviction_policy=args.eviction_policy,
-        load_back_threshold=args.load_back_threshold,
-        model_name=args.model_name,
-        host_mode=args.host_mode,
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",")]
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (flags: off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS \
+                or isinstance(action, argparse._VersionAction | argparse._HelpAction):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asynccache", formatter_class=_HelpFormatter,
+        description="asynccache: an asyncio hierarchical prefix KV cache (device / host / "
+                    "storage tiers) for LLM serving.",
+        epilog="run 'asynccache replay --help' for the replay's options and examples")
+    parser.add_argument("--version", action="version", version=f"asynccache {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    rp = sub.add_parser(
+        "replay", formatter_class=_HelpFormatter, epilog=EPILOG,
+        help="replay a request trace through the real engine and report hit rates",
+        description="Replay a request trace (default: the built-in synthetic workload) through "
+        "real caches with real pools and copies, verify every KV page served from host memory "
+        "or storage, and report per-tier hit rates (tokens and blocks), the infinite-cache "
+        "bound, bytes moved and throughput.",
     )
+    rp.add_argument("trace", nargs="?", default="synthetic",
+                    help="a Mooncake or token .jsonl file (optionally .gz / .xz / .bz2), "
+                         "kv-cache-tester .json conversations (a glob of them, or a .tar.xz / "
+                         ".tar.gz archive), or 'synthetic'")
+    t = rp.add_argument_group("trace")
+    t.add_argument("--format", choices=FORMATS, default="auto",
+                   help="trace format; auto: from the file name and first record")
+    t.add_argument("--limit", type=int, default=None,
+                   help="replay only the first N requests (default: all); bounds the time and "
+                        "memory of a replay")
+    t.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed trace records (counted in the report) instead of "
+                        "stopping there; without it a malformed record ends the replay and the "
+                        "result up to it is reported")
+    t.add_argument("--conversation-gap", type=float, default=0.0,
+                   help="kv-cache-tester: seconds between conversation starts (0: all start "
+                        "at once, and every conversation is parsed before the first request)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+
+    c = rp.add_argument_group("cache")
+    dev = c.add_mutually_exclusive_group()
+    dev.add_argument("--device-tokens", type=parse_size, default=None,
+                     help="L1 capacity in tokens (default: 32Ki for the synthetic workload; "
+                          "for a trace file, sized from its longest prompt: rounded up to "
+                          "pages, plus a quarter)")
+    dev.add_argument("--device-bytes", type=parse_size, default=None,
+                     help="L1 capacity in bytes of KV, instead of --device-tokens "
+                          "(default: none)")
+    host = c.add_mutually_exclusive_group()
+    host.add_argument("--host-tokens", type=parse_size, default=None,
+                      help="L2 capacity in tokens; 0 disables the host tier (default: four "
+                           "times the L1 capacity)")
+    host.add_argument("--host-bytes", type=parse_size, default=None,
+                      help="L2 capacity in bytes of KV, instead of --host-tokens "
+                           "(default: none)")
+    c.add_argument("--host-mode", choices=HOST_MODES, default="cache",
+                   help="cache: host memory is the L2 tier; buffer_only: host memory only "
+                        "stages pages between device and --storage")
+    c.add_argument("--page-size", type=int, default=16,
+                   help="tokens per page (the block of the block hit rate)")
+    c.add_argument("--layers", type=int, default=2, help="KV layers (the KV shape changes "
+                   "bytes moved and memory, never hit rates)")
+    c.add_argument("--heads", type=int, default=2, help="KV heads")
+    c.add_argument("--head-dim", type=int, default=16, help="KV head dimension")
+    c.add_argument("--dtype", choices=DTYPES, default="float16", help="KV dtype")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the L1 pool lives (cuda: the current CUDA device)")
+    c.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through_selective",
+                   help="when a page is copied to L2: write_through on insert, "
+                        "write_through_selective on its second hit, write_back at eviction")
+    c.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
+                   help="which cached pages are evicted first")
+    c.add_argument("--load-back-threshold", type=int, default=10,
+                   help="L2 hits shorter than this many tokens are recomputed, not loaded")
+
+    s = rp.add_argument_group("storage (L3)")
+    s.add_argument("--storage", metavar="URL", default=None,
+                   help="L3 storage: file:///dir[?capacity=10GiB] or "
+                        "s3://bucket/prefix?endpoint=http://127.0.0.1:8333 (default: no L3)")
+    s.add_argument("--clear-storage", action="store_true",
+                   help="empty the store (this layout's pages) before replaying; otherwise a "
+                        "store that holds pages of an earlier run is reported as warm and the "
+                        "bound as not applicable")
+    s.add_argument("--storage-write-bandwidth", metavar="BYTES/S", type=parse_rate, default=None,
+                   help="model a store that writes this many bytes per second, one write after "
+                        "another: a page becomes readable when it would have been written, in "
+                        "trace time (default: every write completes before the next request)")
+    s.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete",
+                   help="when a request stops waiting for its L3 prefetch: wait_complete (all "
+                        "of it: deterministic), timeout (1 s + 0.25 s per 1Ki tokens of this "
+                        "machine's clock), best_effort (what has arrived)")
+    s.add_argument("--prefetch-threshold", type=int, default=256,
+                   help="uncached parts shorter than this many tokens are not prefetched")
+    s.add_argument("--model-name", default="model", help="names L3 objects")
+
+    m = rp.add_argument_group("replay model")
+    m.add_argument("--max-in-flight", type=int, default=32,
+                   help="requests admitted and not finished at once, per instance; others wait "
+                        "in arrival order (matters only with --prefill-rate / --decode-rate)")
+    m.add_argument("--prefill-rate", type=float, default=0.0,
+                   help="modelled compute: computed prompt tokens per second (0: compute "
+                        "takes no trace time and requests never overlap)")
+    m.add_argument("--decode-rate", type=float, default=0.0,
+                   help="modelled decode: output tokens per second per request (0: none)")
+    m.add_argument("--time-scale", type=float, default=0.0,
+                   help="wall-clock pacing only (results do not change): 0 as fast as "
+                        "possible, 1 the trace's own clock, 0.01 100x faster")
+    m.add_argument("--verify", choices=("loaded", "all", "none"), default="loaded",
+                   help="which served KV is checked bit for bit: loaded (from L2 / L3), all "
+                        "(device hits too), none")
+    m.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads for the replay's own tensor work")
+
+    k = rp.add_argument_group("instances")
+    k.add_argument("--instances", type=int, default=1,
+                   help="replay across N cache instances (each with the L1/L2 above) that "
+                        "share the --storage L3; reports local and global hit rates")
+    k.add_argument("--route", choices=ROUTES, default="round_robin",
+                   help="--instances: how requests are spread over the instances")
+    k.add_argument("--route-tokens", type=int, default=1024,
+                   help="--route prefix_hash: hash this many leading tokens")
+    k.add_argument("--skip-isolated", action="store_true",
+                   help="--instances: skip the second replay without the shared L3")
+
+    o = rp.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--sweep", type=_sizes, default=None, metavar="CAPACITIES",
+                   help="comma-separated L1 capacities (tokens) to replay in turn; under "
+                        "write_through_selective with an L2, each is also replayed under "
+                        "write_through (default: none)")
+    o.add_argument("--plot", metavar="PATH", default=None,
+                   help="write a chart (.png, .svg, .pdf): hit rate by capacity with --sweep, "
+                        "per-tier bars without, per-instance bars with --instances; needs "
+                        "matplotlib: pip install 'asynccache[plot]' (default: none)")
+    o.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bars on stderr; auto: only on a terminal")
+    o.add_argument("--log-level", type=str.upper, default="WARNING",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="log events at this level and above go to stderr")
+    o.add_argument("--log-format", choices=LOG_FORMATS, default="console",
+                   help="console: one readable line per event; json: one JSON object per line")
+    rp.set_defaults(func=_replay)
+    return parser
 
 
-class _Progress:
-    """A one-line progress counter on a terminal (nothing when stderr is not a terminal)."""
-
-    def __init__(self) -> None:
-        self.done = 0
-        self.enabled = sys.stderr.isatty()
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.enabled and self.done % 50 == 0:
-            print(f"\rreplayed {self.done} requests", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.done:
-            print(file=sys.stderr)
-
-
-def _replay_once(args: argparse.Namespace, config: CacheConfig) -> dict[str, Any]:
-    source, trace = load_trace(args)
-    policy = StoragePolicy(prefetch_threshold=args.prefetch_threshold,
-                           prefetch_policy=args.prefetch_policy)
-    opts = ReplayOptions(time_scale=args.time_scale, max_in_flight=args.max_in_flight,
-                         verify=args.verify, limit=args.limit, storage_url=args.storage,
-                         storage_policy=policy)
-    progress = _Progress()
-    try:
-        stats = asyncio.run(Replayer(config, opts, progress).run(trace))
-    finally:
-        progress.close()
-    return build_report(stats, config, source, args.storage)
-
-
-def _replay_cluster(args: argparse.Namespace, config: CacheConfig) -> dict[str, Any]:
-    """``--instances N``: N caches with one shared L3 (``--storage``), then (unless
-    ``--skip-isolated``) the same replay without it, for the pooled-vs-isolated ratio."""
-    from asynccache.replay.cluster import ClusterReplayer, cluster_report
-
-    policy = StoragePolicy(prefetch_threshold=args.prefetch_threshold,
-                           prefetch_policy=args.prefetch_policy)
-
-    def once(storage: str | None) -> Any:
-        source, trace = load_trace(args)
-        opts = ReplayOptions(time_scale=args.time_scale, max_in_flight=args.max_in_flight,
-                             verify=args.verify, limit=args.limit, storage_url=storage,
-                             storage_policy=policy)
-        progress = _Progress()
-        try:
-            rep = ClusterReplayer(config, opts, instances=args.instances, route=args.route,
-                                  route_tokens=args.route_tokens, progress=progress)
-            return source, asyncio.run(rep.run(trace))
-        finally:
-            progress.close()
-
-    source, pooled = once(args.storage)
-    isolated = None
-    if args.storage and not args.skip_isolated:
-        _, isolated = once(None)
-    return cluster_report(pooled, isolated, config, source, args.storage)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    import torch
-
-    # Small tensor ops on the loop thread next to the copy worker: one intra-op thread avoids
-    # two OpenMP teams contending for the cores (measured 2x faster replays on 2 cores).
-    torch.set_num_threads(args.torch_threads)
-    if args.instances > 1:
-        from asynccache.replay.cluster import format_cluster
-
-        report = _replay_cluster(args, _config(args))
-        print(json.dumps(report, indent=1) if args.json else format_cluster(report))
-        return 0
-    if args.sweep:
-        points = [_replay_once(args, _config(args, device_tokens=c)) for c in args.sweep]
-        if args.plot:
-            plot_sweep(points, args.plot)
-        if args.json:
-            print(json.dumps({"sweep": points}, indent=1))
-        else:
-            for p in points:
-                print(format_table(p), end="\n\n")
-        return 0
-    report = _replay_once(args, _config(args))
-    if args.plot:
-        plot_sweep([report], args.plot)
-    print(json.dumps(report, indent=1) if args.json else format_table(report))
-    return 0
+# ---------------------------------------------------------------------------------- checks
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag errors that argparse cannot see, before anything runs."""
+    if args.max_in_flight < 1:
+        parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    for flag in ("seed", "limit", "time_scale", "conversation_gap", "prefetch_threshold",
+                 "prefill_rate", "decode_rate", "load_back_threshold"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or value != value or value == float("inf")):
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    for flag in ("torch_threads", "instances", "route_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.storage_write_bandwidth is not None and args.storage_write_bandwidth <= 0:
+        parser.error(f"--storage-write-bandwidth must be > 0, got {args.storage_write_bandwidth}")
+    if args.instances > 1 and args.sweep:
+        parser.error("--instances and --sweep cannot be combined")
+    if args.sweep is not None and not all(args.sweep):
+        parser.error(f"--sweep capacities must be > 0, got {args.sweep}")
+    if args.device_tokens == 0 or args.device_bytes == 0:
+        parser.error("the device (L1) capacity must be > 0")
+    if args.plot and not _have_matplotlib():
+        parser.error("--plot needs matplotlib, which is not installed: "
+                     "pip install 'asynccache[plot]'")
 
 
 def _have_matplotlib() -> bool:
@@ -179,104 +286,309 @@ def _have_matplotlib() -> bool:
     return True
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asynccache", description="Hierarchical prefix KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    rp = sub.add_parser(
-        "replay",
-        help="replay a request trace through the real engine and report hit rates",
-        description="Replay a request trace (default: the built-in synthetic workload) through "
-        "a real cache with real pools and copies, verify every KV page served from host memory, "
-        "and report per-tier hit rates, bytes moved and throughput.",
-    )
-    rp.add_argument("trace", nargs="?", default=None,
-                    help="trace file (Mooncake .jsonl, token .jsonl, kv-cache-tester .json or a "
-                         "glob of them); default: synthetic")
-    rp.add_argument("--format", choices=["auto", "mooncake", "kvtester", "tokens"], default="auto")
-    rp.add_argument("--device-tokens", type=parse_size, default=32768)
-    rp.add_argument("--device-bytes", type=parse_size, default=None)
-    rp.add_argument("--host-tokens", type=parse_size, default=131072,
-                    help="L2 capacity in tokens (0 disables the host tier)")
-    rp.add_argument("--host-bytes", type=parse_size, default=None)
-    rp.add_argument("--host-mode", choices=HOST_MODES, default="cache",
-                    help="cache: host memory is the L2 tier; buffer_only: host memory only "
-                         "stages pages between device and --storage")
-    rp.add_argument("--page-size", type=int, default=16)
-    rp.add_argument("--layers", type=int, default=2)
-    rp.add_argument("--heads", type=int, default=2)
-    rp.add_argument("--head-dim", type=int, default=16)
-    rp.add_argument("--dtype", default="float16")
-    rp.add_argument("--write-policy", default="write_through_selective")
-    rp.add_argument("--eviction-policy", default="lru")
-    rp.add_argument("--load-back-threshold", type=int, default=10)
-    rp.add_argument("--storage", metavar="URL",
-                    help="L3 storage: file:///dir[?capacity=10GiB] or "
-                         "s3://bucket/prefix?endpoint=http://127.0.0.1:8333")
-    rp.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout",
-                    help="best_effort takes what arrived (nothing, when awaited at once); "
-                         "timeout waits up to 1 s + 0.25 s per 1Ki tokens")
-    rp.add_argument("--prefetch-threshold", type=int, default=256)
-    rp.add_argument("--model-name", default="model", help="names L3 objects")
-    rp.add_argument("--time-scale", type=float, default=0.0,
-                    help="0: as fast as possible; 1: the trace's own clock; 0.01: 100x faster")
-    rp.add_argument("--max-in-flight", type=int, default=32)
-    rp.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    rp.add_argument("--verify", choices=["loaded", "all", "none"], default="loaded")
-    rp.add_argument("--conversation-gap", type=float, default=0.0,
-                    help="kv-cache-tester: seconds between conversation starts")
-    rp.add_argument("--sweep", type=lambda s: [parse_size(x) for x in s.split(",")], default=None,
-                    help="comma-separated device capacities (tokens) to replay in turn")
-    rp.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
-    rp.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads for the replay's own tensor work")
-    rp.add_argument("--instances", type=int, default=1,
-                    help="replay across N cache instances (each with the L1/L2 above) that "
-                         "share the --storage L3; reports local and global hit rates")
-    rp.add_argument("--route", choices=["round_robin", "prefix_hash"], default="round_robin",
-                    help="--instances: how requests are spread over the instances")
-    rp.add_argument("--route-tokens", type=int, default=1024,
-                    help="--route prefix_hash: hash this many leading tokens")
-    rp.add_argument("--skip-isolated", action="store_true",
-                    help="--instances: skip the second replay without the shared L3")
-    rp.add_argument("--json", action="store_true", help="print the report as JSON")
-    rp.add_argument("--plot", help="write a hit-rate plot (PNG) to this path (needs "
-                    "matplotlib: pip install 'asynccache[plot]')")
-    rp.add_argument("--log-level", type=str.upper, default="WARNING",
-                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                    help="log events at this level and above go to stderr (default: WARNING)")
-    rp.add_argument("--log-format", choices=LOG_FORMATS, default="console",
-                    help="console: one readable line per event; json: one JSON object per line")
-    rp.set_defaults(func=_replay)
-    return parser
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _check_memory(args: argparse.Namespace, device_tokens: int, host_tokens: int) -> None:
+    """Refuse pools this machine cannot hold, naming the flag, before allocating anything."""
+    per_token = args.layers * 2 * args.heads * args.head_dim * _ITEMSIZE[args.dtype]
+    # KV bytes plus the allocator's and the tree's per-token bookkeeping (slot indices)
+    cost = per_token + 16
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n = args.instances
+    dev_flag = ("--device-bytes", args.device_bytes) if args.device_bytes else \
+        ("--device-tokens", device_tokens)
+    need_dev = n * device_tokens * cost
+    need_host = n * host_tokens * cost
+    if args.device == "cpu" and need_dev + need_host > ram:
+        raise ConfigError(
+            f"the pools need {_gib(need_dev + need_host)} of memory ({dev_flag[0]} "
+            f"{dev_flag[1]:,} and --host-tokens {host_tokens:,} x {n} instance(s) x "
+            f"{per_token} B of KV per token), more than this machine's {_gib(ram)}")
+    if need_host > ram:
+        raise ConfigError(
+            f"the host pools need {_gib(need_host)} (--host-tokens {host_tokens:,} x {n} "
+            f"instance(s) x {per_token} B per token), more than this machine's {_gib(ram)}")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            total = torch.cuda.mem_get_info()[1]
+            if need_dev > total:
+                raise ConfigError(
+                    f"the device pools need {_gib(need_dev)} ({dev_flag[0]} {dev_flag[1]:,}), "
+                    f"more than the GPU's {_gib(total)}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+# ---------------------------------------------------------------------------------- replay
+class _Run:
+    """One replay command: the trace, sizes, options and output."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from asynccache.replay.load import TraceSpec
+
+        self.args = args
+        self.spec = TraceSpec(args.trace, args.format, args.conversation_gap, args.seed,
+                              args.skip_bad_lines)
+        self.progress_on = _progress_wanted(args.progress)
+        self.total: int | None = None
+        self.auto_note: str | None = None
+        self.device_tokens, self.host_tokens = self._size()
+
+    def _size(self) -> tuple[int, int]:
+        args = self.args
+        need_survey = self.progress_on or (args.device_tokens is None and args.device_bytes is None
+                                           and self.spec.path is not None)
+        longest = 0
+        if need_survey:
+            from asynccache.replay.progress import ReplayProgress
+
+            bar = ReplayProgress(self.progress_on, desc="survey")
+            try:
+                self.total, longest = self.spec.survey(args.limit, on_open=bar.loading)
+            finally:
+                bar.close()
+        device = args.device_tokens
+        if device is None and args.device_bytes is None:
+            device = DEFAULT_DEVICE_TOKENS
+            if self.spec.path is not None and longest:
+                from asynccache.replay.driver import suggest_capacity
+
+                auto = parse_size(suggest_capacity(longest, args.page_size))
+                if auto > device:
+                    device = auto
+                self.auto_note = (
+                    f"L1 sized from the trace: its longest prompt has {longest:,} tokens, so "
+                    f"--device-tokens {suggest_capacity(longest, args.page_size)}"
+                    + ("" if args.host_tokens is not None or args.host_bytes is not None
+                       else " and --host-tokens 4x that") + " (pass them to choose)")
+        dev_tokens = device if device is not None else args.device_bytes // self._per_token()
+        host = args.host_tokens
+        if host is None and args.host_bytes is None:
+            host = 4 * dev_tokens
+        host_tokens = host if host is not None else args.host_bytes // self._per_token()
+        self.device_arg = device
+        self.host_arg = host
+        _check_memory(args, max([dev_tokens, *(args.sweep or [])]), host_tokens)
+        return dev_tokens, host_tokens
+
+    def _per_token(self) -> int:
+        a = self.args
+        return max(1, int(a.layers * 2 * a.heads * a.head_dim * _ITEMSIZE[a.dtype]))
+
+    def config(self, device_tokens: int | None = None, write_policy: str | None = None) -> Any:
+        from asynccache.config import CacheConfig
+
+        a = self.args
+        sweep = device_tokens is not None
+        return CacheConfig(
+            page_size=a.page_size, num_layers=a.layers, num_heads=a.heads, head_dim=a.head_dim,
+            dtype=a.dtype,
+            device_tokens=device_tokens if sweep else self.device_arg,
+            device_bytes=None if sweep or self.device_arg is not None else a.device_bytes,
+            host_tokens=self.host_arg, host_bytes=None if self.host_arg is not None
+            else a.host_bytes,
+            write_policy=write_policy or a.write_policy, eviction_policy=a.eviction_policy,
+            load_back_threshold=a.load_back_threshold, model_name=a.model_name,
+            host_mode=a.host_mode, device=a.device,
+        )
+
+    def options(self, storage: str | None) -> Any:
+        from asynccache.l3 import StoragePolicy
+        from asynccache.replay.driver import ReplayOptions
+
+        a = self.args
+        return ReplayOptions(
+            time_scale=a.time_scale, max_in_flight=a.max_in_flight, verify=a.verify,
+            limit=a.limit, storage_url=storage,
+            storage_policy=StoragePolicy(prefetch_threshold=a.prefetch_threshold,
+                                         prefetch_policy=a.prefetch_policy),
+            prefill_rate=a.prefill_rate, decode_rate=a.decode_rate,
+            write_bandwidth=a.storage_write_bandwidth, clear_storage=a.clear_storage)
+
+    def replay(self, replayer: Any, desc: str) -> Any:
+        """Run ``replayer`` over a fresh pass of the trace with a progress bar; Ctrl-C stops
+        admitting requests and returns what was served."""
+        import asyncio
+
+        from asynccache.replay.progress import ReplayProgress
+
+        bar = ReplayProgress(self.progress_on, total=self.total, desc=desc,
+                             hit_rate=lambda: replayer.running_hit_rate)
+        replayer.driver.progress = bar
+        trace = self.spec.open(on_open=bar.loading)
+
+        async def main() -> Any:
+            loop = asyncio.get_running_loop()
+            installed = False
+
+            def on_sigint() -> None:
+                replayer.driver.request_stop()
+                loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C stops at once
+
+            try:
+                loop.add_signal_handler(signal.SIGINT, on_sigint)
+                installed = True
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread
+            try:
+                return await replayer.run(trace)
+            finally:
+                if installed:
+                    loop.remove_signal_handler(signal.SIGINT)
+
+        try:
+            return asyncio.run(main())
+        finally:
+            bar.close()
+
+
+def _progress_wanted(mode: str) -> bool:
+    return mode == "on" or (mode == "auto" and sys.stderr.isatty())
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from asynccache.logs import configure_logging
+
+    configure_logging(args.log_level, fmt=args.log_format)
+    if args.plot:
+        from asynccache.replay.plots import check_plot_path
+
+        check_plot_path(args.plot)
+    run = _Run(args)
+    import torch
+
+    # Small tensor ops on the loop thread next to the copy worker: one intra-op thread avoids
+    # two OpenMP teams contending for the cores (measured 2x faster replays on 2 cores).
+    torch.set_num_threads(args.torch_threads)
+    if args.instances > 1:
+        return _replay_cluster(run)
+    if args.sweep:
+        return _replay_sweep(run)
+    report, outcome = _replay_once(run, run.config(), "replay")
+    if args.plot:
+        from asynccache.replay.plots import plot_tiers
+
+        plot_tiers(report, args.plot)
+    print(json.dumps(report, indent=1) if args.json else _table(report))
+    return _exit_code(outcome)
+
+
+def _table(report: dict[str, Any]) -> str:
+    from asynccache.replay.report import format_table
+
+    return format_table(report)
+
+
+def _replay_once(run: _Run, config: Any, desc: str) -> tuple[dict[str, Any], Any]:
+    from asynccache.replay.driver import Replayer
+    from asynccache.replay.report import build_report
+
+    opts = run.options(run.args.storage)
+    rep = Replayer(config, opts)
+    stats = run.replay(rep, desc)
+    report = build_report(stats, config, run.spec.name, run.args.storage, options=opts,
+                          outcome=rep.outcome, skipped_records=run.spec.skipped,
+                          auto_device=run.auto_note)
+    return report, rep.outcome
+
+
+def _replay_sweep(run: _Run) -> int:
+    from asynccache.replay.report import format_sweep
+
+    args = run.args
+    compare = (args.write_policy == "write_through_selective" and run.host_tokens > 0
+               and args.host_mode == "cache")
+    points: list[dict[str, Any]] = []
+    wt: list[dict[str, Any]] = []
+    outcome = None
+    for cap in args.sweep:
+        report, outcome = _replay_once(run, run.config(cap), f"L1 {cap:,}")
+        points.append(report)
+        if _exit_code(outcome):
+            break
+        if compare:
+            report, outcome = _replay_once(run, run.config(cap, "write_through"),
+                                           f"L1 {cap:,} write_through")
+            wt.append(report)
+            if _exit_code(outcome):
+                break
+    if args.plot and points:
+        from asynccache.replay.plots import plot_sweep
+
+        plot_sweep(points, args.plot, wt[: len(points)] if len(wt) == len(points) else None)
+    if args.json:
+        out: dict[str, Any] = {"sweep": points}
+        if compare:
+            out["write_through"] = wt
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_sweep(points, wt if len(wt) == len(points) else None))
+    return _exit_code(outcome)
+
+
+def _replay_cluster(run: _Run) -> int:
+    from asynccache.replay.cluster import ClusterReplayer, cluster_report, format_cluster
+
+    args = run.args
+    config = run.config()
+
+    def once(storage: str | None, desc: str) -> Any:
+        rep = ClusterReplayer(config, run.options(storage), instances=args.instances,
+                              route=args.route, route_tokens=args.route_tokens)
+        return run.replay(rep, desc)
+
+    pooled = once(args.storage, "pooled" if args.storage else "instances")
+    isolated = None
+    if args.storage and not args.skip_isolated and not _exit_code(pooled.outcome):
+        isolated = once(None, "isolated")
+    report = cluster_report(pooled, isolated, config, run.spec.name, args.storage,
+                            options=run.options(args.storage))
+    if args.plot:
+        from asynccache.replay.plots import plot_cluster
+
+        plot_cluster(report, args.plot)
+    print(json.dumps(report, indent=1) if args.json else format_cluster(report))
+    return int(_exit_code(pooled.outcome) or (_exit_code(isolated.outcome) if isolated else 0))
+
+
+def _exit_code(outcome: Any) -> int:
+    """0, 2 after a malformed record (its message goes to stderr), 130 after Ctrl-C."""
+    if outcome is None:
+        return 0
+    if outcome.stopped_by:
+        print(f"asynccache: error: the trace has a malformed record: {outcome.stopped_by} "
+              "(the report covers the requests before it; --skip-bad-lines skips such records)",
+              file=sys.stderr)
+        return 2
+    if outcome.interrupted:
+        print("asynccache: interrupted: the report covers the requests served before it",
+              file=sys.stderr)
+        return 130
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "replay":
-        if args.max_in_flight < 1:
-            parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
-        for flag in ("seed", "limit", "time_scale", "conversation_gap", "prefetch_threshold"):
-            value = getattr(args, flag)
-            if value is not None and (value < 0 or value != value):
-                parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
-        if args.torch_threads < 1:
-            parser.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
-        if args.instances < 1:
-            parser.error(f"--instances must be >= 1, got {args.instances}")
-        if args.route_tokens < 1:
-            parser.error(f"--route-tokens must be >= 1, got {args.route_tokens}")
-        if args.instances > 1 and args.sweep:
-            parser.error("--instances and --sweep cannot be combined")
-        if args.plot and not _have_matplotlib():
-            parser.error("--plot needs matplotlib, which is not installed: "
-                         "pip install 'asynccache[plot]'")
-        configure_logging(args.log_level, fmt=args.log_format)
+        _check_args(parser, args)
     try:
         return int(args.func(args))
     except AsyncCacheError as exc:
         print(f"asynccache: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:
+        print(f"asynccache: error: out of memory ({exc or 'allocation failed'}): use smaller "
+              "--device-tokens / --host-tokens", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asynccache: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

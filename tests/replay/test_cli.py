@@ -17,23 +17,26 @@ from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
 SUBPROCESS_TIMEOUT = 120  # a hang guard, not a performance assertion
 
 REPORT_KEYS = {
-    "trace", "config", "requests", "completed", "rejected", "prompt_tokens", "reused_tokens",
-    "computed_tokens", "hit_rate", "moved", "evicted_device_tokens", "dropped_tokens",
-    "verified_tokens", "max_in_flight", "wall_s", "requests_per_s", "tokens_per_s",
+    "trace", "status", "config", "model", "requests", "completed", "rejected", "rejected_tokens",
+    "largest_rejected_tokens", "skipped_records", "prompt_tokens", "prompt_blocks",
+    "reused_tokens", "computed_tokens", "hit_rate", "overlap", "moved", "evicted_device_tokens",
+    "dropped_tokens", "verified_tokens", "wall_s", "requests_per_s", "tokens_per_s", "notes",
 }
 HIT_RATE_KEYS = {
     "device_tokens", "host_tokens", "storage_tokens", "total_tokens", "device_blocks",
     "host_blocks", "storage_blocks", "total_blocks", "infinite_cache_bound_tokens",
-    "fraction_of_bound",
+    "infinite_cache_bound_blocks", "fraction_of_bound",
 }
 MOVED_KEYS = {"device_to_host_bytes", "host_to_device_bytes", "host_to_storage_bytes",
               "storage_to_host_bytes"}
-TABLE_ROWS = ["trace", "requests (completed / rejected)", "prompt tokens",
-              "reused / computed tokens", "hit rate L1 device (tokens / blocks)",
-              "hit rate L2 host (tokens / blocks)", "hit rate L3 storage (tokens / blocks)",
-              "hit rate total (tokens / blocks)", "infinite-cache bound",
-              "fraction of the bound reached", "bytes D->H / H->D", "bytes H->L3 / L3->H",
-              "evicted device tokens", "verified KV tokens", "wall time", "throughput"]
+TABLE_ROWS = ["trace", "status", "requests served / rejected", "prompt tokens / blocks",
+              "reused / computed tokens", "capacity L1 / L2 (tokens)",
+              "hit rate L1 device (tokens / blocks)", "hit rate L2 host (tokens / blocks)",
+              "hit rate L3 storage (tokens / blocks)", "hit rate total (tokens / blocks)",
+              "infinite-cache bound (tokens / blocks)", "fraction of the bound reached",
+              "requests in flight (max / overlapped)", "bytes D->H / H->D",
+              "bytes H->L3 / L3->H", "evicted device tokens", "verified KV tokens", "wall time",
+              "throughput"]
 
 
 def _rc(argv: list[str]) -> int:
@@ -49,10 +52,12 @@ def _synthetic_totals(seed: int = 0, limit: int | None = None) -> tuple[int, int
     return len(reqs), sum(len(r) for r in reqs)
 
 
-def _check_report(rep: dict, *, requests: int, prompt_tokens: int, cold: bool = True) -> None:
-    assert set(rep) == REPORT_KEYS
+def _check_report(rep: dict, *, requests: int, prompt_tokens: int, cold: bool = True,
+                  page_size: int = 16) -> None:
+    assert set(rep) - {"storage_state"} == REPORT_KEYS
     assert set(rep["hit_rate"]) == HIT_RATE_KEYS
     assert set(rep["moved"]) == MOVED_KEYS
+    assert rep["status"] == "complete"
     assert rep["requests"] == rep["completed"] == requests
     assert rep["rejected"] == 0
     assert rep["prompt_tokens"] == prompt_tokens
@@ -60,19 +65,23 @@ def _check_report(rep: dict, *, requests: int, prompt_tokens: int, cold: bool = 
     hr = rep["hit_rate"]
     assert hr["total_tokens"] == round(rep["reused_tokens"] / prompt_tokens, 4)
     for k in HIT_RATE_KEYS - {"fraction_of_bound"}:
-        assert 0.0 <= hr[k] <= 1.0, (k, hr[k])
-    if cold:  # the bound is the trace's own, from empty tiers (warm storage can beat it)
+        assert hr[k] is None or 0.0 <= hr[k] <= 1.0, (k, hr[k])
+    if cold:  # the bound is the trace's own, from empty tiers
         assert hr["total_tokens"] <= hr["infinite_cache_bound_tokens"]
+        assert hr["total_blocks"] <= hr["infinite_cache_bound_blocks"]
+    else:  # a warm store can beat the trace's own bound: it is not applicable
+        assert rep["storage_state"]["warm"]
+        assert hr["infinite_cache_bound_tokens"] is hr["fraction_of_bound"] is None
     assert rep["verified_tokens"] >= 0 and rep["wall_s"] >= 0
 
 
 def test_default_is_the_synthetic_workload(capsys) -> None:
     assert main(["replay"]) == 0
     out = capsys.readouterr().out
-    lines = out.splitlines()
-    assert [line.split("  ")[0] for line in lines if line.strip()] == TABLE_ROWS
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert [line.split("  ")[0] for line in lines if not line.startswith("note:")] == TABLE_ROWS
     requests, _ = _synthetic_totals()
-    assert f"{requests} ({requests} / 0)" in out
+    assert f"{requests} / 0 (of {requests} read)" in out
 
 
 def test_json_report_has_the_documented_keys(capsys) -> None:
@@ -84,7 +93,8 @@ def test_json_report_has_the_documented_keys(capsys) -> None:
     assert rep["config"] == {"page_size": 16, "device_tokens": 64000, "host_tokens": 0,
                              "host_mode": "cache",
                              "storage": None, "write_policy": "write_through_selective",
-                             "eviction_policy": "lru", "kv_shape": [2, 2, 16, "float16"]}
+                             "eviction_policy": "lru", "kv_shape": [2, 2, 16, "float16"],
+                             "device": "cpu"}
     # L1 only: nothing from host or storage, nothing moved between tiers.
     assert rep["hit_rate"]["host_tokens"] == rep["hit_rate"]["storage_tokens"] == 0.0
     assert set(rep["moved"].values()) == {0}
@@ -210,9 +220,10 @@ def _bad_trace(tmp: Path) -> Path:
         (["replay", "--page-size", "x"], "argument --page-size: invalid int value"),
         (["replay", "--page-size", "0"], "page_size must be > 0, got 0"),
         (["replay", "--layers", "0"], "num_layers must be > 0, got 0"),
-        (["replay", "--dtype", "int8"], "unknown dtype 'int8'"),
-        (["replay", "--write-policy", "nope"], "unknown write_policy 'nope'"),
-        (["replay", "--eviction-policy", "random"], "unknown eviction_policy 'random'"),
+        (["replay", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["replay", "--write-policy", "nope"], "argument --write-policy: invalid choice: 'nope'"),
+        (["replay", "--eviction-policy", "random"],
+         "argument --eviction-policy: invalid choice: 'random'"),
         (["replay", "--prefetch-threshold", "-1"], "--prefetch-threshold must be >= 0"),
         (["replay", "--storage", "ftp://x/y"], "unsupported storage URL scheme"),
         (["replay", "--storage", "file://relative/dir"], "must be file:///absolute/path"),
