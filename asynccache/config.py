@@ -34,6 +34,10 @@ class CacheConfig:
     ``host_mode``: ``"cache"`` (host memory is the L2 tier) or ``"buffer_only"`` (host memory is
     only staging between device and an attached storage backend; FULL and FULL+SWA caches
     only, Mamba is refused; see docs/cache.md).
+    ``device``: where the device (L1) pools live. ``"auto"`` (the default) picks ``"cuda"``
+    (the current CUDA device) when CUDA is available, else ``"cpu"``, and is resolved once
+    here: ``config.device`` never reads ``"auto"``. An explicit ``"cuda"`` / ``"cuda:N"``
+    without CUDA is a :class:`ConfigError`.
     """
 
     page_size: int = 16
@@ -46,7 +50,7 @@ class CacheConfig:
     host_tokens: int | None = None
     host_bytes: int | None = None
     host_layout: str = "layer_first"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": "cuda" when CUDA is available, else "cpu"
     write_policy: str = "write_through_selective"
     eviction_policy: str = "lru"
     load_back_threshold: int = 10
@@ -158,6 +162,8 @@ class CacheConfig:
                 f"supported in buffer_only mode (mamba_states={self.mamba_states}, "
                 f"sliding_window={self.sliding_window}); use host_mode='cache' or no host memory"
             )
+        if self.device == "auto":  # resolved once: everything downstream sees a real device
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         try:
             dev = torch.device(self.device)
         except RuntimeError as exc:
