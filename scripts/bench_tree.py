@@ -8,6 +8,12 @@ With ``--sglang-python PY`` it also runs SGLang's Python RadixCache on the same 
 interpreter (which must have sglang installed) and reports our throughput as a ratio to it.
 Targets: insert and match >= 2x SGLang; eviction >= 3,000 calls/s.
 
+Key forms (``keys`` in the report; ``--no-keys`` skips them): building a key from what engines
+hold (a Python list, ``array('q')`` as SGLang keeps it, numpy int32 / int64, a torch tensor),
+in microseconds per 1,000 tokens (median of rounds), and insert / match throughput with the key
+built from a list or an ``array('q')`` inside the timed region, as a ratio to prebuilt keys
+(the same 2,000 sequences, the forms in turns, A B A B).
+
 Hybrid configurations (``hybrid`` in the report; ``--no-hybrid`` skips them): the same workload
 on FULL+SWA (window 512), FULL+Mamba and FULL+SWA+Mamba trees, every insert carrying a Mamba
 state (its SWA data is named by its FULL slots). Each of ``--repeat`` rounds runs FULL-only
@@ -30,6 +36,7 @@ import json
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +127,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2,000 sequences, fewer evict calls")
     ap.add_argument("--no-hybrid", action="store_true", help="skip the SWA / Mamba configurations")
     ap.add_argument("--repeat", type=int, default=5, help="hybrid comparison: rounds")
+    ap.add_argument("--no-keys", action="store_true", help="skip the key-form timings")
     args = ap.parse_args()
     if args.quick:
         args.num, args.evict_calls, args.sglang_evict_calls = 2000, 300, 30
@@ -142,9 +150,63 @@ def main() -> None:
                     row["asynccache"]["evict_calls_s"] / sg["evict_calls_s"]
                 )
             report["runs"].append(row)
+    if not args.no_keys:
+        report["keys"] = run_key_forms(seqs[:2000], args.repeat)
     if not args.no_hybrid:
         report["hybrid"] = run_hybrid(seqs, args.evict_calls, args.repeat)
     print(json.dumps(report, indent=1))
+
+
+def run_key_forms(seqs: np.ndarray, repeat: int) -> dict:
+    """Key construction per input form, and insert / match with the key built in the timed
+    region (list, array('q')) against prebuilt keys, in rotated turns."""
+    import torch
+
+    n, width = seqs.shape
+    forms = {
+        "list": [s.tolist() for s in seqs],
+        "array_q": [array("q", s.tolist()) for s in seqs],
+        "numpy_int32": [s.astype(np.int32) for s in seqs],
+        "numpy_int64": [s.astype(np.int64) for s in seqs],
+        "torch_int64": [torch.from_numpy(s.astype(np.int64)) for s in seqs],
+    }
+    build: dict[str, list[float]] = {name: [] for name in forms}
+    for r in range(repeat):
+        names = list(forms)
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            for s in forms[name]:
+                RadixKey(s)
+            build[name].append((time.perf_counter() - t0) / n * 1e6 * 1000 / width)
+    out: dict = {"sequences": n, "build_us_per_1000_tokens": {
+        name: float(np.median(v)) for name, v in build.items()}}
+    prebuilt = [RadixKey(s) for s in seqs]
+    values = [np.arange(i * width, (i + 1) * width, dtype=np.int64) for i in range(n)]
+    modes = {"prebuilt": prebuilt, "list": forms["list"], "array_q": forms["array_q"]}
+    rates: dict[str, dict[str, list[float]]] = {m: {"insert": [], "match": []} for m in modes}
+    for r in range(repeat):
+        names = list(modes)
+        k = r % len(names)
+        for mode in names[k:] + names[:k]:
+            src = modes[mode]
+            tree = RadixTree(page_size=1)
+            t0 = time.perf_counter()
+            for i in range(n):
+                tree.insert(src[i] if mode == "prebuilt" else RadixKey(src[i]), values[i])
+            rates[mode]["insert"].append(n / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for i in range(n):
+                tree.match_prefix(src[i] if mode == "prebuilt" else RadixKey(src[i]))
+            rates[mode]["match"].append(n / (time.perf_counter() - t0))
+    for mode in modes:
+        for ph in ("insert", "match"):
+            out[f"{ph}_ops_s_key_{mode}"] = float(np.median(rates[mode][ph]))
+    for mode in ("list", "array_q"):
+        for ph in ("insert", "match"):
+            out[f"{ph}_key_{mode}_vs_prebuilt"] = float(np.median(
+                [a / b for a, b in zip(rates[mode][ph], rates["prebuilt"][ph], strict=True)]))
+    return out
 
 
 HYBRIDS = (("full", 0, False), ("full+swa", 512, False), ("full+mamba", 0, True),

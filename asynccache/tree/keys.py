@@ -82,46 +82,72 @@ def interned_namespaces() -> int:
 def encode_tokens(tokens: Any) -> bytes:
     """Validate token ids and return them as little-endian uint32 bytes.
 
-    Accepts a sequence of ints, a numpy integer array or a torch integer tensor.
-    Raises :class:`InvalidInputError` naming the first bad value.
+    Accepts what engines hold: a list or tuple of ints, an ``array.array`` of integers (SGLang
+    keeps ``array('q')``), a numpy integer array, a torch integer tensor (any device). Each
+    form takes one vectorised pass with one range check; Python ``bool`` values, being ints,
+    read as 0 and 1 (bool arrays and tensors are refused). Raises :class:`InvalidInputError`
+    naming the first bad value.
     """
+    kind = type(tokens)
+    if kind is list or kind is tuple:
+        if _ARRAY_I_OK:
+            try:  # one C pass: ints (and numpy ints) in [0, 2**32)
+                return array("I", tokens).tobytes()
+            except (OverflowError, TypeError, ValueError):
+                pass  # find and name the bad value below
+        return _encode_slow(tokens)
+    if kind is array:
+        if tokens.typecode not in _INT_TYPECODES:
+            raise InvalidInputError(
+                f"tokens must be integers, got an array of typecode {tokens.typecode!r}"
+            )
+        return _encode_numpy(np.frombuffer(tokens, dtype=tokens.typecode))
     if isinstance(tokens, bytes | bytearray | memoryview):
         raise InvalidInputError("tokens must be a sequence of ints, got a bytes-like object")
-    if isinstance(tokens, np.ndarray) or type(tokens).__module__.startswith("torch"):
+    if isinstance(tokens, np.ndarray):
+        return _encode_numpy(tokens)
+    if kind.__module__.startswith("torch"):
         try:
-            arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            arr = np.asarray(tokens.detach().cpu())
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError) as exc:
             where = getattr(tokens, "device", "?")
             raise InvalidInputError(
-                f"tokens: cannot read the ids of a {type(tokens).__name__} on device {where} "
+                f"tokens: cannot read the ids of a {kind.__name__} on device {where} "
                 f"({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
-        if arr.ndim != 1:
-            raise InvalidInputError(f"tokens must be one-dimensional, got shape {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise InvalidInputError(f"tokens must be integers, got dtype {arr.dtype}")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
-            bad = arr[(arr < 0) | (arr > MAX_TOKEN_ID)][0]
-            raise InvalidInputError(f"token id {int(bad)} is outside [0, {MAX_TOKEN_ID}]")
-        return arr.astype("<u4", copy=False).tobytes()
+        return _encode_numpy(arr)
     if not isinstance(tokens, Sequence):
-        raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    packed = None
-    if _ARRAY_I_OK and set(map(type, tokens)) <= {int}:  # exact ints only: no bools, no floats
-        try:
-            packed = array("I", tokens)
-        except OverflowError:
-            packed = None
-    if packed is None:
-        for pos, tok in enumerate(tokens):
-            if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
-                raise InvalidInputError(f"token at position {pos} is not an int: {tok!r}")
-            if not 0 <= int(tok) <= MAX_TOKEN_ID:
-                raise InvalidInputError(
-                    f"token id {int(tok)} at position {pos} is outside [0, {MAX_TOKEN_ID}]"
-                )
-        return np.asarray([int(t) for t in tokens], dtype="<u4").tobytes()
-    return packed.tobytes()
+        raise InvalidInputError(f"tokens must be a sequence of ints, got {kind.__name__}")
+    return _encode_slow(tokens)
+
+
+_INT_TYPECODES: Final = frozenset("bBhHiIlLqQ")
+
+
+def _encode_numpy(arr: np.ndarray) -> bytes:
+    if arr.ndim != 1:
+        raise InvalidInputError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        bad = arr[(arr < 0) | (arr > MAX_TOKEN_ID)][0]
+        pos = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
+        raise InvalidInputError(
+            f"token id {int(bad)} at position {pos} is outside [0, {MAX_TOKEN_ID}]"
+        )
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def _encode_slow(tokens: Sequence[Any]) -> bytes:
+    """Element by element, naming the first value that is not an int in range."""
+    for pos, tok in enumerate(tokens):
+        if not isinstance(tok, int | np.integer):
+            raise InvalidInputError(f"token at position {pos} is not an int: {tok!r}")
+        if not 0 <= int(tok) <= MAX_TOKEN_ID:
+            raise InvalidInputError(
+                f"token id {int(tok)} at position {pos} is outside [0, {MAX_TOKEN_ID}]"
+            )
+    return np.asarray([int(t) for t in tokens], dtype="<u4").tobytes()
 
 
 def decode_tokens(data: bytes) -> list[int]:

@@ -273,3 +273,54 @@ def test_namespace_intern_table_drops_unused_namespaces(alloc) -> None:
     m = tree.match_prefix(RadixKey([5, 6], None, "in-tree-salt"))
     assert m.device_prefix_len == 2  # the tree's namespace is still the interned one
     assert Namespace() is DEFAULT_NAMESPACE
+
+
+# ---------------------------------------------------------------- key input forms
+def _forms(tokens: list[int]) -> dict[str, object]:
+    from array import array
+
+    import torch
+
+    return {
+        "list": tokens, "tuple": tuple(tokens), "array_q": array("q", tokens),
+        "array_I": array("I", tokens), "array_h": array("h", [t % 30000 for t in tokens]),
+        "np_int32": np.array(tokens, dtype=np.int32), "np_uint32": np.array(tokens, np.uint32),
+        "np_int64": np.array(tokens, dtype=np.int64), "torch_int64": torch.tensor(tokens),
+        "torch_int32": torch.tensor(tokens, dtype=torch.int32),
+        "np_strided": np.array([x for t in tokens for x in (t, -1)], dtype=np.int64)[::2],
+    }
+
+
+def test_every_input_form_gives_the_same_key() -> None:
+    tokens = [0, 1, 7, 31999, 65535, 2**31 - 1]
+    want = RadixKey(tokens).data
+    assert want == struct.pack(f"<{len(tokens)}I", *tokens)
+    for name, form in _forms(tokens).items():
+        expect = RadixKey([t % 30000 for t in tokens]).data if name == "array_h" else want
+        assert RadixKey(form).data == expect, name
+
+
+@pytest.mark.parametrize(("tokens", "needle"), [
+    ([1, 2**32, 3], "4294967296 at position 1"),
+    ([1, -5], "-5 at position 1"),
+    ([1, 2.0], "position 1 is not an int: 2.0"),
+    ([1, "2"], "position 1 is not an int: '2'"),
+])
+def test_bad_list_tokens_are_named(tokens, needle) -> None:
+    with pytest.raises(InvalidInputError, match=needle):
+        RadixKey(tokens)
+
+
+def test_bad_array_tokens_are_named() -> None:
+    from array import array
+
+    with pytest.raises(InvalidInputError, match="-3 at position 2"):
+        RadixKey(array("q", [1, 2, -3]))
+    with pytest.raises(InvalidInputError, match="4294967296 at position 0"):
+        RadixKey(np.array([2**32], dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="typecode 'd'"):
+        RadixKey(array("d", [1.0]))
+    with pytest.raises(InvalidInputError, match="dtype float64"):
+        RadixKey(np.array([1.0]))
+    with pytest.raises(InvalidInputError, match="one-dimensional"):
+        RadixKey(np.zeros((2, 2), dtype=np.int64))
