@@ -38,7 +38,6 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +48,7 @@ import anyio
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ConfigError, StorageError
+from asynccache.storage import filedir
 from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
 from asynccache.storage.base import StorageLayout, check_batch, validate_keys
 from asynccache.storage.fileindex import LruIndex
@@ -59,9 +59,6 @@ from asynccache.storage.threadio import PageGuard, Scratch, ThreadRunner
 
 __all__ = ["FileBackend"]
 
-_SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
-_KEY_RE = re.compile(r"[0-9a-f]{64}(?:\.[a-z0-9_-]{1,32})?")
-_STALE_TMP_S = 3600.0
 _MAX_STUCK = 32  # default max_stuck_threads: abandoned threads before calls fail fast
 _MiB = 1 << 20
 #: A read job takes at most this many bytes of neighbouring segment pages (one preadv) ...
@@ -132,6 +129,13 @@ class FileBackend(BackendBase):
         self._victims: list[str] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
+        self._writer = filedir.WriterLock(self._root)
+        self._no_writer_lock = False
+        self._temps: dict[str, filedir.TempFile] = {}  # other writers' temp files, counted
+        self._tmp_bytes = 0
+        self._temps_checked = time.monotonic()
+        #: Seconds between looks at the temp files kept at start (while there are any).
+        self.tmp_recheck_s = 60.0
         # key -> generation: pages whose read was abandoned while still running
         self._quarantine: dict[str, int] = {}
         self._quarantine_gen = 0
@@ -181,7 +185,7 @@ class FileBackend(BackendBase):
             self._started = True
             victims: list[str] = []
             if self.capacity_bytes is not None:
-                victims = self._index.evict(self.capacity_bytes, 0, protect=())
+                victims = self._index.evict(self.capacity_bytes, self._tmp_bytes, protect=())
             if victims:
                 await self._runner.run(len(victims), self._unlink_job(victims), self._deadline())
                 self._gone(victims, "capacity")
@@ -214,31 +218,47 @@ class FileBackend(BackendBase):
         return result[0]
 
     def _scan(self) -> list[tuple[int, str, int, int]]:
-        """(mtime_ns, key, size, inode) of this layout's objects; removes stale temp files."""
-        os.makedirs(self.root, exist_ok=True)
-        suffix = self._suffix
-        now = time.time()
-        out: list[tuple[int, str, int, int]] = []
-        with os.scandir(self.root) as top:
-            subdirs = [e.path for e in top if e.is_dir() and _SUBDIR_RE.fullmatch(e.name)]
-        for sub in subdirs:
-            with os.scandir(sub) as it:
-                for e in it:
-                    name = e.name
-                    try:
-                        if name.startswith("."):
-                            if name.endswith(".tmp") and now - e.stat().st_mtime > _STALE_TMP_S:
-                                os.unlink(e.path)
-                            continue
-                        if not name.endswith(suffix):
-                            continue
-                        key = name[: -len(suffix)]
-                        if _KEY_RE.fullmatch(key) and key[:2] == os.path.basename(sub):
-                            st = e.stat()
-                            out.append((st.st_mtime_ns, key, st.st_size, st.st_ino))
-                    except FileNotFoundError:
-                        continue
-        return out
+        """Blocking. This layout's objects (``filedir.scan``); on the first call also takes
+        this writer's lock. The temp files kept are recorded for the capacity."""
+        if not self._writer.held and self._files.writer is None and not self._no_writer_lock:
+            os.makedirs(self.root, exist_ok=True)
+            if self._writer.acquire():
+                self._files.writer = self._writer.id
+            else:
+                self._no_writer_lock = True
+        entries, temps = filedir.scan(self._root, self._suffix, self._liveness())
+        self._set_temps(temps)
+        return entries
+
+    def _set_temps(self, temps: dict[str, filedir.TempFile]) -> None:
+        self._temps = temps
+        self._tmp_bytes = sum(t.size for t in temps.values())
+
+    def _liveness(self) -> filedir.Liveness:
+        return filedir.Liveness(self._root, self._files.writer)
+
+    @property
+    def writer_id(self) -> str | None:
+        """The id this backend names its temp files with (None before start, or where the
+        filesystem has no ``flock``)."""
+        return self._files.writer
+
+    async def _recheck_temps(self) -> None:
+        """Look again at the temp files kept at start (at most every ``tmp_recheck_s``):
+        remove those whose writer is gone, stop counting those that went."""
+        if not self._temps or time.monotonic() < self._temps_checked + self.tmp_recheck_s:
+            return
+        self._temps_checked = time.monotonic()
+        temps = dict(self._temps)
+        left: list[dict[str, filedir.TempFile]] = []
+
+        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
+            left.append(filedir.recheck(temps, self._liveness()))
+            guard.finish(i, OK)
+
+        outcomes, _ = await self._runner.run(1, job, self._deadline())
+        if outcomes[0] == OK and left:
+            self._set_temps(left[0])
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -250,8 +270,9 @@ class FileBackend(BackendBase):
         if cap is not None:
             if size > cap:
                 return False
-            self._victims += self._index.evict(cap - size, self._reserved, protect)
-            if self._index.used + self._reserved + size > cap:
+            held = self._reserved + self._tmp_bytes  # other writers' temp files count too
+            self._victims += self._index.evict(cap - size, held, protect)
+            if self._index.used + held + size > cap:
                 return False
         self._reserved += size
         return True
@@ -443,6 +464,7 @@ class FileBackend(BackendBase):
         self._check_open()
         key_list, views = check_batch(keys, buffers, writable=False)
         await self._ensure_started()
+        await self._recheck_temps()
         started = time.perf_counter()
         n = len(key_list)
         outcomes: list[str] = [OK] * n
@@ -681,10 +703,24 @@ class FileBackend(BackendBase):
             "stuck_threads": self._runner.stuck,
             "quarantined": len(self._quarantine),
             "no_space_retries": self.metrics.no_space_retries,
+            "temp_files": len(self._temps),
+            "temp_bytes": self._tmp_bytes,
+            "writer_id": self._files.writer,
         }
 
     async def aclose(self) -> None:
+        """Later calls raise ClosedError; this writer's lock file is removed (its temp files
+        are then anyone's to remove)."""
+        if self._closed:
+            return
         self._closed = True
+        if self._writer.held:
+
+            def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
+                self._writer.release()
+                guard.finish(i, OK)
+
+            await self._runner.run(1, job, self.timeout_s)
 
     def __repr__(self) -> str:
         return f"FileBackend(root={str(self.root)!r}, tag={self._layout.tag!r})"

@@ -133,11 +133,21 @@ class PageFiles:
         self.fsync = fsync
         self.direct = direct and O_DIRECT != 0  # segments with O_DIRECT (cleared on EINVAL)
         self.links_ok = True  # cleared when the filesystem refuses hard links
+        #: This backend's writer id (storage/filewriters.py), named in every temp file so a
+        #: later start can tell a dead writer's leftovers from a live writer's in-flight ones.
+        self.writer: str | None = None
+
+    def tmp_path(self, directory: str, stem: str) -> str:
+        """A fresh hidden temp file name in ``directory``."""
+        tag = secrets.token_hex(6)
+        if self.writer is not None:
+            return os.path.join(directory, f".{self.writer}.{stem}.{tag}.tmp")
+        return os.path.join(directory, f".{stem}.{os.getpid()}.{tag}.tmp")  # no writer lock
 
     # -- writes ---------------------------------------------------------------------------------
 
     def _create_tmp(self, directory: str, stem: str) -> tuple[str, int]:
-        tmp = os.path.join(directory, f".{stem}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        tmp = self.tmp_path(directory, stem)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
         try:
             return tmp, os.open(tmp, flags, 0o644)
@@ -167,7 +177,7 @@ class PageFiles:
             copy_into(buf[at : at + p.nbytes], p)
             at += p.nbytes
         buf[size:] = bytes(padded - size)
-        tmp = os.path.join(directory, f".seg.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        tmp = self.tmp_path(directory, "seg")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_DIRECT
         try:
             try:
@@ -294,7 +304,7 @@ class PageFiles:
             return
         except FileExistsError:
             pass
-        side = f"{src[:-4]}.{secrets.token_hex(4)}.tmp"  # swept on start if we crash here
+        side = f"{src[:-4]}.{secrets.token_hex(4)}.tmp"  # (same writer id) swept if we crash
         os.link(src, side)
         try:
             os.replace(side, dst)

@@ -180,7 +180,7 @@ async def test_lru_capacity_evicts_in_exact_order(tmp_path, layout, make_keys, m
     assert [await b.exists_prefix([x]) for x in k] == [0, 0, 0, 1, 1, 1]
     s = b.stats()
     assert s["evictions"] == 3 and s["objects"] == 3 and s["used_bytes"] == 3 * size
-    assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted(
+    assert sorted(p.name for p in tmp_path.glob("[0-9a-f][0-9a-f]/*")) == sorted(
         obj_path(b, x).name for x in k[3:]
     )
     # a page larger than the whole capacity is skipped, nothing else evicted
@@ -217,7 +217,7 @@ async def test_concurrent_writers_and_readers_of_the_same_keys(
     for b in backends:
         ok, got = await read(b, keys, 64 * 1024)
         assert ok == [True] * 8 and got == pages
-    assert not [p for p in tmp_path.rglob(".*")], "temp files left behind"
+    assert not [p for p in tmp_path.rglob(".*.tmp")], "temp files left behind"
 
 
 async def test_objects_of_other_instances_are_adopted(tmp_path, layout, make_keys, make_pages):
@@ -318,7 +318,7 @@ async def test_enospc_skips_the_write_and_leaves_no_temp_file(tmp_path, layout, 
     assert await fb.set_batch(keys, [b"q" * PAGE] * 3) == [True, False, True]
     assert fault_count(inner, "set", "no_space") == 1
     assert await fb.exists_prefix(keys) == 1
-    assert not [p for p in tmp_path.rglob(".*")]
+    assert not [p for p in tmp_path.rglob(".*.tmp")]
     assert inner.stats()["used_bytes"] == 2 * (HEADER_SIZE + PAGE)
     fb.clear_rules()
     assert await fb.set_batch(keys, [b"q" * PAGE] * 3) == [True] * 3

@@ -57,7 +57,7 @@ async def test_a_batch_is_packed_into_segments_with_one_name_per_page(
     s = b.stats()
     assert s["objects"] == 10 and s["files"] == 3 and s["used_bytes"] == sum(sizes)
     assert s["pages"] == {"set.written": 10}
-    assert not [p for p in tmp_path.rglob(".*")], "temp files left behind"
+    assert not [p for p in tmp_path.rglob(".*.tmp")], "temp files left behind"
     ok, got = await read(b, keys)
     assert ok == [True] * 10 and got == pages
     order = [5, 2, 9, 3, 4, 0]  # out of order, across segments
@@ -150,7 +150,7 @@ async def test_eviction_removes_whole_segments_least_recent_first(
     assert not any(path(b, x).exists() for x in k[4:8])
     s = b.stats()
     assert s["evictions"] == 4 and s["files"] == 2 and s["used_bytes"] == 2 * seg
-    assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted(
+    assert sorted(p.name for p in tmp_path.glob("[0-9a-f][0-9a-f]/*")) == sorted(
         path(b, x).name for x in k[0:4] + k[8:12]
     )
     # A segment that does not fit is written page by page: 2 pages fit after evicting A.
@@ -251,7 +251,7 @@ async def test_concurrent_segment_writers_and_readers(
     for b in backends:
         ok, got = await read(b, keys, 16 * 1024)
         assert ok == [True] * 12 and got == pages
-    assert not [p for p in tmp_path.rglob(".*")], "temp files left behind"
+    assert not [p for p in tmp_path.rglob(".*.tmp")], "temp files left behind"
 
 
 async def test_write_faults_fail_the_whole_segment_and_publish_nothing(
@@ -263,7 +263,7 @@ async def test_write_faults_fail_the_whole_segment_and_publish_nothing(
     assert await fb.set_batch(keys, pages) == [False] * 4 + [True] * 4
     assert fault_count(inner, "set", "no_space") == 4
     assert [path(inner, k).exists() for k in keys] == [False] * 4 + [True] * 4
-    assert not [p for p in tmp_path.rglob(".*")]
+    assert not [p for p in tmp_path.rglob(".*.tmp")]
     assert inner.stats()["used_bytes"] == table_bytes(4) + 4 * REC
     fb.clear_rules()
     # A torn write (published): pages from the torn one on are misses, and removed.
