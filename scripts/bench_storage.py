@@ -7,7 +7,8 @@ Prints one JSON object. For each page size:
   cold read (page cache dropped with ``posix_fadvise(DONTNEED)``) against a raw sequential
   file write with fsync and a raw cold sequential read of one big file; in three modes (one
   file per page, segment files, segment files with ``O_DIRECT``); plus each without fsync,
-  and an aiofiles-per-page implementation for comparison. A second raw write reference
+  and an aiofiles-per-page implementation for comparison; and what a MAC key (``mac_key``)
+  costs: writes without fsync and warm reads, plain and keyed (``mac``). A second raw write reference
   writes the same bytes page by page with an fsync per batch (the backend's durability
   points); the JSON's ``file.raw`` says what each reference is;
 * S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
@@ -43,7 +44,7 @@ import xxhash
 
 from asynccache.storage.base import StorageLayout
 from asynccache.storage.file import FileBackend
-from asynccache.storage.pageformat import HEADER_SIZE, encode_header
+from asynccache.storage.pageformat import HEADER_SIZE, PageMac, encode_header
 
 KiB, MiB = 1024, 1024 * 1024
 TARGETS = {"file": 0.8, "s3": 0.7}
@@ -89,7 +90,16 @@ def files_under(root: Path) -> list[str]:
 def checksum_speeds() -> dict[str, float]:
     data = memoryview(os.urandom(8 * MiB))
     out = {}
-    for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("crc32", zlib.crc32)):
+    mac = PageMac(os.urandom(32))
+
+    def hmac_sha256(buf: memoryview) -> bytes:
+        return mac.tag("x" * 100, bytes(36), buf)  # what a keyed page pays (PageMac)
+
+    for name, fn in (
+        ("xxh3_64", xxhash.xxh3_64_intdigest),
+        ("crc32", zlib.crc32),
+        ("hmac_sha256", hmac_sha256),
+    ):
         t = time.perf_counter()
         for _ in range(8):
             fn(data)
@@ -230,6 +240,29 @@ def paired(rows: dict[str, list[float]], num: str, den: str) -> float | None:
     return round(statistics.median(pairs), 3) if pairs else None
 
 
+async def bench_mac(root: Path, size: int, total: int, reps: int, batch: int) -> dict[str, Any]:
+    """What a MAC key costs the file backend where nothing else does: writes without fsync
+    and warm reads (page cache), one file per page, plain and keyed runs alternating."""
+    n = max(8, total // size)
+    pages = pages_for(n, size)
+    layout = StorageLayout(model="bench", page_size=size)
+    rows: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for mode, key in (("", None), ("_mac", os.urandom(32))):
+            b = FileBackend(root / f"mac{mode}{rep}", layout, timeout_s=120, mac_key=key)
+            keys = keys_for(n, f"mac:{size}:{rep}:{mode}")
+            rows.setdefault("write" + mode, []).append(await backend_write(b, keys, pages, batch))
+            rows.setdefault("warm_read" + mode, []).append(
+                await backend_read(b, keys, pages, batch, None)
+            )
+            await b.clear()
+    return {
+        "GBps": {k: round(statistics.median(v), 3) for k, v in rows.items()},
+        "mac_write_ratio": paired(rows, "write_mac", "write"),
+        "mac_warm_read_ratio": paired(rows, "warm_read_mac", "warm_read"),
+    }
+
+
 async def bench_file(
     root: Path, size: int, total: int, reps: int, batch: int, segment: int, aio: bool
 ) -> dict[str, Any]:
@@ -299,6 +332,7 @@ async def bench_file(
         "segd_write_ratio_vs_direct": paired(rows, "write_segd", "raw_write_direct"),
         "segd_read_ratio": paired(rows, "read_segd", "raw_read_segd"),
     }
+    out["mac"] = await bench_mac(root, size, total, reps, batch)
     if aio:
         out["aiofiles_vs_backend_read"] = round(med["aiofiles_read"] / med["read"], 3)
         out["aiofiles_vs_backend_write"] = round(med["aiofiles_write"] / med["write"], 3)

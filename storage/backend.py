@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ClosedError, ConfigError
 from asynccache.logs import get_logger
-from asynccache.storage.base import StorageLayout
+from asynccache.storage.base import OBJECT_SUFFIX, StorageLayout, validate_keys
 from asynccache.storage.faults import Fault, FaultHook
 from asynccache.storage.metrics import StorageMetrics
+from asynccache.storage.pageformat import PageMac
 
 __all__ = ["MISS", "OK", "PRESENT", "BackendBase", "EvictionListener", "os_error_reason"]
 
@@ -78,11 +79,16 @@ class BackendBase:
         timeout_per_gib_s: float,
         registry: CollectorRegistry | None,
         metrics_label: str | None,
+        mac_key: bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, StorageLayout):
             raise ConfigError(f"layout must be a StorageLayout, got {layout!r}")
         self._layout = layout
+        #: With a key, pages carry a MAC and live under names tagged with the key's id.
+        self._mac = PageMac(mac_key) if mac_key is not None else None
         self._suffix = layout.object_suffix
+        if self._mac is not None:
+            self._suffix = f".{layout.tag}.mac-{self._mac.key_id}{OBJECT_SUFFIX}"
         self.timeout_s = positive("timeout_s", timeout_s)
         self.timeout_per_gib_s = positive("timeout_per_gib_s", timeout_per_gib_s, allow_zero=True)
         label = metrics_label if metrics_label is not None else self.kind
@@ -101,6 +107,15 @@ class BackendBase:
     @property
     def layout(self) -> StorageLayout:
         return self._layout
+
+    def object_name(self, key: str) -> str:
+        """The name of page ``key``'s object (file name, or S3 key under the prefix)."""
+        return validate_keys([key])[0] + self._suffix
+
+    @property
+    def mac_key_id(self) -> str | None:
+        """The id of the MAC key (in object names), or None without one."""
+        return self._mac.key_id if self._mac is not None else None
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -215,6 +230,7 @@ class BackendBase:
             "backend": self.kind,
             "label": self.metrics.label,
             "layout_tag": self._layout.tag,
+            "mac_key_id": self.mac_key_id,
             "closed": self._closed,
             **self.metrics.snapshot(),
             "removed": dict(self._removed),

@@ -2,6 +2,8 @@
 
 * ``file:///abs/dir?capacity=64GiB&io_threads=4&fsync=1&segment=8MiB&timeout=10``
 * ``s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1&concurrency=16``
+* ``...&mac_key_env=ASYNCCACHE_MAC_KEY``: authenticate pages with the secret held in that
+  environment variable (``mac_key``; see ``docs/storage.md``)
 
 Query values override nothing silently: an unknown parameter or a bad value raises
 ConfigError naming it. Keyword arguments of :func:`open_backend` are passed to the backend
@@ -11,6 +13,7 @@ a URL).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -46,6 +49,18 @@ def _bool(name: str, text: str) -> bool:
     raise ConfigError(f"URL parameter {name}={text!r} is not a boolean (use 1/0, true/false)")
 
 
+def _env_secret(name: str, text: str) -> str:
+    """The value of the environment variable a URL parameter names (secrets stay out of URLs)."""
+    if not text:
+        raise ConfigError(f"URL parameter {name}= needs the name of an environment variable")
+    value = os.environ.get(text)
+    if not value:
+        raise ConfigError(
+            f"URL parameter {name}={text}: the environment variable {text} is not set or empty"
+        )
+    return value
+
+
 def _number(name: str, text: str, kind: type) -> Any:
     try:
         return kind(text)
@@ -64,6 +79,7 @@ _FILE_PARAMS: dict[str, tuple[str, Any]] = {
     "timeout_per_gib": ("timeout_per_gib_s", lambda n, v: _number(n, v, float)),
     "adopt_external": ("adopt_external", _bool),
     "label": ("metrics_label", lambda n, v: v),
+    "mac_key_env": ("mac_key", _env_secret),
 }
 _S3_PARAMS: dict[str, tuple[str, Any]] = {
     "endpoint": ("endpoint", lambda n, v: v),
@@ -75,6 +91,7 @@ _S3_PARAMS: dict[str, tuple[str, Any]] = {
     "request_timeout": ("request_timeout_s", lambda n, v: _number(n, v, float)),
     "exists_cache_ttl": ("exists_cache_ttl_s", lambda n, v: _number(n, v, float)),
     "label": ("metrics_label", lambda n, v: v),
+    "mac_key_env": ("mac_key", _env_secret),
 }
 
 

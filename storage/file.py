@@ -75,7 +75,10 @@ class FileBackend(BackendBase):
     ``segment_bytes``: pack the pages of one ``set_batch`` into segment files of up to this
     many bytes (pages of this size or larger stay one file each); ``None`` (default): one
     file per page. ``direct_io``: write and read segments with ``O_DIRECT`` (bypassing the
-    page cache; falls back to buffered I/O where the filesystem refuses it).
+    page cache; falls back to buffered I/O where the filesystem refuses it). ``mac_key``: a
+    secret (at least 16 bytes) to authenticate pages with (``pageformat.PageMac``): pages are
+    written with a MAC, under names tagged with the key's id, and only pages whose MAC verifies
+    are served (for directories other writers can write to).
     """
 
     kind = "file"
@@ -96,6 +99,7 @@ class FileBackend(BackendBase):
         adopt_external: bool = True,
         registry: CollectorRegistry | None = None,
         metrics_label: str | None = None,
+        mac_key: bytes | str | None = None,
     ) -> None:
         super().__init__(
             layout,
@@ -103,6 +107,7 @@ class FileBackend(BackendBase):
             timeout_per_gib_s=timeout_per_gib_s,
             registry=registry,
             metrics_label=metrics_label,
+            mac_key=mac_key,
         )
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise ConfigError(f"root must be a directory path, got {root!r}")
@@ -123,7 +128,9 @@ class FileBackend(BackendBase):
         self.fsync = bool(fsync)
         self.adopt_external = bool(adopt_external)
         self._runner = ThreadRunner(io_threads, stuck)
-        self._files = PageFiles(self._path, self._fault, fsync=self.fsync, direct=bool(direct_io))
+        self._files = PageFiles(
+            self._path, self._fault, fsync=self.fsync, direct=bool(direct_io), mac=self._mac
+        )
         self._index = LruIndex()  # key -> file (unit); files in LRU order
         self._reserved = 0
         self._victims: list[str] = []

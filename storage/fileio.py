@@ -23,6 +23,7 @@ from asynccache.storage.faults import Fault, FaultKind, fault_error, flip_byte
 from asynccache.storage.pageformat import (
     HEADER_SIZE,
     CorruptPageError,
+    PageMac,
     encode_header,
     name_hash,
     parse_header,
@@ -127,9 +128,11 @@ class PageFiles:
         *,
         fsync: bool,
         direct: bool = False,
+        mac: PageMac | None = None,
     ) -> None:
         self.path = path
         self.fault = fault
+        self.mac = mac
         self.fsync = fsync
         self.direct = direct and O_DIRECT != 0  # segments with O_DIRECT (cleared on EINVAL)
         self.links_ok = True  # cleared when the filesystem refuses hard links
@@ -211,7 +214,7 @@ class PageFiles:
         tmp = None
         try:
             pre_fault(fault, "write")
-            parts = _faulted_parts(req, fault)
+            parts = _faulted_parts(req, fault, self.mac)
             final = self.path(req.key)
             tmp, fd = self._create_tmp(os.path.dirname(final), req.name)
             try:
@@ -248,11 +251,11 @@ class PageFiles:
             for r, f in zip(reqs, faults, strict=True):
                 if f is not None and f.kind is FaultKind.PARTIAL_WRITE:
                     # a torn write: this page is cut short, nothing after it reached the disk
-                    page = _faulted_parts(r, None)
+                    page = _faulted_parts(r, None, self.mac)
                     size = sum(p.nbytes for p in page)
                     parts += _cut(page, HEADER_SIZE + int((size - HEADER_SIZE) * f.position))
                     break
-                parts += _faulted_parts(r, f)
+                parts += _faulted_parts(r, f, self.mac)
             enospc = any(f is not None and f.kind is FaultKind.ENOSPC for f in faults)
             directory = os.path.dirname(self.path(reqs[0].key))
             if self.direct:
@@ -452,7 +455,7 @@ class PageFiles:
             got = int(got * fault.position)
         elif fault is not None and fault.kind is FaultKind.FLIP_BYTES:
             flip_byte(buf[:got], fault.position)
-        info = parse_header(buf[:got], req.name)
+        info = parse_header(buf[:got], req.name, self.mac)
         if info.payload_len != req.target.nbytes and stored == HEADER_SIZE + info.payload_len:
             guard.finish(
                 req.slot,
@@ -465,7 +468,7 @@ class PageFiles:
                 "partial",
                 f"object {req.name}: {stored} bytes stored, {got} read, expected {want}",
             )
-        verify_payload(info, buf[HEADER_SIZE:want], req.name)
+        verify_payload(info, buf[HEADER_SIZE:want], req.name, self.mac)
         if guard.enter():
             copied = False
             try:
@@ -492,9 +495,11 @@ def _run_of(reqs: list[ReadReq], table: dict[int, Entry]) -> list[Entry]:
     return run
 
 
-def _faulted_parts(req: WriteReq, fault: Fault | None) -> list[memoryview]:
+def _faulted_parts(
+    req: WriteReq, fault: Fault | None, mac: PageMac | None
+) -> list[memoryview]:
     """Header + payload of a page, with a write fault's damage applied (flip / cut)."""
-    header = memoryview(encode_header(req.name, req.payload))
+    header = memoryview(encode_header(req.name, req.payload, mac))
     if fault is not None and fault.kind is FaultKind.FLIP_BYTES:
         flipped = bytearray(req.payload)
         flip_byte(flipped, fault.position)

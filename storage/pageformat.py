@@ -6,12 +6,13 @@ Header (little-endian)::
          0    4 magic            b"ACKV"
          4    2 version          1
          6    1 checksum algo    1 = xxh3_64
-         7    1 flags            0 (reserved)
+         7    1 flags            0, or 1 = a MAC follows (FLAG_MAC)
          8    4 header size      64
         12    8 payload length   bytes after the header
         20    8 payload checksum xxh3_64(payload)
         28    8 name hash        xxh3_64(object name, utf-8): a renamed or misplaced object fails
-        36   20 reserved         zeros
+        36   20 MAC              zeros, or with FLAG_MAC: HMAC-SHA256(key, len(name) as u32 LE ||
+                                 name || bytes 0..36 || payload), first 20 bytes (PageMac)
         56    8 header checksum  xxh3_64(bytes 0..56)
 
 xxh3_64 runs at ~25 GB/s on one core here, against ~4.7 GB/s for zlib.crc32: verifying
@@ -20,16 +21,23 @@ every read costs a few percent of a ~2 GB/s disk instead of ~40 %.
 Readers verify everything: magic, version, header checksum, name, length against the
 object's size, and the payload checksum. Any mismatch raises :class:`CorruptObjectError` with
 a short machine-readable ``reason``.
+
+The checksums catch accidents, not intent: anyone who can write objects can compute a valid
+header for any payload. A backend given a secret (:class:`PageMac`) also writes a keyed MAC and
+reads only pages whose MAC verifies (reasons ``unauthenticated``: no MAC; ``mac``: a wrong
+one). Without a key the format and its cost are unchanged (flags 0, zeros).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from typing import NamedTuple
 
 import xxhash
 
-from asynccache.errors import CorruptObjectError
+from asynccache.errors import ConfigError, CorruptObjectError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -37,6 +45,7 @@ __all__ = [
     "MAGIC",
     "CorruptPageError",
     "HeaderInfo",
+    "PageMac",
     "checksum",
     "encode_header",
     "name_hash",
@@ -49,9 +58,14 @@ FORMAT_VERSION = 1
 ALGO_XXH3_64 = 1
 HEADER_SIZE = 64
 
-_BODY = struct.Struct("<4sHBBIQQQ20x")  # 56 bytes, then the header checksum
+FLAG_MAC = 0x01
+MAC_SIZE = 20
+_HEAD = struct.Struct("<4sHBBIQQQ")  # 36 bytes: what the MAC covers besides name and payload
+_BODY = struct.Struct("<4sHBBIQQQ20s")  # 56 bytes, then the header checksum
 _TAIL = struct.Struct("<Q")
-_HEADER = struct.Struct("<4sHBBIQQQ20xQ")
+_HEADER = struct.Struct("<4sHBBIQQQ20sQ")
+_NO_MAC = bytes(MAC_SIZE)
+assert _HEAD.size + MAC_SIZE == _BODY.size
 assert _BODY.size + _TAIL.size == _HEADER.size == HEADER_SIZE
 
 checksum = xxhash.xxh3_64_intdigest
@@ -61,6 +75,48 @@ class HeaderInfo(NamedTuple):
     payload_len: int
     payload_checksum: int
     name_hash: int
+    mac: bytes = _NO_MAC  # the MAC stored in the header (zeros without one)
+    head: bytes = b""  # header bytes 0..36 (what the MAC covers with the name and payload)
+
+
+class PageMac:
+    """A secret key that authenticates pages: HMAC-SHA256 truncated to 160 bits.
+
+    HMAC-SHA256 runs at ~1.8 GB/s per core where the CPU has SHA instructions (SHA-NI, ARMv8
+    crypto), about twice keyed BLAKE2b here; hashlib releases the GIL while hashing. The MAC
+    covers the object name (so a page cannot be moved under another key or layout), the
+    header (length, checksum, flags) and the payload. ``key_id``: 8 hex digits derived from
+    the key (not revealing it) that backends put in object names, so that writers with
+    different keys, or none, never read or delete each other's objects.
+    """
+
+    __slots__ = ("_key", "key_id")
+
+    def __init__(self, key: bytes | bytearray | memoryview | str) -> None:
+        if isinstance(key, str):
+            raw = key.encode()
+        elif isinstance(key, bytes | bytearray | memoryview):
+            raw = bytes(key)
+        else:
+            raise ConfigError(f"mac_key must be bytes or a string, got {type(key).__name__}")
+        if len(raw) < 16:
+            raise ConfigError(
+                f"mac_key must have at least 16 bytes (128 bits) of secret, got {len(raw)}"
+            )
+        self._key = raw
+        self.key_id = hmac.new(raw, b"asynccache-page-mac-key-id", hashlib.sha256).hexdigest()[:8]
+
+    def tag(self, name: str, head: bytes, payload: memoryview | bytes | bytearray) -> bytes:
+        """The MAC of a page stored as ``name`` with header bytes 0..36 ``head``."""
+        encoded = name.encode()
+        h = hmac.new(self._key, len(encoded).to_bytes(4, "little"), hashlib.sha256)
+        h.update(encoded)
+        h.update(head)
+        h.update(payload)
+        return h.digest()[:MAC_SIZE]
+
+    def __repr__(self) -> str:
+        return f"PageMac(key_id={self.key_id!r})"
 
 
 class CorruptPageError(CorruptObjectError):
@@ -79,42 +135,56 @@ def name_hash(name: str) -> int:
     return checksum(name.encode())
 
 
-def encode_header(name: str, payload: memoryview | bytes | bytearray) -> bytes:
-    """The 64-byte header of ``payload`` stored as object ``name``."""
-    body = _BODY.pack(
+def encode_header(
+    name: str, payload: memoryview | bytes | bytearray, mac: PageMac | None = None
+) -> bytes:
+    """The 64-byte header of ``payload`` stored as object ``name`` (with a MAC under ``mac``)."""
+    head = _HEAD.pack(
         MAGIC,
         FORMAT_VERSION,
         ALGO_XXH3_64,
-        0,
+        FLAG_MAC if mac is not None else 0,
         HEADER_SIZE,
         len(payload) if not isinstance(payload, memoryview) else payload.nbytes,
         checksum(payload),
         name_hash(name),
     )
+    body = head + (mac.tag(name, head, payload) if mac is not None else _NO_MAC)
     return body + _TAIL.pack(checksum(body))
 
 
-def parse_header(header: memoryview | bytes | bytearray, name: str) -> HeaderInfo:
-    """Check a header read back from object ``name``; raise CorruptObjectError if it is bad."""
+def parse_header(
+    header: memoryview | bytes | bytearray, name: str, mac: PageMac | None = None
+) -> HeaderInfo:
+    """Check a header read back from object ``name``; raise CorruptObjectError if it is bad
+    (under ``mac``, also if it carries no MAC: reason ``unauthenticated``)."""
     if len(header) < HEADER_SIZE:
         raise corrupt("partial", f"object {name}: {len(header)} bytes, shorter than a header")
-    magic, version, algo, _flags, hsize, plen, pcheck, nhash, hcheck = _HEADER.unpack_from(header)
+    magic, version, algo, flags, hsize, plen, pcheck, nhash, tag, hcheck = _HEADER.unpack_from(
+        header
+    )
     if magic != MAGIC:
         raise corrupt("bad_magic", f"object {name}: bad magic {magic!r}")
     if hcheck != checksum(memoryview(header)[: _BODY.size]):
         raise corrupt("header_checksum", f"object {name}: header checksum mismatch")
-    if version != FORMAT_VERSION or algo != ALGO_XXH3_64 or hsize != HEADER_SIZE:
+    if version != FORMAT_VERSION or algo != ALGO_XXH3_64 or hsize != HEADER_SIZE or flags & ~1:
         raise corrupt(
             "version",
-            f"object {name}: unsupported format version={version} algo={algo} header={hsize}",
+            f"object {name}: unsupported format version={version} algo={algo} header={hsize} "
+            f"flags={flags}",
         )
     if nhash != name_hash(name):
         raise corrupt("name_mismatch", f"object {name}: header names another object")
-    return HeaderInfo(plen, pcheck, nhash)
+    if mac is not None and not flags & FLAG_MAC:
+        raise corrupt("unauthenticated", f"object {name}: no MAC (written without the key)")
+    return HeaderInfo(plen, pcheck, nhash, tag, bytes(memoryview(header)[: _HEAD.size]))
 
 
-def verify_payload(info: HeaderInfo, payload: memoryview | bytes, name: str) -> None:
-    """Check the payload against its header; raise CorruptObjectError on mismatch."""
+def verify_payload(
+    info: HeaderInfo, payload: memoryview | bytes, name: str, mac: PageMac | None = None
+) -> None:
+    """Check the payload against its header (and its MAC under ``mac``); raise
+    CorruptObjectError on mismatch."""
     size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
     if size != info.payload_len:
         raise corrupt(
@@ -122,3 +192,5 @@ def verify_payload(info: HeaderInfo, payload: memoryview | bytes, name: str) -> 
         )
     if checksum(payload) != info.payload_checksum:
         raise corrupt("checksum", f"object {name}: payload checksum mismatch")
+    if mac is not None and not hmac.compare_digest(mac.tag(name, info.head, payload), info.mac):
+        raise corrupt("mac", f"object {name}: MAC mismatch (not written with this key)")
