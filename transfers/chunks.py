@@ -161,3 +161,50 @@ class SharedChunks:
             wait = self._helper_in
         if wait:
             self._left.wait()
+
+
+#: ``(layer_lo, layer_hi, pos_lo, pos_hi, layers_done)``: a chunk of a staged copy, and the
+#: number of layers complete once it is (``layer_hi`` on a layer group's last chunk of a
+#: layer-wise load, else -1).
+RingChunk = tuple[int, int, int, int, int]
+
+
+def ring_chunks(
+    n: int, num_layers: int, layer_page_bytes: int, slot_bytes: int, *, layerwise: bool,
+    group_bytes: int,
+) -> list[RingChunk]:
+    """Cut a staged copy of ``n`` pages into pieces that fit one staging slot of
+    ``slot_bytes`` (which holds at least one page of one layer), listed layer-major.
+
+    A whole copy takes all layers of as many pages as fit; a layer-wise load takes one layer at
+    a time, or several small ones together (a group of at least ``group_bytes``, bounded by the
+    slot), so that each layer is ready as soon as it is copied. A group whose pages do not fit
+    one slot is cut by pages (all its layers per piece), or, when not even one page of all its
+    layers fits, one layer at a time.
+    """
+    if n == 0:
+        return []
+    if layer_page_bytes > slot_bytes:
+        raise ValueError(f"a staging slot of {slot_bytes} bytes cannot hold one page of one "
+                         f"layer ({layer_page_bytes} bytes)")
+    per_layer = n * layer_page_bytes
+    if layerwise:
+        g = -(-group_bytes // per_layer)
+        g = max(1, min(num_layers, g, slot_bytes // per_layer if per_layer <= slot_bytes else 1))
+    else:
+        g = num_layers
+    out: list[RingChunk] = []
+    for a in range(0, num_layers, g):
+        b = min(num_layers, a + g)
+        pieces: list[Chunk]
+        k = slot_bytes // ((b - a) * layer_page_bytes)  # pages per piece, all layers a..b
+        if k >= 1:
+            pieces = [(a, b, lo, min(n, lo + k)) for lo in range(0, n, k)]
+        else:
+            m = slot_bytes // layer_page_bytes
+            pieces = [(la, la + 1, lo, min(n, lo + m)) for la in range(a, b)
+                      for lo in range(0, n, m)]
+        for i, (la, lb, lo, hi) in enumerate(pieces):
+            last = layerwise and i == len(pieces) - 1
+            out.append((la, lb, lo, hi, b if last else -1))
+    return out

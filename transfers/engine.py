@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,18 +29,29 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 
-from asynccache.errors import ClosedError, ConfigError, InvalidInputError, OwnerError
+from asynccache.errors import (
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    OwnerError,
+    TransferError,
+)
 from asynccache.logs import get_logger
 from asynccache.transfers.bridge import LoopBridge
 from asynccache.transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
+from asynccache.transfers.hazards import HostHazards
 from asynccache.transfers.indices import SlotIndices, as_slot_array
 from asynccache.transfers.pools import DevicePool, HostPool, KVPool
-from asynccache.transfers.workers import DirectWorker, Job, StagedWorker
+from asynccache.transfers.staged import STAGING_BYTES, STAGING_SLOTS, StagedWorker
+from asynccache.transfers.streams import CudaStreams, HostStreams, Streams
+from asynccache.transfers.workers import DirectWorker, Job
 
 _log = get_logger("asynccache.transfers.engine")
 
 Mode: TypeAlias = Literal["auto", "direct", "staged"]
 OPS = ("d2h", "h2d", "h2d_layerwise")
+#: ``ASYNCCACHE_DEBUG_FENCES=1`` turns the fence checks on for every engine (see ``debug_fences``).
+DEBUG_FENCES_ENV = "ASYNCCACHE_DEBUG_FENCES"
 
 
 @dataclass(slots=True)
@@ -57,9 +69,22 @@ class CopyEngine:
     """Moves KV pages between a :class:`DevicePool` and a :class:`HostPool`.
 
     ``mode``: ``"direct"`` (CPU pools only: one worker thread copying page to page),
-    ``"staged"`` (the CUDA pipeline: copy stream, fences, events; runs on CPU too) or
-    ``"auto"`` (staged on CUDA, direct on CPU). ``on_complete(result)`` is called on the loop
-    for every finished copy (metrics hook).
+    ``"staged"`` (the CUDA pipeline: copy stream, fences, events, a staging ring; runs on CPU
+    too) or ``"auto"`` (staged on CUDA, direct on CPU). ``on_complete(result)`` is called on
+    the loop for every finished copy (metrics hook).
+
+    **The fence contract.** A copy's device work waits for an explicit dependency: the
+    ``after=`` of its ``submit_*`` call (a CUDA event, a stream -- an event is recorded on it
+    at submission -- or a list of them), else the bound ``compute_stream`` (an event recorded
+    on it at submission), else the submitting thread's current stream. Only the first two are
+    explicit: kernels queued on any other stream or thread are *not* covered.
+    ``debug_fences=True`` (or ``ASYNCCACHE_DEBUG_FENCES=1``) makes a submission that relies on
+    the implicit current stream, submits from a stream other than the bound one, or passes an
+    event that was never recorded, raise :class:`InvalidInputError`.
+
+    ``streams``: the stream implementation (default: CUDA streams for CUDA pools, the CPU's
+    for CPU pools; :class:`~asynccache.transfers.streams.LateStreams` for ordering tests).
+    ``staging_bytes`` / ``staging_slots``: the staged pipeline's ring.
     """
 
     def __init__(
@@ -70,10 +95,15 @@ class CopyEngine:
         mode: Mode = "auto",
         on_complete: Callable[[CopyResult], Any] | None = None,
         name: str = "asynccache-copy",
+        compute_stream: Any = None,
+        debug_fences: bool | None = None,
+        streams: Streams | None = None,
+        staging_bytes: int = STAGING_BYTES,
+        staging_slots: int = STAGING_SLOTS,
     ) -> None:
-        if not isinstance(device_pool, DevicePool):
+        if not isinstance(device_pool, KVPool) or device_pool.kind != "device":
             raise ConfigError(f"device_pool must be a DevicePool, got {device_pool!r}")
-        if not isinstance(host_pool, HostPool):
+        if not isinstance(host_pool, KVPool) or host_pool.kind != "host":
             raise ConfigError(f"host_pool must be a HostPool, got {host_pool!r}")
         if device_pool.shape != host_pool.shape:
             raise ConfigError(
@@ -84,24 +114,43 @@ class CopyEngine:
                 f"page sizes differ: device {device_pool.page_size} vs host {host_pool.page_size}"
             )
         cuda = device_pool.device.type == "cuda"
+        if streams is None:
+            streams = CudaStreams(device_pool.device) if cuda else HostStreams()
+        elif cuda != (streams.kind == "cuda"):
+            raise ConfigError(f"{type(streams).__name__} do not fit pools on {device_pool.device}")
         if mode == "auto":
-            mode = "staged" if cuda else "direct"
+            mode = "staged" if cuda or streams.asynchronous else "direct"
         if mode not in ("direct", "staged"):
             raise ConfigError(f"unknown mode {mode!r}; expected 'auto', 'direct' or 'staged'")
         if mode == "direct" and cuda:
             raise ConfigError("mode='direct' needs CPU pools; CUDA pools use mode='staged'")
+        for what, v in (("staging_bytes", staging_bytes), ("staging_slots", staging_slots)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{what} must be a positive int, got {v!r}")
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.mode: Literal["direct", "staged"] = mode
         self.name = name
+        self.streams = streams
         self._cuda = cuda
         self._on_complete = on_complete
+        self._staging = (staging_bytes, staging_slots)
+        self.debug_fences = (os.environ.get(DEBUG_FENCES_ENV, "") not in ("", "0")
+                             if debug_fences is None else bool(debug_fences))
+        self._compute_stream: Any = None
+        if compute_stream is not None:
+            self.bind_compute_stream(compute_stream)
         self._state: Literal["new", "running", "closing", "closed"] = "new"
         self._bridge: LoopBridge | None = None
         self._worker: DirectWorker | StagedWorker | None = None
         self._loop_thread = 0
         self._drained: asyncio.Future[Any] | None = None
         self._in_flight = 0
+        self._seq = 0
+        self._pending: dict[int, Job] = {}  # in flight, oldest first
+        self._hazards = HostHazards(host_pool.num_pages)
+        self._fence_pool: list[Any] = []  # CUDA events of retired fences, for reuse
+        self._dead: TransferError | None = None
         self._bytes_per_token = device_pool.shape.bytes_per_token
         self.stats: dict[str, OpStats] = {op: OpStats() for op in OPS}
 
@@ -112,14 +161,23 @@ class CopyEngine:
             raise ClosedError(f"CopyEngine {self.name!r} cannot start: it is {self._state}")
         self._bridge = LoopBridge()
         self._loop_thread = threading.get_ident()
-        worker_cls = StagedWorker if self.mode == "staged" else DirectWorker
-        self._worker = worker_cls(self.device_pool, self.host_pool, self._bridge, self.name)
+        if self.mode == "staged":
+            self._worker = StagedWorker(self.device_pool, self.host_pool, self._bridge,
+                                        self.name, self._on_death, streams=self.streams,
+                                        staging_bytes=self._staging[0],
+                                        staging_slots=self._staging[1])
+        else:
+            self._worker = DirectWorker(self.device_pool, self.host_pool, self._bridge,
+                                        self.name, self._on_death)
         self._worker.start()
         self._state = "running"
-        _log.debug("engine_started", name=self.name, mode=self.mode)
+        _log.debug("engine_started", name=self.name, mode=self.mode, streams=self.streams.kind)
 
     async def aclose(self) -> None:
-        """Wait for submitted copies, stop the threads, close the bridge. Idempotent."""
+        """Wait for submitted copies, stop the threads, close the bridge. Idempotent.
+
+        If a copy thread died, the copies in flight have failed already and it does not wait.
+        """
         if self._state == "new":
             self._state = "closed"
             return
@@ -130,19 +188,42 @@ class CopyEngine:
             self._state = "closing"
             self._drained = self._bridge.create_future()
             self._drained.add_done_callback(self._finish_close)
-            self._worker.stop(self._drained)
+            if self._dead is not None:
+                self._drained.set_result(None)
+            else:
+                self._worker.stop(self._drained)
         assert self._drained is not None
         await asyncio.shield(self._drained)
 
     def _finish_close(self, _fut: asyncio.Future[Any]) -> None:
         assert self._worker is not None and self._bridge is not None
-        self._worker.join(timeout=10.0)
+        self._worker.join(timeout=1.0 if self._dead is not None else 10.0)
         alive = [t.name for t in self._worker.threads if t.is_alive()]
         self._bridge.close()
         self._state = "closed"
         if alive:
             _log.warning("engine_threads_alive", name=self.name, threads=alive)
         _log.debug("engine_closed", name=self.name)
+
+    def _on_death(self, err: TransferError) -> None:
+        """A copy thread died (called on that thread): fail everything in flight, on the loop."""
+        assert self._bridge is not None
+        self._bridge.call_soon(functools.partial(self._fail_all, err))
+
+    def _fail_all(self, err: TransferError) -> None:
+        self._dead = err
+        pending, self._pending = self._pending, {}
+        for job in pending.values():
+            self.stats[job.op].failed += 1
+            for fut in (*(job.layer_futs or ()), job.fut):
+                if not fut.done():
+                    fut.set_exception(err)
+        self._in_flight = 0
+        if pending:
+            _log.error("engine_failed_copies", name=self.name, copies=len(pending),
+                       error=str(err))
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     async def __aenter__(self) -> CopyEngine:
         await self.start()
@@ -165,36 +246,124 @@ class CopyEngine:
         return self._state == "closed"
 
     @property
+    def dead(self) -> TransferError | None:
+        """The error of a copy thread that died (then every copy fails), else None."""
+        return self._dead
+
+    @property
     def in_flight(self) -> int:
         """Copies submitted and not yet complete."""
         return self._in_flight
 
     @property
+    def ordered_by_host_pages(self) -> int:
+        """Submissions that waited for an earlier copy of the same host pages."""
+        return self._hazards.ordered
+
+    @property
     def threads(self) -> list[threading.Thread]:
         return list(self._worker.threads) if self._worker is not None else []
 
+    @property
+    def worker(self) -> DirectWorker | StagedWorker | None:
+        return self._worker
+
+    # ------------------------------------------------------------------ fences
+    @property
+    def compute_stream(self) -> Any:
+        """The stream every submission without ``after=`` is fenced behind (None: current)."""
+        return self._compute_stream
+
+    def bind_compute_stream(self, stream: Any) -> None:
+        """Fence every later submission without ``after=`` behind ``stream`` (None: unbind)."""
+        if stream is not None and not self.streams.is_stream(stream):
+            raise ConfigError(f"compute_stream must be a {self.streams.kind} stream, got "
+                              f"{stream!r}")
+        self._compute_stream = stream
+
+    def _fences(self, after: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The events this submission's device work waits for (see the fence contract), and
+        those of them the engine recorded (CUDA: pooled for reuse once the copy retired)."""
+        streams = self.streams
+        if after is None:
+            bound = self._compute_stream
+            if self.debug_fences and streams.asynchronous:
+                cur = streams.current()
+                if bound is None:
+                    raise InvalidInputError(
+                        f"CopyEngine {self.name!r}: no explicit dependency (debug_fences): "
+                        "pass after= (the event recorded after the kernels that write or read "
+                        "these slots) or bind compute_stream=")
+                if cur != bound:
+                    raise InvalidInputError(
+                        f"CopyEngine {self.name!r}: submitted while {cur!r} is current but the "
+                        f"engine is bound to {bound!r}; kernels queued on {cur!r} are not "
+                        "covered: pass after= (debug_fences)")
+            stream = bound if bound is not None else (
+                streams.current() if streams.asynchronous else None)
+            return ((), ()) if stream is None else self._owned((self._record_fence(stream),))
+        items = after if isinstance(after, list | tuple) else (after,)
+        out = []
+        own = []
+        for item in items:
+            if streams.is_stream(item):
+                own.append(self._record_fence(item))
+                out.append(own[-1])
+            elif streams.is_event(item):
+                if self.debug_fences and not streams.recorded(item):
+                    raise InvalidInputError(
+                        f"CopyEngine {self.name!r}: after= event {item!r} was never recorded; "
+                        "waiting for it orders nothing (debug_fences)")
+                out.append(item)
+            else:
+                raise InvalidInputError(
+                    f"after= must be a {streams.kind} event or stream (or a list of them), "
+                    f"got {item!r}")
+        return tuple(out), (tuple(own) if self._cuda else ())
+
+    def _owned(self, fences: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return fences, (fences if self._cuda else ())
+
+    def _record_fence(self, stream: Any) -> Any:
+        if self._cuda:
+            ev = self._fence_pool.pop() if self._fence_pool else torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(stream)
+            return ev
+        return stream.record_event()
+
     # ------------------------------------------------------------------ submission
-    def submit_d2h(self, device_idx: SlotIndices, host_idx: SlotIndices) -> CopyHandle:
-        """Copy device slots ``device_idx`` to host slots ``host_idx`` (all layers)."""
-        job, src, dst = self._job("d2h", device_idx, host_idx, layerwise=False)
+    def submit_d2h(self, device_idx: SlotIndices, host_idx: SlotIndices, *,
+                   after: Any = None) -> CopyHandle:
+        """Copy device slots ``device_idx`` to host slots ``host_idx`` (all layers).
+
+        ``after``: what the copy's device reads wait for (see the fence contract)."""
+        job, src, dst = self._job("d2h", device_idx, host_idx, layerwise=False, after=after)
         return CopyHandle("d2h", job.fut, src, dst, job.num_bytes)
 
-    def submit_h2d(self, host_idx: SlotIndices, device_idx: SlotIndices) -> CopyHandle:
-        """Copy host slots ``host_idx`` to device slots ``device_idx`` (all layers)."""
-        job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False)
+    def submit_h2d(self, host_idx: SlotIndices, device_idx: SlotIndices, *,
+                   after: Any = None) -> CopyHandle:
+        """Copy host slots ``host_idx`` to device slots ``device_idx`` (all layers).
+
+        ``after``: what the copy's device writes wait for (kernels still reading the slots)."""
+        job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False, after=after)
         return CopyHandle("h2d", job.fut, src, dst, job.num_bytes)
 
     def submit_h2d_layerwise(
-        self, host_idx: SlotIndices, device_idx: SlotIndices
+        self, host_idx: SlotIndices, device_idx: SlotIndices, *, after: Any = None
     ) -> LayerwiseHandle:
         """Copy host -> device layer by layer; ``await handle.layer(i)`` waits for layer ``i``."""
-        job, src, dst = self._job("h2d_layerwise", host_idx, device_idx, layerwise=True)
+        job, src, dst = self._job("h2d_layerwise", host_idx, device_idx, layerwise=True,
+                                  after=after)
         assert job.layer_futs is not None
         return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
 
     def _job(
-        self, op: str, src_idx: SlotIndices, dst_idx: SlotIndices, *, layerwise: bool
+        self, op: str, src_idx: SlotIndices, dst_idx: SlotIndices, *, layerwise: bool,
+        after: Any = None,
     ) -> tuple[Job, Any, Any]:
+        if self._dead is not None:
+            raise TransferError(f"CopyEngine {self.name!r} is dead: {self._dead}") \
+                from self._dead
         if self._state != "running":
             raise ClosedError(
                 f"CopyEngine {self.name!r} is {self._state}; "
@@ -233,6 +402,7 @@ class CopyEngine:
                 f"{src_name} has {src_pages.shape[0] * src_pool.page_size} slots but "
                 f"{dst_name} has {dst_pages.shape[0] * dst_pool.page_size}"
             )
+        fences, own_fences = self._fences(after)  # the last check: nothing is recorded before it passes
         bridge = self._bridge
         assert bridge is not None and self._worker is not None
         num_tokens = int(src_pages.shape[0]) * self.device_pool.page_size
@@ -242,10 +412,10 @@ class CopyEngine:
             layer_futs = [bridge.create_future() for _ in range(self.device_pool.shape.num_layers)]
             for lf in layer_futs:
                 lf.add_done_callback(_mark_retrieved)
-        fence = None
-        if self._cuda:
-            fence = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            fence.record(torch.cuda.current_stream(self.device_pool.device))
+        seq = self._seq
+        self._seq += 1
+        deps = self._hazards.note(seq, dst_pages if op == "d2h" else src_pages,
+                                  op == "d2h", self._pending)
         job = Job(
             op=op,
             src_pages=src_pages,
@@ -255,17 +425,29 @@ class CopyEngine:
             num_tokens=num_tokens,
             num_bytes=num_tokens * self._bytes_per_token,
             submitted=time.perf_counter(),
-            fence=fence,
-            on_done=functools.partial(self._job_done, op),
+            fences=fences,
+            own_fences=own_fences,
+            deps=deps,
+            seq=seq,
+            on_done=functools.partial(self._job_done, op, seq),
         )
         fut.add_done_callback(_mark_retrieved)
         self._in_flight += 1
+        self._pending[seq] = job
         self._worker.submit(job)
         return job, src_slots, dst_slots
 
-    def _job_done(self, op: str, res: CopyResult | None, err: BaseException | None) -> None:
+    def _job_done(self, op: str, seq: int, res: CopyResult | None,
+                  err: BaseException | None) -> None:
         """Bookkeeping on the loop, run by the bridge just before the copy's future resolves."""
+        job = self._pending.pop(seq, None)
+        if job is None:  # failed already, when a copy thread died
+            return
         self._in_flight -= 1
+        if job.own_fences and len(self._fence_pool) < 64:
+            # The copy stream's wait on them was issued before the copy ran (it captured their
+            # state then): recording them again for a later copy is safe.
+            self._fence_pool.extend(job.own_fences)
         st = self.stats[op]
         if res is None:
             st.failed += 1

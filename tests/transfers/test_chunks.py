@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from asynccache.transfers.chunks import SharedChunks, layer_chunks, split_block, whole_chunks
@@ -92,3 +93,33 @@ def test_a_late_helper_finds_the_list_closed_and_copies_nothing() -> None:
     shared.close()  # the helper never entered: nothing to wait for
     assert not shared.enter()
     assert ran == ["w", "w"]
+
+
+def _covers(chunks: list[tuple[int, int, int, int, int]], n: int, layers: int) -> bool:
+    seen = np.zeros((layers, n), dtype=int)
+    for a, b, lo, hi, _ in chunks:
+        seen[a:b, lo:hi] += 1
+    return bool((seen == 1).all())
+
+
+def test_ring_chunks_fit_a_slot_and_cover_every_layer_page_once() -> None:
+    from asynccache.transfers.chunks import ring_chunks
+
+    lpb = 100  # bytes of one page of one layer
+    # a whole copy: all 4 layers of as many pages as fit (slot = 10 layer-pages -> 2 pages)
+    c = ring_chunks(5, 4, lpb, 1000, layerwise=False, group_bytes=1)
+    assert c == [(0, 4, 0, 2, -1), (0, 4, 2, 4, -1), (0, 4, 4, 5, -1)]
+    # a page of all layers does not fit: one layer at a time, pages cut to the slot
+    c = ring_chunks(5, 4, lpb, 300, layerwise=False, group_bytes=1)
+    assert all((b - a) * (hi - lo) * lpb <= 300 for a, b, lo, hi, _ in c)
+    assert _covers(c, 5, 4) and {b - a for a, b, *_ in c} == {1}
+    # layer-wise: one layer per group, the last piece of each says the layers now complete
+    c = ring_chunks(5, 3, lpb, 300, layerwise=True, group_bytes=1)
+    assert [x for x in c if x[4] >= 0] == [(0, 1, 3, 5, 1), (1, 2, 3, 5, 2), (2, 3, 3, 5, 3)]
+    assert _covers(c, 5, 3)
+    # small layers are grouped (a group of >= group_bytes, bounded by the slot)
+    c = ring_chunks(2, 8, lpb, 1000, layerwise=True, group_bytes=400)
+    assert c == [(0, 2, 0, 2, 2), (2, 4, 0, 2, 4), (4, 6, 0, 2, 6), (6, 8, 0, 2, 8)]
+    assert ring_chunks(0, 4, lpb, 1000, layerwise=True, group_bytes=1) == []
+    with pytest.raises(ValueError, match="cannot hold one page of one layer"):
+        ring_chunks(1, 1, 500, 400, layerwise=False, group_bytes=1)

@@ -190,13 +190,18 @@ async def _check_layer_order(mode: str) -> None:
         async def consume(i: int) -> None:
             res = await handle.layer(i)
             assert res.layer == i and handle.layer_finished(i)
+            # layers complete in order: every earlier layer is in place too
+            assert all(handle.layer_finished(j) for j in range(i))
+            assert _same(dev.read_slots(d_dst)[:i], expected[:i])
             # this layer is in place when its await returns
             assert _same(dev.read_slots(d_dst)[i], expected[i])
             seen.append(i)
 
         await asyncio.gather(*(consume(i) for i in reversed(range(layers))))
         total = await handle
-        assert seen == list(range(layers))
+        # (the awaits may return in any order: a layer done before its consumer first awaited
+        # returns at once)
+        assert sorted(seen) == list(range(layers))
         assert (total.op, total.num_bytes) == (
             "h2d_layerwise",
             8 * PAGE * dev.shape.bytes_per_token,
@@ -261,6 +266,7 @@ async def test_copies_complete_in_submission_order(
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Holds the worker before it starts any copy until the test sets the returned event."""
+    import asynccache.transfers.staged as staged
     import asynccache.transfers.workers as workers
 
     opened = threading.Event()
@@ -272,6 +278,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
         return real(*args)
 
     monkeypatch.setattr(workers, "make_plan", gated)
+    monkeypatch.setattr(staged, "make_plan", gated)
     yield opened
     opened.set()
 
@@ -373,20 +380,23 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev, host = _pools(layers=4, seed=17)
-    if mode == "staged":  # the staged pipeline takes one layer view per layer
-        real = DevicePool.layer_page_view
+    import asynccache.transfers.workers as workers
 
-        def flaky(self: DevicePool, layer: int) -> torch.Tensor:
-            if layer == 2:
+    monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one layer per group
+    if mode == "staged":  # the staged pipeline issues one piece per layer
+        from asynccache.transfers.staged import StagedWorker
+
+        real = StagedWorker._issue_h2d
+
+        def flaky(self: StagedWorker, job: Any, slot: Any, piece: Any) -> None:
+            if piece[0] == 2:
                 raise RuntimeError("layer 2 exploded")
-            return real(self, layer)
+            real(self, job, slot, piece)
 
-        monkeypatch.setattr(DevicePool, "layer_page_view", flaky)
-    else:  # the direct worker copies chunks of layer groups: one layer per group here
-        import asynccache.transfers.workers as workers
+        monkeypatch.setattr(StagedWorker, "_issue_h2d", flaky)
+    else:  # the direct worker copies chunks of layer groups
         from asynccache.transfers.plan import CopyPlan
 
-        monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)
         monkeypatch.setattr(workers, "MAX_LAYER_GROUPS", 64)
         real_part = CopyPlan.copy_part
 

@@ -1,0 +1,379 @@
+"""Ordering of the copy engine under late, out-of-order completions (issue 27).
+
+``LateStreams`` gives the staged pipeline CUDA's semantics on the CPU: everything queued on a
+stream (the engine's copy stream, the test's "compute" streams) runs later, on another
+thread, in stream order, after random delays, so work on different streams finishes out of
+order. An ordering bug that a fast GPU would hide -- a copy not waiting for the kernel that
+writes its source, a host read before the event of the copy that writes it -- shows up here as
+wrong bytes. Every check compares real pool bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asynccache.errors import ClosedError, InvalidInputError, TransferError
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.streams import LateEvent, LateStreams
+
+PAGE = 4
+HANG_GUARD_S = 30.0  # only so that a hang fails the test instead of the suite
+
+
+@pytest.fixture
+def late() -> Iterator[LateStreams]:
+    streams = LateStreams(delay_s=(0.0, 0.004), seed=1)
+    yield streams
+    streams.close()
+
+
+def _pools(layers: int = 3, layout: str = "layer_first", seed: int = 0,
+           ) -> tuple[DevicePool, HostPool]:
+    shape = KVShape(layers, 2, 8, "fp32")
+    dev = DevicePool(shape, 24 * PAGE, PAGE, device="cpu")
+    host = HostPool(shape, 40 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(seed)
+    for pool in (dev, host):
+        raw = pool.kv.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    return dev, host
+
+
+def _slots(pages: Any) -> np.ndarray:
+    p = np.asarray(pages, dtype=np.int64)
+    return (p[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _engines(late: LateStreams) -> list[dict[str, Any]]:
+    """Direct (CPU worker), staged on the CPU's streams, staged on late streams."""
+    return [{"mode": "direct"}, {"mode": "staged"}, {"streams": late}]
+
+
+async def _guard(aw: Any) -> Any:
+    return await asyncio.wait_for(asyncio.ensure_future(aw), HANG_GUARD_S)
+
+
+# --------------------------------------------------------------------------- host-page hazard
+@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
+async def test_h2d_after_a_running_d2h_of_the_same_host_pages_loads_the_new_bytes(
+    kind: str, late: LateStreams
+) -> None:
+    dev, host = _pools(seed=3)
+    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
+    want = dev.read_slots(_slots([0, 1, 2])).clone()
+    async with CopyEngine(dev, host, **kw[kind]) as engine:  # type: ignore[arg-type]
+        backup = engine.submit_d2h(_slots([0, 1, 2]), _slots([7, 8, 9]))
+        # Not awaited: the load-back reads host pages the backup is still writing.
+        load = engine.submit_h2d(_slots([9, 7, 8]), _slots([20, 18, 19]))
+        await _guard(asyncio.gather(backup, load))
+        assert engine.ordered_by_host_pages == 1
+    assert _same(dev.read_slots(_slots([18, 19, 20])), want)
+
+
+async def test_d2h_into_host_pages_a_pending_h2d_reads_keeps_the_h2d_bytes(
+    late: LateStreams,
+) -> None:
+    dev, host = _pools(seed=4)
+    old_host = host.read_slots(_slots([5, 6])).clone()
+    async with CopyEngine(dev, host, streams=late) as engine:
+        load = engine.submit_h2d_layerwise(_slots([5, 6]), _slots([10, 11]))
+        backup = engine.submit_d2h(_slots([0, 1]), _slots([6, 5]))
+        await _guard(asyncio.gather(load, backup))
+        assert engine.ordered_by_host_pages == 1
+    assert _same(dev.read_slots(_slots([10, 11])), old_host)
+    assert _same(host.read_slots(_slots([6, 5])), dev.read_slots(_slots([0, 1])))
+
+
+@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+async def test_overlapping_copies_take_effect_in_submission_order(
+    kind: str, layout: str, late: LateStreams
+) -> None:
+    """120 random copies over few pages, none awaited before the next is submitted: the
+    pools must end as if each ran alone, in submission order (a sequential model)."""
+    dev, host = _pools(layout=layout, seed=5)
+    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
+    model = {"dev": dev.page_view().clone(), "host": host.page_view().clone()}
+    rng = np.random.default_rng(7)
+    order: list[int] = []
+    async with CopyEngine(dev, host, **kw[kind],  # type: ignore[arg-type]
+                          staging_bytes=3 * dev.page_bytes, staging_slots=2) as engine:
+        handles = []
+        for i in range(120):
+            k = int(rng.integers(1, 6))
+            dpages = rng.choice(8, size=k, replace=False)  # 8 device / 10 host pages: overlaps
+            hpages = rng.choice(10, size=k, replace=False)
+            op = int(rng.integers(3))
+            if op == 0:
+                h: Any = engine.submit_d2h(_slots(dpages), _slots(hpages))
+                model["host"][:, :, hpages] = model["dev"][:, :, dpages]
+            elif op == 1:
+                h = engine.submit_h2d(_slots(hpages), _slots(dpages))
+                model["dev"][:, :, dpages] = model["host"][:, :, hpages]
+            else:
+                h = engine.submit_h2d_layerwise(_slots(hpages), _slots(dpages))
+                model["dev"][:, :, dpages] = model["host"][:, :, hpages]
+            h.add_done_callback(lambda _h, i=i: order.append(i))
+            handles.append(h)
+        await _guard(asyncio.gather(*handles))
+        await asyncio.sleep(0)
+        assert order == list(range(120))
+        assert engine.ordered_by_host_pages > 0
+    assert _same(dev.page_view(), model["dev"])
+    assert _same(host.page_view(), model["host"])
+
+
+# --------------------------------------------------------------------------- the fence contract
+def _kernel_writes(late: LateStreams, stream: Any, dev: DevicePool, pages: list[int],
+                   value: float, gate: threading.Event | None = None) -> None:
+    """A late "kernel" on ``stream`` that fills device ``pages`` with ``value``."""
+    slots = torch.from_numpy(_slots(pages))
+
+    def kernel() -> None:
+        if gate is not None:
+            gate.wait(HANG_GUARD_S)
+        dev.kv.index_fill_(2, slots, value)
+
+    late.launch(stream, kernel)
+
+
+@pytest.mark.parametrize("how", ["after_event", "after_stream", "after_list", "bound",
+                                 "current"])
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+async def test_d2h_waits_for_the_kernel_that_writes_its_source(
+    how: str, mode: str, late: LateStreams
+) -> None:
+    dev, host = _pools(seed=6)
+    side = late.new_stream("forward")
+    other = late.new_stream("other")
+    async with CopyEngine(dev, host, streams=late, mode=mode,  # type: ignore[arg-type]
+                          compute_stream=side if how == "bound" else None) as engine:
+        handles = []
+        for rnd in range(4):
+            # each round's kernel writes its own pages: the copies are still reading the
+            # earlier rounds' ones (nothing orders a later kernel after a copy)
+            pages = [3 * rnd, 3 * rnd + 1, 3 * rnd + 2]
+            _kernel_writes(late, side, dev, pages, 10.0 + rnd)
+            d, h = _slots(pages), _slots([p + 10 for p in pages])
+            if how == "after_event":
+                handles.append(engine.submit_d2h(d, h, after=side.record_event()))
+            elif how == "after_stream":
+                handles.append(engine.submit_d2h(d, h, after=side))
+            elif how == "after_list":
+                handles.append(engine.submit_d2h(d, h, after=[other, side.record_event()]))
+            elif how == "bound":
+                handles.append(engine.submit_d2h(d, h))
+            else:  # the forward ran on the submitting thread's current stream
+                with late.use(side):
+                    handles.append(engine.submit_d2h(d, h))
+        await _guard(asyncio.gather(*handles))
+    for rnd in range(4):
+        got = host.read_slots(_slots([3 * rnd + 10, 3 * rnd + 11, 3 * rnd + 12]))
+        assert bool((got == 10.0 + rnd).all()), f"round {rnd} copied stale KV"
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+async def test_the_implicit_fence_covers_only_the_current_stream(
+    mode: str, late: LateStreams
+) -> None:
+    """What the contract is for: a forward on a side stream, a copy submitted without after=
+    (its fence is on the current stream) reads the KV before the kernel wrote it."""
+    dev, host = _pools(seed=7)
+    side = late.new_stream("side")
+    gate = threading.Event()
+    before = dev.read_slots(_slots([4])).clone()
+    async with CopyEngine(dev, host, streams=late, mode=mode) as engine:  # type: ignore[arg-type]
+        _kernel_writes(late, side, dev, [4], 99.0, gate=gate)
+        await _guard(engine.submit_d2h(_slots([4]), _slots([0])))
+        gate.set()
+        fenced = engine.submit_d2h(_slots([4]), _slots([1]), after=side)
+        await _guard(fenced)
+    assert _same(host.read_slots(_slots([0])), before)  # stale: not covered
+    assert bool((host.read_slots(_slots([1])) == 99.0).all())
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_h2d_waits_for_kernels_still_reading_its_destination(
+    layerwise: bool, late: LateStreams
+) -> None:
+    dev, host = _pools(seed=8)
+    side = late.new_stream("attention")
+    seen: list[torch.Tensor] = []
+    old = dev.read_slots(_slots([2, 3])).clone()
+    slots = torch.from_numpy(_slots([2, 3]))
+    late.launch(side, lambda: seen.append(dev.kv.index_select(2, slots).clone()))
+    async with CopyEngine(dev, host, streams=late) as engine:
+        submit = engine.submit_h2d_layerwise if layerwise else engine.submit_h2d
+        await _guard(submit(_slots([30, 31]), _slots([2, 3]), after=side))
+    assert len(seen) == 1 and _same(seen[0], old)
+    assert _same(dev.read_slots(_slots([2, 3])), host.read_slots(_slots([30, 31])))
+
+
+async def test_debug_fences_reject_submissions_without_an_explicit_dependency(
+    late: LateStreams,
+) -> None:
+    dev, host = _pools()
+    side = late.new_stream("forward")
+    async with CopyEngine(dev, host, streams=late, debug_fences=True) as engine:
+        with pytest.raises(InvalidInputError, match="no explicit dependency"):
+            engine.submit_d2h(_slots([0]), _slots([0]))
+        with pytest.raises(InvalidInputError, match="was never recorded"):
+            engine.submit_h2d(_slots([0]), _slots([0]), after=LateEvent("fresh"))
+        await _guard(engine.submit_d2h(_slots([0]), _slots([0]), after=side))
+        engine.bind_compute_stream(side)
+        with pytest.raises(InvalidInputError, match="not covered"):
+            engine.submit_d2h(_slots([0]), _slots([1]))  # the current stream is the default
+        with late.use(side):
+            await _guard(engine.submit_d2h(_slots([0]), _slots([1])))
+        assert engine.in_flight == 0 and engine.stats["h2d"].ops == 0
+
+
+async def test_after_must_be_an_event_or_a_stream(late: LateStreams,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    dev, host = _pools()
+    async with CopyEngine(dev, host) as engine:
+        with pytest.raises(InvalidInputError, match="after= must be a host event or stream"):
+            engine.submit_d2h(_slots([0]), _slots([0]), after="stream0")
+        assert engine.in_flight == 0
+        # the CPU engine (direct worker) honours a late event by waiting for it
+        side = late.new_stream("side")
+        _kernel_writes(late, side, dev, [5], 42.0)
+        await _guard(engine.submit_d2h(_slots([5]), _slots([9]), after=side.record_event()))
+        assert bool((host.read_slots(_slots([9])) == 42.0).all())
+    monkeypatch.setenv("ASYNCCACHE_DEBUG_FENCES", "1")
+    assert CopyEngine(dev, host, streams=late).debug_fences
+    with pytest.raises(Exception, match="compute_stream must be a late stream"):
+        CopyEngine(dev, host, streams=late, compute_stream=object())
+
+
+# --------------------------------------------------------------------------- layer readiness
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+async def test_each_layer_is_in_place_when_its_await_returns(
+    layout: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asynccache.transfers.workers as workers
+
+    monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece per layer
+    layers = 6
+    dev, host = _pools(layers=layers, layout=layout, seed=9)
+    h_src = _slots([31, 2, 17, 5, 6, 39])
+    d_dst = _slots([3, 4, 5, 20, 1, 9])
+    expected = host.read_slots(h_src).clone()
+    async with CopyEngine(dev, host, streams=late, staging_bytes=2 * dev.page_bytes // layers,
+                          staging_slots=2) as engine:
+        load = engine.submit_h2d_layerwise(h_src, d_dst)
+        for i in range(layers):
+            res = await _guard(load.layer(i))
+            assert res.layer == i
+            got = dev.read_slots(d_dst)
+            assert _same(got[: i + 1], expected[: i + 1]), f"layer {i} not in place"
+        await _guard(load)
+    assert _same(dev.read_slots(d_dst), expected)
+
+
+# --------------------------------------------------------------------------- shutdown, death
+@pytest.mark.parametrize("kind", ["direct", "late"])
+async def test_aclose_with_late_copies_in_flight_waits_for_all_of_them(
+    kind: str, late: LateStreams
+) -> None:
+    dev, host = _pools(seed=10)
+    kw = {"direct": {"mode": "direct"}, "late": {"streams": late}}[kind]
+    engine = CopyEngine(dev, host, name="asynccache-copy-late", **kw)  # type: ignore[arg-type]
+    await engine.start()
+    handles = [engine.submit_d2h(_slots([i % 24]), _slots([i % 40])) for i in range(30)]
+    handles.append(engine.submit_h2d_layerwise(_slots([39]), _slots([23])))
+    await _guard(engine.aclose())
+    assert all(h.finished for h in handles)
+    assert [h.result().num_tokens for h in handles] == [PAGE] * 31
+    assert not any(t.is_alive() for t in engine.threads)
+    assert _same(host.read_slots(_slots([5])), dev.read_slots(_slots([5])))
+    with pytest.raises(ClosedError):
+        engine.submit_d2h(_slots([0]), _slots([0]))
+
+
+@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
+async def test_a_dead_copy_thread_fails_the_awaiting_coroutines(
+    kind: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug that kills a copy thread (here: its own failure handling raises) must fail every
+    copy in flight and every later submission, not leave coroutines waiting forever."""
+    from asynccache.transfers.workers import WorkerBase
+
+    def broken(self: WorkerBase, job: Any, exc: BaseException) -> None:
+        raise RuntimeError("bug in the failure path")
+
+    monkeypatch.setattr(WorkerBase, "fail", broken)
+    dev, host = _pools(seed=11)
+    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
+    engine = CopyEngine(dev, host, name="asynccache-copy-dying", **kw[kind])  # type: ignore[arg-type]
+    await engine.start()
+    bad = engine.submit_d2h(_slots([0, 1]), _slots([5, 5]))  # a destination page twice
+    queued = [engine.submit_h2d_layerwise(_slots([i]), _slots([i])) for i in range(3)]
+
+    async def consumer(h: Any) -> str:
+        try:
+            await h.layer(1)
+        except TransferError as exc:
+            return str(exc)
+        return "completed"
+
+    outcomes = await _guard(asyncio.gather(consumer(queued[0]), consumer(queued[2]),
+                                           return_exceptions=True))
+    with pytest.raises(TransferError, match="died"):
+        await _guard(bad)
+    died = [o for o in outcomes if isinstance(o, str) and "died" in o]
+    # a copy may have completed before the thread died; every other one failed
+    assert len(died) + sum(o == "completed" for o in outcomes) == 2
+    assert engine.dead is not None and "bug in the failure path" in str(engine.dead)
+    with pytest.raises(TransferError, match="is dead"):
+        engine.submit_d2h(_slots([0]), _slots([0]))
+    assert engine.in_flight == 0
+    await _guard(engine.aclose())
+    assert engine.closed and not any(t.is_alive() for t in engine.threads)
+
+
+# --------------------------------------------------------------------------- the staging ring
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("late_streams", [False, True])
+async def test_large_copies_go_through_a_small_fixed_ring(
+    layout: str, late_streams: bool, late: LateStreams
+) -> None:
+    dev, host = _pools(layers=4, layout=layout, seed=12)
+    kw: dict[str, Any] = {"streams": late} if late_streams else {"mode": "staged"}
+    layer_page = dev.page_bytes // 4
+    rng = np.random.default_rng(3)
+    async with CopyEngine(dev, host, staging_bytes=6 * layer_page, staging_slots=2,
+                          **kw) as engine:
+        for _ in range(3):
+            d = _slots(rng.permutation(24))
+            h = _slots(rng.permutation(40)[:24])
+            await _guard(engine.submit_d2h(d, h))
+            assert _same(host.read_slots(h), dev.read_slots(d))
+            h2 = _slots(rng.permutation(40)[:24])
+            d2 = _slots(rng.permutation(24))
+            await _guard(engine.submit_h2d(h2, d2))
+            assert _same(dev.read_slots(d2), host.read_slots(h2))
+            h3 = _slots(rng.permutation(40)[:24])
+            d3 = _slots(rng.permutation(24))
+            load = engine.submit_h2d_layerwise(h3, d3)
+            for i in range(4):
+                await _guard(load.layer(i))
+                assert _same(dev.read_slots(d3)[i], host.read_slots(h3)[i])
+            await _guard(load)
+        ring = engine.worker.ring  # type: ignore[union-attr]
+        # 24 pages x 4 layers = 96 layer-pages through slots of 3 layer-pages, two of them
+        assert ring.slot_bytes == 3 * layer_page
+        assert ring.made == 2 and ring.allocated_bytes == 6 * layer_page
+        assert ring.in_use == 0

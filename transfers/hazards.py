@@ -1,0 +1,64 @@
+"""Host-page hazards between copies of one engine.
+
+A staged engine reads an H->D copy's host pages when it *issues* the copy (a CPU gather into
+staging) but writes a D->H copy's host pages when the copy *completes* (a CPU scatter out of
+staging, after the DMA). So an H->D submitted while an earlier D->H of the same host pages is
+still running would load what those pages held before. The engine orders them instead of
+trusting its caller: at submission (on the loop thread) :class:`HostHazards` finds the
+earlier copies still in flight that touch the same host pages --
+
+* an H->D (reads host pages) depends on the pending D->H copies that write any of them;
+* a D->H (writes host pages) depends on the pending H->D copies that read any of them, and on
+  the pending D->H copies that write any of them --
+
+and the worker waits, before it touches host memory, until each of those is done with its
+host side (:meth:`~asynccache.transfers.workers.WorkerBase.wait_deps`). Device pages need no
+tracking: every copy's device work runs in submission order on one copy stream.
+
+Per host page the tracker keeps the sequence number of the last copy that wrote and the last
+that read it (two int64 arrays, 16 bytes per host page); a submission costs two numpy gathers
+of its pages, and nothing more when no page is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+class HostHazards:
+    """Last writer / last reader per host page (see the module docstring). Loop thread only."""
+
+    __slots__ = ("_last_read", "_last_write", "ordered")
+
+    def __init__(self, num_pages: int) -> None:
+        self._last_write = np.full(num_pages, -1, dtype=np.int64)
+        self._last_read = np.full(num_pages, -1, dtype=np.int64)
+        self.ordered = 0  # submissions that had to wait for an earlier copy
+
+    def note(self, seq: int, host_pages: np.ndarray, writes: bool,
+             pending: Mapping[int, Any]) -> tuple[Any, ...]:
+        """Record copy ``seq`` on ``host_pages``; return the pending jobs it must wait for.
+
+        ``pending`` maps the sequence numbers of copies still in flight to their jobs, oldest
+        first (copies retire in submission order)."""
+        if host_pages.shape[0] == 0:
+            return ()
+        deps: tuple[Any, ...] = ()
+        if pending:
+            oldest = next(iter(pending))
+            seen = self._last_write[host_pages]
+            if writes:
+                seen = np.maximum(seen, self._last_read[host_pages])
+            if int(seen.max()) >= oldest:
+                found = np.unique(seen[seen >= oldest]).tolist()
+                deps = tuple(pending[s] for s in found if s in pending)
+                if deps:
+                    self.ordered += 1
+        if writes:
+            self._last_write[host_pages] = seq
+        else:
+            self._last_read[host_pages] = seq
+        return deps

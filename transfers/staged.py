@@ -1,0 +1,332 @@
+"""The staged copy pipeline (CUDA; on the CPU it runs the same logic with other streams).
+
+Three threads and a fixed staging ring:
+
+* the **issuer** takes jobs in submission order. For each job it queues the job's fences on
+  the copy stream (``copy_stream.wait_event``: the caller's ``after=`` events, or the compute
+  stream's event recorded at submit), then cuts the job into pieces that fit one staging slot
+  (:func:`~asynccache.transfers.chunks.ring_chunks`) and, per piece, takes a free slot:
+
+  - D->H: queues on the copy stream the index upload, a device gather of the pages into the
+    slot's device buffer and a ``non_blocking`` copy into its pinned host buffer, then records
+    the slot's event;
+  - H->D: first waits until no earlier job still writes the host pages it reads
+    (:meth:`WorkerBase.wait_deps`), gathers them on the CPU into the pinned buffer, then queues
+    the ``non_blocking`` upload and the scatter (``index_copy_``) into the pool, and records the
+    slot's event.
+
+* the **completer** takes the pieces in the same order, waits for each slot's event (a
+  blocking-sync event: it sleeps), scatters a D->H piece from the pinned buffer into the host
+  pages, gives the slot back, and posts layer and job completions through the bridge;
+* a **helper** shares large CPU gathers / scatters (two cores of memcpy in front of the DMA).
+
+The ring has ``staging_slots`` slots of ``staging_bytes / staging_slots`` bytes (at least one
+page of one layer), pinned host + device buffers, index buffers and an event each, allocated
+the first time they are needed and reused for good: a 4 GiB retraction goes through the same
+few MiB as a one-page backup, and nothing is allocated per job. A slot is reused only after
+the completer saw its event (the DMA no longer reads or writes it).
+
+On CPU pools the device buffers and index uploads are skipped (the "device" is host memory);
+with :class:`~asynccache.transfers.streams.LateStreams` everything queued on the copy stream
+runs late on another thread, which is what the ordering tests use.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asynccache.errors import TransferError
+from asynccache.transfers import workers
+from asynccache.transfers.bridge import Completion, LoopBridge
+from asynccache.transfers.chunks import RingChunk, ring_chunks
+from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
+from asynccache.transfers.pools import KVPool
+from asynccache.transfers.streams import Streams
+from asynccache.transfers.workers import Job, Stop, WorkerBase
+
+#: Bytes of the staging ring of one staged engine (pinned host, and as much on the device).
+STAGING_BYTES = 64 << 20
+#: Slots in the ring: pieces in flight at once (one being filled while others move).
+STAGING_SLOTS = 4
+
+
+class _Slot:
+    """One staging slot: pinned host bytes, device bytes, page indices, an event."""
+
+    __slots__ = ("dev", "event", "host", "idx_dev", "idx_host")
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor | None, idx_host: torch.Tensor,
+                 idx_dev: torch.Tensor | None, event: Any) -> None:
+        self.host = host
+        self.dev = dev
+        self.idx_host = idx_host
+        self.idx_dev = idx_dev
+        self.event = event
+
+
+class StagingRing:
+    """A fixed number of staging slots, taken and given back under the worker's condition."""
+
+    def __init__(self, worker: WorkerBase, streams: Streams, count: int, slot_bytes: int,
+                 max_pages: int, device: torch.device) -> None:
+        self.worker = worker
+        self.streams = streams
+        self.count = count
+        self.slot_bytes = slot_bytes
+        self.max_pages = max_pages
+        self.device = device
+        self.cuda = streams.kind == "cuda"
+        self._free: list[_Slot] = []
+        self.made = 0  # slots allocated so far (at most ``count``)
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host staging bytes allocated (the device side holds as much on CUDA)."""
+        return self.made * self.slot_bytes
+
+    def acquire(self) -> _Slot:
+        cv = self.worker.cv
+        slot: _Slot | None
+        with cv:
+            while True:
+                if self.worker.dead is not None:
+                    raise self.worker.dead
+                if self._free:
+                    slot = self._free.pop()
+                    break
+                if self.made < self.count:
+                    self.made += 1
+                    slot = None
+                    break
+                cv.wait()
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return slot if slot is not None else self._new()
+
+    def release(self, slot: _Slot) -> None:
+        with self.worker.cv:
+            self._free.append(slot)
+            self.in_use -= 1
+            self.worker.cv.notify_all()
+
+    def _new(self) -> _Slot:
+        pin = self.cuda
+        host = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        idx_host = torch.empty(self.max_pages, dtype=torch.int64, pin_memory=pin)
+        dev = idx_dev = None
+        if self.cuda:
+            dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            idx_dev = torch.empty(self.max_pages, dtype=torch.int64, device=self.device)
+        return _Slot(host, dev, idx_host, idx_dev, self.streams.event())
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    """One piece of a job whose device work is queued behind its slot's event."""
+
+    job: Job
+    slot: _Slot | None = None
+    layers_after: int = -1  # layers complete once this piece is (layer-wise loads)
+    finish: Callable[[], None] | None = None  # CPU work after the event (staging -> host)
+    last: bool = False  # the job is complete once this piece is
+    error: BaseException | None = None
+
+
+class StagedWorker(WorkerBase):
+    """Issuer + completer + helper over a staging ring (see the module docstring)."""
+
+    def __init__(self, device: KVPool, host: KVPool, bridge: LoopBridge, name: str,
+                 on_death: Callable[[TransferError], None] | None = None, *,
+                 streams: Streams, staging_bytes: int = STAGING_BYTES,
+                 staging_slots: int = STAGING_SLOTS) -> None:
+        super().__init__(device, host, bridge, name, on_death)
+        self.streams = streams
+        self.cuda = streams.kind == "cuda"
+        self.copy_stream = streams.new_stream()
+        self.issued: queue.SimpleQueue[_Piece | Stop] = queue.SimpleQueue()
+        self._host_np = as_numpy_bytes(host.page_view())
+        self._dev_u8 = device.page_view().view(torch.uint8)  # (L, KV, P, page-layer bytes)
+        self._kv = int(self._dev_u8.shape[1])
+        self._rb = int(self._dev_u8.shape[3])
+        self.layer_page_bytes = self._kv * self._rb
+        per_slot = max(1, staging_bytes // max(1, staging_slots))
+        slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
+        self.ring = StagingRing(self, streams, max(1, staging_slots), slot_bytes,
+                                slot_bytes // self.layer_page_bytes, device.device)
+        self.threads = [
+            self._thread(self._issue_loop, "issuer"),
+            self._thread(self._complete_loop, "completer"),
+            self._helper_thread(),  # shares large staging gathers / scatters (CPU memcpy)
+        ]
+
+    def thread_init(self) -> None:
+        self.streams.thread_init()
+
+    def _stop_others(self) -> None:
+        super()._stop_others()
+        self.issued.put(Stop(None))
+
+    def _stage(self, buf: torch.Tensor, layers: int, n: int) -> torch.Tensor:
+        return buf[: layers * self._kv * n * self._rb].view(layers, self._kv, n, self._rb)
+
+    # ---------------------------------------------------------------- issuer
+    def _issue_loop(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if isinstance(item, Stop):
+                self.issued.put(item)
+                return
+            if self.dead is not None:
+                continue
+            try:
+                self._issue(item)
+            except BaseException as exc:
+                self.issued.put(_Piece(item, error=exc, last=True))
+
+    def _issue(self, job: Job) -> None:
+        job.started = job.mark = time.perf_counter()
+        # Validates the pair lists (lengths, repeated destinations) before any work is queued.
+        make_plan(job.src_pages, job.dst_pages)
+        for fence in job.fences:  # device work of this job (and later ones) waits for them
+            self.copy_stream.wait_event(fence)
+        layerwise = job.layer_futs is not None
+        pieces = ring_chunks(int(job.src_pages.shape[0]), self.num_layers,
+                             self.layer_page_bytes, self.ring.slot_bytes, layerwise=layerwise,
+                             group_bytes=workers.LAYER_GROUP_BYTES)
+        if not pieces:
+            self.issued.put(_Piece(job, last=True))
+            return
+        h2d = job.op != "d2h"
+        if h2d:
+            self.wait_deps(job)  # an earlier D->H may still be writing these host pages
+        for i, piece in enumerate(pieces):
+            slot = self.ring.acquire()
+            out = _Piece(job, slot, piece[4], last=i == len(pieces) - 1)
+            try:
+                if h2d:
+                    self._issue_h2d(job, slot, piece)
+                else:
+                    out.finish = self._issue_d2h(job, slot, piece)
+            except BaseException as exc:
+                out.error, out.last = exc, True
+                self.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
+                return
+            self.issued.put(out)
+        if h2d:
+            self.mark_host_done(job)  # every host page is in staging now
+
+    def _issue_d2h(self, job: Job, slot: _Slot, piece: RingChunk) -> Callable[[], None]:
+        a, b, lo, hi, _ = piece
+        n = hi - lo
+        src_pages = job.src_pages[lo:hi]
+        hstage = self._stage(slot.host, b - a, n)
+        pool = self._dev_u8[a:b]
+        if self.cuda:
+            assert slot.dev is not None and slot.idx_dev is not None
+            slot.idx_host[:n].numpy()[:] = src_pages
+            idx_h, idx_d = slot.idx_host[:n], slot.idx_dev[:n]
+            dstage = self._stage(slot.dev, b - a, n)
+
+            def work() -> None:
+                idx_d.copy_(idx_h, non_blocking=True)
+                torch.index_select(pool, 2, idx_d, out=dstage)
+                hstage.copy_(dstage, non_blocking=True)
+        else:
+            idx = torch.from_numpy(src_pages)
+
+            def work() -> None:
+                torch.index_select(pool, 2, idx, out=hstage)
+
+        self.streams.launch(self.copy_stream, work)
+        slot.event.record(self.copy_stream)
+        dst_pages = job.dst_pages[lo:hi]
+        host = self._host_np[a:b]
+
+        def finish() -> None:
+            self.copy_shared(make_plan(identity_pages(n), dst_pages), as_numpy_bytes(hstage),
+                             host)
+
+        return finish
+
+    def _issue_h2d(self, job: Job, slot: _Slot, piece: RingChunk) -> None:
+        a, b, lo, hi, _ = piece
+        n = hi - lo
+        hstage = self._stage(slot.host, b - a, n)
+        self.copy_shared(make_plan(job.src_pages[lo:hi], identity_pages(n)), self._host_np[a:b],
+                         as_numpy_bytes(hstage))
+        dst_pages = job.dst_pages[lo:hi]
+        pool = self._dev_u8[a:b]
+        if self.cuda:
+            assert slot.dev is not None and slot.idx_dev is not None
+            slot.idx_host[:n].numpy()[:] = dst_pages
+            idx_h, idx_d = slot.idx_host[:n], slot.idx_dev[:n]
+            dstage = self._stage(slot.dev, b - a, n)
+
+            def work() -> None:
+                idx_d.copy_(idx_h, non_blocking=True)
+                dstage.copy_(hstage, non_blocking=True)
+                pool.index_copy_(2, idx_d, dstage)
+        else:
+            idx = torch.from_numpy(dst_pages)
+
+            def work() -> None:
+                pool.index_copy_(2, idx, hstage)
+
+        self.streams.launch(self.copy_stream, work)
+        slot.event.record(self.copy_stream)
+
+    # ---------------------------------------------------------------- completer
+    def _complete_loop(self) -> None:
+        failed: Job | None = None
+        while True:
+            item = self.issued.get()
+            if isinstance(item, Stop):
+                self._stop_helper()
+                if item.fut is not None:
+                    self.bridge.set_result(item.fut, None)
+                return
+            job = item.job
+            try:
+                if item.slot is not None:
+                    item.slot.event.synchronize()
+                if job is failed or self.dead is not None:
+                    continue  # the rest of a job that already failed
+                if item.error is not None:
+                    raise item.error
+                if item.finish is not None:
+                    self.wait_deps(job)  # earlier copies that read / write these host pages
+                    item.finish()
+                if item.slot is not None:  # free before the completion is posted
+                    self.ring.release(item.slot)
+                    item.slot = None
+                if item.last:
+                    items: list[Completion] = []
+                    if job.layer_futs is not None:
+                        items = self.layers_through(job, self.num_layers)
+                    self.finish(job, self.result(job, time.perf_counter() - job.started), None,
+                                items)
+                elif item.layers_after > job.layers_done:
+                    self.bridge.complete_many(self.layers_through(job, item.layers_after))
+            except BaseException as exc:
+                failed = job
+                self.fail(job, exc)
+            finally:
+                if item.slot is not None:
+                    self.ring.release(item.slot)
+
+
+def staging_peak(worker: Any) -> tuple[int, int]:
+    """(slots allocated, bytes allocated) of a staged worker's ring, (0, 0) otherwise."""
+    ring = getattr(worker, "ring", None)
+    if ring is None:
+        return 0, 0
+    return ring.made, ring.allocated_bytes
+
