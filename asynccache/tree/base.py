@@ -36,6 +36,7 @@ from asynccache.tree.queues import (
     USES_HITS,
     USES_PRIORITY,
     NodeQueue,
+    StampQueue,
     policy_key,
     sessions_last,
 )
@@ -82,9 +83,14 @@ class TreeBase:
         # entries' nodes in it.
         self._nodes: dict[int, Node] = {}
         nodes = self._nodes
-        self._queues = (
-            NodeQueue(DLEAF, key, nodes), NodeQueue(HLEAF, key, nodes), NodeQueue(HDUP, key, nodes)
-        )
+        self._queues: tuple[NodeQueue | StampQueue, ...]
+        if policy in ("lru", "mru") and not config.enable_sessions:
+            newest = policy == "mru"  # ordered by the access stamp alone: no orphans
+            self._queues = tuple(StampQueue(s, nodes, newest_first=newest)
+                                 for s in (DLEAF, HLEAF, HDUP))
+        else:
+            self._queues = (NodeQueue(DLEAF, key, nodes), NodeQueue(HLEAF, key, nodes),
+                            NodeQueue(HDUP, key, nodes))
         self._events = EventRecorder() if config.enable_kv_events else None
         self._eager_hashes = config.enable_page_hashes
         self._owner = threading.get_ident()

@@ -15,9 +15,10 @@ from asynccache.tree.keys import DEFAULT_NAMESPACE
 from asynccache.tree.node import DLEAF, Node
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "fifo"])
-def test_evict_never_reheaps_all_leaves(policy: str, monkeypatch) -> None:
-    tree = RadixTree(page_size=1, eviction_policy=policy)
+@pytest.mark.parametrize(("policy", "sessions"), [("lru", True), ("lfu", False),
+                                                  ("priority", False), ("fifo", False)])
+def test_evict_never_reheaps_all_leaves(policy: str, sessions: bool, monkeypatch) -> None:
+    tree = RadixTree(page_size=1, eviction_policy=policy, enable_sessions=sessions)
     for i in range(2000):
         tree.insert([i // 40, 10_000 + i], [2 * i, 2 * i + 1])  # 50 parents x 40 leaves
     dq = tree._queues[0]
@@ -47,19 +48,60 @@ def test_evict_never_reheaps_all_leaves(policy: str, monkeypatch) -> None:
     tree.sanity_check()
 
 
-def test_queue_stays_compact_under_many_touches() -> None:
-    tree = RadixTree(page_size=1, eviction_policy="lru")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_queue_stays_compact_under_many_touches(policy: str) -> None:
+    tree = RadixTree(page_size=1, eviction_policy=policy)
     for i in range(100):
         tree.insert([i], [i])
     for _ in range(50):
         for i in range(100):
-            tree.match_prefix([i])  # every touch re-keys the leaf (lazy deletion)
+            tree.match_prefix([i])  # every touch re-keys the leaf
     dq = tree._queues[0]
     assert len(dq) == 100
-    assert len(dq._heap) <= 2 * len(dq) + 64
+    if isinstance(dq, queues.StampQueue):  # lru: no stale entry at all
+        assert len(dq._ids) == 100 and not dq._dups and sum(dq._counts.values()) == 100
+    else:  # lazy deletion: orphans bounded by the live entries
+        assert len(dq._heap) <= 2 * len(dq) + 64
     order = [int(tree.evict(1).device_frees[0][0]) for _ in range(100)]
     assert order == list(range(100))  # still exact LRU after all the re-keying
     tree.sanity_check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "mru"])
+def test_stamp_queue_has_no_orphans_after_a_match_pass(policy: str) -> None:
+    """A match pass that touches every leaf leaves nothing stale: the next evict takes one
+    find for its victim (with a heap the first call popped through one orphan per leaf)."""
+    tree = RadixTree(page_size=1, eviction_policy=policy)
+    for i in range(2000):
+        tree.insert([i // 40, 10_000 + i], [2 * i, 2 * i + 1])
+    for i in range(2000):
+        tree.match_prefix([i // 40, 10_000 + i])
+    dq = tree._queues[0]
+    assert isinstance(dq, queues.StampQueue)
+    assert len(dq._ids) == len(dq) == 2000 and not dq._dups
+    first = 10_000 if policy == "lru" else 11_999
+    res = tree.evict(1)
+    assert res.device_frees[0].tolist() == [2 * (first - 10_000) + 1]
+    assert len(dq._ids) == len(dq) == 1999
+    tree.sanity_check()
+
+
+def test_stamp_queue_equal_stamps_and_old_stamps() -> None:
+    """Equal stamps keep filing order; a node filed under a stamp below the base moves it."""
+    nodes: dict[int, Node] = {}
+    q = queues.StampQueue(DLEAF, nodes)
+    made = {}
+    for node_id, stamp in ((1, 100_000), (2, 100_000), (3, 5), (4, 200_000)):
+        n = Node(node_id, None, b"", DEFAULT_NAMESPACE, [None] * QUEUES)
+        n.last_access = stamp
+        nodes[node_id] = made[node_id] = n
+        q.push(n)
+    made[2].last_access = 7  # re-filed lower
+    q.push(made[2])
+    q.discard(made[4])
+    assert [q.pop().id for _ in range(3)] == [3, 2, 1]
+    assert q.pop() is None and len(q) == 0
+    assert all(n.aux[DLEAF] is None for n in made.values())
 
 
 def test_queue_entries_hold_no_nodes() -> None:
@@ -74,8 +116,8 @@ def test_queue_entries_hold_no_nodes() -> None:
     leaves = [n for n in nodes if not n.children]
     assert len(leaves) == 4
     for n in leaves:
-        entry = n.aux[DLEAF]
-        assert isinstance(entry, tuple) and entry[-1] == n.id
+        entry = n.aux[DLEAF]  # lru: the node's access stamp (a StampQueue entry)
+        assert type(entry) is int and entry == n.last_access
         assert not gc.is_tracked(entry)
     swa, mamba = tree._swa, tree._mamba
     assert swa is not None and mamba is not None
