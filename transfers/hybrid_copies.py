@@ -1,49 +1,64 @@
 """Host copies of the hybrid-model components: Mamba state copies and grouped copies.
 
 * :class:`StateCopier` copies recurrent states between two :class:`MambaStatePool` s (device
-  and host) on one worker thread; each copy is one gather / scatter over the state tensors.
-  Completions reach the loop through a :class:`LoopBridge`.
+  and host) with the machinery of KV pages: a :class:`~asynccache.transfers.engine.CopyEngine`
+  over the pools seen as one-state pages (:class:`~asynccache.transfers.hybrid_pools.StatePages`).
+  On CUDA that is the staged pipeline: the fence contract (``after=``, a bound compute stream,
+  or the current stream), a copy stream, pinned ``non_blocking`` copies through the staging
+  ring, blocking-sync events; on the CPU the direct worker. Host-slot ordering and dead-thread
+  handling come with it.
 * :class:`GroupHandle` joins the copies of one operation over several pools (FULL KV, SWA KV,
   Mamba states) into a single :class:`CopyHandle`: it finishes when every part has, with the
   first part's error if any failed. The FULL part's indices and the summed bytes describe it.
 
-SWA KV moves with a second :class:`~asynccache.transfers.engine.CopyEngine` over the SWA device and host
-pools (same page layout as FULL KV, fewer layers).
+SWA KV moves with a second :class:`~asynccache.transfers.engine.CopyEngine` over the SWA device
+and host pools (same page layout as FULL KV, fewer layers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from asynccache.errors import ClosedError, InvalidInputError, OwnerError
-from asynccache.transfers.bridge import LoopBridge
+from asynccache.errors import ClosedError, InvalidInputError
+from asynccache.transfers.engine import CopyEngine, Mode
 from asynccache.transfers.handles import CopyHandle, CopyResult
-from asynccache.transfers.hybrid_pools import MambaStatePool
+from asynccache.transfers.hybrid_pools import DeviceStatePages, HostStatePages, MambaStatePool
 from asynccache.transfers.indices import as_slot_array
+from asynccache.transfers.pools import register_host_memory
+from asynccache.transfers.streams import Streams
+
+#: The staging ring of a state copier (states are small next to KV).
+STATE_STAGING_BYTES = 16 << 20
 
 
 def host_state_pool(device_pool: MambaStatePool, num_states: int) -> MambaStatePool:
-    """A host pool of ``num_states`` states shaped like ``device_pool``'s (pinned on CUDA)."""
+    """A host pool of ``num_states`` states shaped like ``device_pool``'s (pinned on CUDA:
+    exactly its bytes, see :func:`~asynccache.transfers.pools.register_host_memory`)."""
     shape = tuple(device_pool.states.shape[1:])
     pool = MambaStatePool(num_states, shape, dtype=device_pool.states.dtype, device="cpu")
     if device_pool.states.device.type == "cuda":
-        pool.states = pool.states.pin_memory()
+        register_host_memory(pool.states)
     return pool
 
 
 class StateCopier:
-    """Copies Mamba states device <-> host on one worker thread."""
+    """Copies Mamba states device <-> host (see the module docstring).
+
+    ``submit_d2h`` / ``submit_h2d`` take ``after=`` like
+    :meth:`CopyEngine.submit_d2h <asynccache.transfers.engine.CopyEngine.submit_d2h>`; the
+    other keywords go to the engine (``compute_stream``, ``debug_fences``, ``streams``,
+    ``mode``, staging)."""
 
     def __init__(self, device: MambaStatePool, host: MambaStatePool,
-                 name: str = "asynccache-states") -> None:
+                 name: str = "asynccache-states", *, mode: Mode = "auto",
+                 streams: Streams | None = None, compute_stream: Any = None,
+                 debug_fences: bool | None = None,
+                 staging_bytes: int = STATE_STAGING_BYTES, staging_slots: int = 4) -> None:
         if tuple(device.states.shape[1:]) != tuple(host.states.shape[1:]) or (
             device.states.dtype != host.states.dtype
         ):
@@ -54,69 +69,43 @@ class StateCopier:
         self.device = device
         self.host = host
         self.name = name
-        self._bytes_per_state = device.states[0].numel() * device.states.element_size()
-        self._executor: ThreadPoolExecutor | None = None
-        self._bridge: LoopBridge | None = None
-        self._loop_thread = 0
-        self._in_flight: set[asyncio.Future[Any]] = set()
+        self.engine = CopyEngine(
+            DeviceStatePages(device), HostStatePages(host), mode=mode, name=name,  # type: ignore[arg-type]
+            streams=streams, compute_stream=compute_stream, debug_fences=debug_fences,
+            staging_bytes=staging_bytes, staging_slots=staging_slots)
 
     async def start(self) -> None:
-        if self._executor is not None:
+        if self.engine.worker is not None or self.engine.closed:
             raise ClosedError(f"StateCopier {self.name!r} already started")
-        self._bridge = LoopBridge()
-        self._loop_thread = threading.get_ident()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        await self.engine.start()
 
     async def aclose(self) -> None:
-        """Wait for the copies in flight, then stop the worker."""
-        if self._in_flight:
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        self._executor = None
+        """Wait for the copies in flight, then stop the threads."""
+        await self.engine.aclose()
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return self.engine.in_flight
 
-    def submit_d2h(self, device_idx: Any, host_idx: Any) -> CopyHandle:
-        return self._submit("d2h", self.device, device_idx, self.host, host_idx)
+    def submit_d2h(self, device_idx: Any, host_idx: Any, *, after: Any = None) -> CopyHandle:
+        self._check(device_idx, self.device, host_idx, self.host)
+        return self.engine.submit_d2h(device_idx, host_idx, after=after)
 
-    def submit_h2d(self, host_idx: Any, device_idx: Any) -> CopyHandle:
-        return self._submit("h2d", self.host, host_idx, self.device, device_idx)
+    def submit_h2d(self, host_idx: Any, device_idx: Any, *, after: Any = None) -> CopyHandle:
+        self._check(host_idx, self.host, device_idx, self.device)
+        return self.engine.submit_h2d(host_idx, device_idx, after=after)
 
-    def _submit(self, op: str, src: MambaStatePool, src_idx: Any, dst: MambaStatePool,
-                dst_idx: Any) -> CopyHandle:
-        if self._executor is None or self._bridge is None:
+    def _check(self, src_idx: Any, src: MambaStatePool, dst_idx: Any,
+               dst: MambaStatePool) -> None:
+        if not self.engine.running:
             raise ClosedError(f"StateCopier {self.name!r} is not running")
-        if threading.get_ident() != self._loop_thread:
-            raise OwnerError("StateCopier.submit_* must be called on its event loop thread")
-        s = as_slot_array(src_idx, name="src_idx").copy()
-        d = as_slot_array(dst_idx, name="dst_idx").copy()
+        s = as_slot_array(src_idx, name="src_idx")
+        d = as_slot_array(dst_idx, name="dst_idx")
         if s.shape != d.shape:
             raise InvalidInputError(f"{s.shape[0]} source states but {d.shape[0]} destinations")
         for arr, pool in ((s, src), (d, dst)):
             if arr.shape[0] and (int(arr.min()) < 0 or int(arr.max()) >= pool.states.shape[0]):
                 raise InvalidInputError(f"a state slot of {arr.tolist()[:8]} is out of range")
-        nbytes = int(s.shape[0]) * self._bytes_per_state
-        submitted = time.perf_counter()
-
-        def work() -> CopyResult:
-            began = time.perf_counter()
-            if s.shape[0]:
-                rows = src.states.index_select(0, torch.from_numpy(s).to(src.states.device))
-                dst.states.index_copy_(0, torch.from_numpy(d).to(dst.states.device),
-                                       rows.to(dst.states.device, non_blocking=False))
-                if dst.states.device.type == "cuda":  # the scatter is queued: wait for it
-                    torch.cuda.current_stream(dst.states.device).synchronize()
-            return CopyResult(op, int(s.shape[0]), nbytes, began - submitted,
-                              time.perf_counter() - began)
-
-        fut = self._bridge.wrap_future(self._executor.submit(work))
-        self._in_flight.add(fut)
-        fut.add_done_callback(self._in_flight.discard)
-        fut.add_done_callback(_retrieve)
-        return CopyHandle(op, fut, s, d, nbytes)
 
 
 class GroupHandle(CopyHandle):

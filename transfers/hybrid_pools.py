@@ -17,6 +17,7 @@ thread-safe: the cache's event loop is the only caller.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 from asynccache.errors import ConfigError, DoubleFreeError, InvalidInputError
 from asynccache.transfers.allocator import PageAllocator, positive_int
 from asynccache.transfers.indices import as_slot_array
+from asynccache.transfers.pools import KVPool
 
 
 class SWASlotMap:
@@ -184,3 +186,54 @@ class MambaStatePool:
         dst = int(got[0])
         self.states[dst].copy_(self.states[s])
         return dst
+
+
+@dataclass(frozen=True, slots=True)
+class StateShape:
+    """A state pool's geometry as the copy engine sees it: one "layer", one state per page."""
+
+    state_shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_layers: int = 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one state."""
+        n = 1
+        for d in self.state_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return self.bytes_per_token * page_size
+
+
+class StatePages(KVPool):
+    """A :class:`MambaStatePool` seen as a pool of one-state pages, so that a
+    :class:`~asynccache.transfers.engine.CopyEngine` moves states with the machinery of KV
+    pages (fences, copy stream, staging ring, host-slot ordering). It wraps the pool's tensor
+    (no copy): the page view is ``(1, 1, num_states, state elements)``."""
+
+    def __init__(self, pool: MambaStatePool) -> None:  # no KVPool.__init__: nothing allocated
+        states = pool.states
+        if not states.is_contiguous():
+            raise ConfigError("a MambaStatePool's states must be contiguous to be copied")
+        n = int(states.shape[0])
+        self.allocator = pool.allocator
+        self.shape = StateShape(tuple(int(d) for d in states.shape[1:]), states.dtype)  # type: ignore[assignment]
+        self.page_size = 1
+        self.num_slots = self.num_pages = n
+        self.layout = "layer_first"
+        self.device = states.device
+        self.pinned = states.device.type == "cpu" and torch.cuda.is_available() and \
+            bool(states.is_pinned())
+        self.kv = states
+        self._page_view = states.view(1, 1, n, -1)
+
+
+class DeviceStatePages(StatePages):
+    kind = "device"
+
+
+class HostStatePages(StatePages):
+    kind = "host"

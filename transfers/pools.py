@@ -16,6 +16,7 @@ Pools are allocated and touched (zero-filled) once, at construction.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeAlias
 
@@ -40,6 +41,32 @@ _DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def register_host_memory(t: torch.Tensor) -> None:
+    """Page-lock the memory of CPU tensor ``t`` in place (``cudaHostRegister`` through
+    ``torch.cuda.cudart()``), unregistered when ``t`` is collected.
+
+    Pinning with ``torch.empty(..., pin_memory=True)`` goes through torch's caching host
+    allocator, which rounds every allocation up to a power of two: a 65 GiB pool would lock
+    128 GiB. Registering a plain allocation locks exactly its bytes. CUDA only: without CUDA
+    it raises :class:`ConfigError`.
+    """
+    if not torch.cuda.is_available():
+        raise ConfigError("pinning host memory needs CUDA, which is not available")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ConfigError("only a contiguous CPU tensor can be registered as pinned memory")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    ptr = t.data_ptr()
+    rc = cudart.cudaHostRegister(ptr, nbytes, 0)
+    code = int(getattr(rc, "value", rc))
+    if code != 0:
+        raise ConfigError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    _log.debug("host_memory_registered", bytes=nbytes)
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -121,13 +148,17 @@ class KVPool:
         else:
             dims = (self.num_pages, L, 2, page_size, H, D)
         try:
-            kv = torch.empty(dims, dtype=shape.dtype, device=self.device, pin_memory=pin_memory)
+            # Pinned pools are allocated exactly and registered (see register_host_memory):
+            # torch's pinned allocator would round the allocation up to a power of two.
+            kv = torch.empty(dims, dtype=shape.dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:
             raise ConfigError(
                 f"cannot allocate a {self.kind} pool of {num_slots} slots "
                 f"({num_slots * shape.bytes_per_token} bytes) on {self.device}: {exc}"
             ) from exc
         kv.zero_()  # touch every page now, not on the first copy
+        if pin_memory:
+            register_host_memory(kv)
         self.kv = kv
         R = page_size * H * D
         if layout == "layer_first":

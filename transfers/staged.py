@@ -46,7 +46,7 @@ from asynccache.transfers import workers
 from asynccache.transfers.bridge import Completion, LoopBridge
 from asynccache.transfers.chunks import RingChunk, ring_chunks
 from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
-from asynccache.transfers.pools import KVPool
+from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
 from asynccache.transfers.workers import Job, Stop, WorkerBase
 
@@ -118,9 +118,11 @@ class StagingRing:
             self.worker.cv.notify_all()
 
     def _new(self) -> _Slot:
-        pin = self.cuda
-        host = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
-        idx_host = torch.empty(self.max_pages, dtype=torch.int64, pin_memory=pin)
+        host = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        idx_host = torch.empty(self.max_pages, dtype=torch.int64)
+        if self.cuda:  # exactly these bytes (torch's pinned allocator rounds up)
+            register_host_memory(host)
+            register_host_memory(idx_host)
         dev = idx_dev = None
         if self.cuda:
             dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)

@@ -113,3 +113,115 @@ async def test_many_concurrent_cuda_copies_retire_in_order() -> None:
         await asyncio.gather(*handles)
         await asyncio.sleep(0)
     assert order == list(range(64))
+
+
+# --------------------------------------------------------------------------- issue 27
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_pinned_host_pool_locks_exactly_its_bytes() -> None:
+    """torch's pinned allocator rounds up to a power of two (1.5 GiB -> 2 GiB); the pool
+    allocates exactly and registers the memory."""
+    shape = KVShape(4, 8, 128, "fp16")  # 16 KiB per token
+    tokens = (3 << 29) // shape.bytes_per_token  # 1.5 GiB
+    before = _rss_bytes()
+    host = HostPool(shape, tokens, PAGE)
+    grown = _rss_bytes() - before
+    assert host.pinned and host.kv.is_pinned()
+    assert host.nbytes == 3 << 29
+    assert grown < 1.25 * host.nbytes, f"RSS grew {grown} for a {host.nbytes}-byte pool"
+    dev = DevicePool(shape, 64 * PAGE, PAGE)
+    _fill(dev.kv, 5)
+    del host
+
+
+async def test_after_event_on_a_side_stream_fences_the_backup() -> None:
+    shape = KVShape(2, 8, 128, "fp16")
+    dev = DevicePool(shape, 64 * PAGE, PAGE)
+    host = HostPool(shape, 64 * PAGE, PAGE)
+    d = _slots(np.arange(64))
+    side = torch.cuda.Stream()
+    async with CopyEngine(dev, host, debug_fences=True) as engine:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            dev.kv.fill_(5.0)
+        done = side.record_event()
+        handle = engine.submit_d2h(d, d, after=done)  # submitted on the default stream
+        await handle
+        assert bool((host.kv == 5.0).all())
+        with pytest.raises(Exception, match="no explicit dependency"):
+            engine.submit_d2h(d, d)
+        with pytest.raises(Exception, match="never recorded"):
+            engine.submit_d2h(d, d, after=torch.cuda.Event())
+        engine.bind_compute_stream(side)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            dev.kv.fill_(6.0)
+            await engine.submit_d2h(d, d)
+        assert bool((host.kv == 6.0).all())
+
+
+async def test_h2d_waits_for_a_kernel_still_reading_its_slots() -> None:
+    shape = KVShape(2, 8, 128, "fp16")
+    dev = DevicePool(shape, 16 * PAGE, PAGE)
+    host = HostPool(shape, 16 * PAGE, PAGE)
+    dev.kv.fill_(1.0)
+    host.kv.fill_(2.0)
+    side = torch.cuda.Stream()
+    out = torch.empty_like(dev.kv)
+    async with CopyEngine(dev, host) as engine:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            out.copy_(dev.kv)  # the "attention" still reads the old KV
+        await engine.submit_h2d_layerwise(_slots(np.arange(16)), _slots(np.arange(16)),
+                                          after=side)
+    torch.cuda.synchronize()
+    assert bool((out == 1.0).all()) and bool((dev.kv == 2.0).all())
+
+
+async def test_a_large_copy_goes_through_the_fixed_ring() -> None:
+    shape = KVShape(8, 8, 128, "bf16")  # 32 KiB per token
+    dev = DevicePool(shape, 8192, PAGE)  # 256 MiB
+    host = HostPool(shape, 8192, PAGE)
+    _fill(dev.kv, 7)
+    d = _slots(np.random.default_rng(0).permutation(8192 // PAGE))
+    async with CopyEngine(dev, host, staging_bytes=16 << 20, staging_slots=4) as engine:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        await engine.submit_d2h(d, d)
+        assert _same(host.read_slots(d), dev.read_slots(d))
+        dev.kv.zero_()
+        await engine.submit_h2d_layerwise(d, d)
+        assert _same(dev.read_slots(d), host.read_slots(d))
+        ring = engine.worker.ring  # type: ignore[union-attr]
+        assert ring.made <= 4 and ring.allocated_bytes <= 16 << 20
+        # the device side of the ring plus index buffers, not a copy-sized staging
+        assert torch.cuda.max_memory_allocated() - base < 64 << 20
+
+
+async def test_state_copier_on_cuda_is_fenced_and_bit_exact() -> None:
+    from asynccache.transfers.hybrid_copies import StateCopier, host_state_pool, state_bytes
+    from asynccache.transfers.hybrid_pools import MambaStatePool
+
+    dev = MambaStatePool(8, (16, 64), dtype=torch.float32, device="cuda")
+    host = host_state_pool(dev, 8)
+    assert host.states.is_pinned()
+    copier = StateCopier(dev, host)
+    await copier.start()
+    try:
+        assert copier.engine.mode == "staged"
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            dev.states[2].fill_(3.5)
+        await copier.submit_d2h([2], [6], after=side)
+        assert bool((host.states[6] == 3.5).all())
+        await copier.submit_h2d([6], [0])
+        assert state_bytes(dev, np.array([0])) == state_bytes(host, np.array([6]))
+    finally:
+        await copier.aclose()

@@ -4,6 +4,8 @@ through the state copier, and grouped handles. Every round trip is bit-exact."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +109,42 @@ async def test_group_handle_joins_full_swa_and_state_copies_bit_exact() -> None:
         await states.aclose()
         with pytest.raises(Exception, match="not running"):
             states.submit_d2h([0], [0])
+
+
+# --------------------------------------------------------------------------- ordering (issue 27)
+@pytest.fixture
+def late() -> Any:
+    from asynccache.transfers.streams import LateStreams
+
+    streams = LateStreams(delay_s=(0.0, 0.004), seed=2)
+    yield streams
+    streams.close()
+
+
+async def _guarded(aw: Any) -> Any:
+    return await asyncio.wait_for(asyncio.ensure_future(aw), 30.0)
+
+
+@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
+async def test_state_copies_wait_for_the_kernel_that_writes_them(kind: str, late: Any) -> None:
+    """A state backup submitted with after= reads the state the (late) kernel wrote; a load
+    of host states a pending backup writes loads the new bytes (host-slot ordering)."""
+    dev = MambaStatePool(8, (3, 5), dtype=torch.float32, device="cpu")
+    _fill(dev, 7)
+    host = host_state_pool(dev, 8)
+    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
+    copier = StateCopier(dev, host, **kw[kind])  # type: ignore[arg-type]
+    await copier.start()
+    try:
+        side = late.new_stream("mamba")
+        for rnd in range(3):
+            late.launch(side, lambda rnd=rnd: dev.states[rnd].fill_(100.0 + rnd))
+        backup = copier.submit_d2h([0, 1, 2], [5, 6, 7], after=side)
+        load = copier.submit_h2d([7, 5], [3, 4])  # host states 5 and 7 are being written
+        await _guarded(asyncio.gather(backup, load))
+        assert bool((host.states[5] == 100.0).all()) and bool((host.states[7] == 102.0).all())
+        assert bool((dev.states[3] == 102.0).all()) and bool((dev.states[4] == 100.0).all())
+        assert copier.in_flight == 0
+    finally:
+        await copier.aclose()
+    assert not [t for t in threading.enumerate() if t.name.startswith("asynccache-states")]

@@ -152,3 +152,15 @@ def test_read_page_write_page_round_trip_across_layouts(dtype: str) -> None:
     assert torch.equal(_bits(lf.read_slots(slots)), _bits(lf.kv[:, :, slots]))
     with pytest.raises(InvalidInputError, match="uint8"):
         pf.write_page(0, torch.zeros(3, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_pools_are_allocated_exactly_and_pinning_needs_cuda() -> None:
+    from asynccache.transfers.pools import register_host_memory
+
+    shape = KVShape(3, 2, 8, "fp16")
+    host = HostPool(shape, 40 * 4, 4, layout="page_first")
+    assert not host.pinned
+    assert host.nbytes == host.kv.untyped_storage().nbytes() == 40 * 4 * shape.bytes_per_token
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        register_host_memory(host.kv)
