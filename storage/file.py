@@ -37,8 +37,8 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,7 +54,8 @@ from asynccache.storage.base import StorageLayout, check_batch, validate_keys
 from asynccache.storage.fileindex import LruIndex
 from asynccache.storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
 from asynccache.storage.pageformat import HEADER_SIZE
-from asynccache.storage.segment import BLOCK, MAX_PAGES, table_bytes
+from asynccache.storage.quarantine import Quarantine
+from asynccache.storage.segment import file_bytes, plan_files
 from asynccache.storage.threadio import PageGuard, Scratch, ThreadRunner
 
 __all__ = ["FileBackend"]
@@ -136,17 +137,8 @@ class FileBackend(BackendBase):
         self._victims: list[str] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
-        self._writer = filedir.WriterLock(self._root)
-        self._no_writer_lock = False
-        self._temps: dict[str, filedir.TempFile] = {}  # other writers' temp files, counted
-        self._tmp_bytes = 0
-        self._temps_checked = time.monotonic()
-        #: Seconds between looks at the temp files kept at start (while there are any).
-        self.tmp_recheck_s = 60.0
-        # key -> generation: pages whose read was abandoned while still running
-        self._quarantine: dict[str, int] = {}
-        self._quarantine_gen = 0
-        self._quarantine_lock = threading.Lock()
+        self._dir = filedir.DirState(self._root, self._suffix)  # writer lock, temp files
+        self._quarantine = Quarantine()  # pages whose read was abandoned, still running
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -176,7 +168,7 @@ class FileBackend(BackendBase):
             if self._started:
                 return
             try:
-                entries = await self._scan_in_thread()
+                entries = await self._runner.call(self._scan, max(self.timeout_s, 60.0))
             except (OSError, TimeoutError) as exc:
                 self._log.error("storage_start_failed", root=str(self.root), error=repr(exc))
                 if strict:
@@ -192,7 +184,7 @@ class FileBackend(BackendBase):
             self._started = True
             victims: list[str] = []
             if self.capacity_bytes is not None:
-                victims = self._index.evict(self.capacity_bytes, self._tmp_bytes, protect=())
+                victims = self._index.evict(self.capacity_bytes, self._dir.tmp_bytes, protect=())
             if victims:
                 await self._runner.run(len(victims), self._unlink_job(victims), self._deadline())
                 self._gone(victims, "capacity")
@@ -204,68 +196,27 @@ class FileBackend(BackendBase):
                 bytes=self._index.used,
             )
 
-    async def _scan_in_thread(self) -> list[tuple[int, str, int, int]]:
-        """:meth:`_scan` on a worker thread; raises its OSError, or TimeoutError."""
-        result: list[list[tuple[int, str, int, int]]] = []
-        error: list[OSError] = []
-
-        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            try:
-                result.append(self._scan())
-                guard.finish(i, OK)
-            except OSError as exc:
-                error.append(exc)
-                guard.finish(i, os_error_reason(exc), str(exc))
-
-        outcomes, details = await self._runner.run(1, job, max(self.timeout_s, 60.0))
-        if error:
-            raise error[0]
-        if outcomes[0] != OK:
-            raise TimeoutError(f"scanning the directory: {outcomes[0]} ({details[0]})")
-        return result[0]
-
     def _scan(self) -> list[tuple[int, str, int, int]]:
-        """Blocking. This layout's objects (``filedir.scan``); on the first call also takes
-        this writer's lock. The temp files kept are recorded for the capacity."""
-        if not self._writer.held and self._files.writer is None and not self._no_writer_lock:
-            os.makedirs(self.root, exist_ok=True)
-            if self._writer.acquire():
-                self._files.writer = self._writer.id
-            else:
-                self._no_writer_lock = True
-        entries, temps = filedir.scan(self._root, self._suffix, self._liveness())
-        self._set_temps(temps)
+        """Blocking: this layout's objects; takes this writer's lock the first time, removes
+        dead writers' temp files and counts the others (``filedir.DirState``)."""
+        entries = self._dir.scan()
+        self._files.writer = self._dir.writer
         return entries
-
-    def _set_temps(self, temps: dict[str, filedir.TempFile]) -> None:
-        self._temps = temps
-        self._tmp_bytes = sum(t.size for t in temps.values())
-
-    def _liveness(self) -> filedir.Liveness:
-        return filedir.Liveness(self._root, self._files.writer)
 
     @property
     def writer_id(self) -> str | None:
         """The id this backend names its temp files with (None before start, or where the
         filesystem has no ``flock``)."""
-        return self._files.writer
+        return self._dir.writer
 
-    async def _recheck_temps(self) -> None:
-        """Look again at the temp files kept at start (at most every ``tmp_recheck_s``):
-        remove those whose writer is gone, stop counting those that went."""
-        if not self._temps or time.monotonic() < self._temps_checked + self.tmp_recheck_s:
-            return
-        self._temps_checked = time.monotonic()
-        temps = dict(self._temps)
-        left: list[dict[str, filedir.TempFile]] = []
+    @property
+    def tmp_recheck_s(self) -> float:
+        """Seconds between looks at other writers' temp files kept at start (default 60)."""
+        return self._dir.recheck_s
 
-        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            left.append(filedir.recheck(temps, self._liveness()))
-            guard.finish(i, OK)
-
-        outcomes, _ = await self._runner.run(1, job, self._deadline())
-        if outcomes[0] == OK and left:
-            self._set_temps(left[0])
+    @tmp_recheck_s.setter
+    def tmp_recheck_s(self, value: float) -> None:
+        self._dir.recheck_s = value
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -277,38 +228,17 @@ class FileBackend(BackendBase):
         if cap is not None:
             if size > cap:
                 return False
-            held = self._reserved + self._tmp_bytes  # other writers' temp files count too
+            held = self._reserved + self._dir.tmp_bytes  # other writers' temp files count too
             self._victims += self._index.evict(cap - size, held, protect)
             if self._index.used + held + size > cap:
                 return False
         self._reserved += size
         return True
 
-    # -- quarantine -----------------------------------------------------------------------------
-
     def _quarantine_keys(self, keys: list[str]) -> Callable[[], None]:
-        """Quarantine ``keys`` (their read is stuck); returns what lifts it when the read
-        returns (from its worker thread; a page written or deleted since stays lifted)."""
-        with self._quarantine_lock:
-            self._quarantine_gen += 1
-            gen = self._quarantine_gen
-            for key in keys:
-                self._quarantine[key] = gen
+        lift = self._quarantine.add(keys)
         self._log.warning("storage_quarantined", keys=keys, quarantined=len(self._quarantine))
-
-        def lift() -> None:
-            with self._quarantine_lock:
-                for key in keys:
-                    if self._quarantine.get(key) == gen:
-                        del self._quarantine[key]
-
         return lift
-
-    def _unquarantine(self, keys: Sequence[str]) -> None:
-        if self._quarantine:
-            with self._quarantine_lock:
-                for key in keys:
-                    self._quarantine.pop(key, None)
 
     def _unlink_job(self, keys: list[str], first_slot: int = 0) -> Job:
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
@@ -471,7 +401,9 @@ class FileBackend(BackendBase):
         self._check_open()
         key_list, views = check_batch(keys, buffers, writable=False)
         await self._ensure_started()
-        await self._recheck_temps()
+        if self._dir.due():  # other writers' temp files: still there, still theirs?
+            with contextlib.suppress(OSError, TimeoutError):
+                await self._runner.call(self._dir.recheck, self._deadline())
         started = time.perf_counter()
         n = len(key_list)
         outcomes: list[str] = [OK] * n
@@ -488,7 +420,7 @@ class FileBackend(BackendBase):
                 todo.append(i)
         files: list[tuple[list[int], int]] = []  # (page indices, bytes on disk)
         for group in self._plan_files(todo, views):
-            size = _file_bytes([views[i].nbytes for i in group], self._files.direct)
+            size = file_bytes([views[i].nbytes for i in group], self._files.direct)
             if self._reserve(size, protect):
                 files.append((group, size))
                 continue
@@ -585,7 +517,7 @@ class FileBackend(BackendBase):
             stored = [key_list[i] for i in g if done[nv + i] == OK]
             if stored:
                 self._index.add(stored, size)
-                self._unquarantine(stored)  # a new file under the name: readable again
+                self._quarantine.discard(stored)  # a new file under the name: readable again
         return out
 
     def _make_room(
@@ -596,34 +528,17 @@ class FileBackend(BackendBase):
         files to write again (they fitted the capacity before: no new reservation check) and
         the victims. None when nothing can be evicted."""
         groups = self._plan_files(full, views)
-        sizes = [_file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
+        sizes = [file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
         victims = self._index.evict(self._index.used - 2 * sum(sizes), 0, protect)
         if not victims:
             return None
         return list(zip(groups, sizes, strict=True)), victims
 
     def _plan_files(self, todo: list[int], views: list[memoryview]) -> list[list[int]]:
-        """Group the pages to write into files: runs of up to ``segment_bytes`` (and
-        :data:`~asynccache.storage.segment.MAX_PAGES`) in batch order; one page per file otherwise."""
-        limit = self.segment_bytes
-        if limit is None or not self._files.links_ok:  # no hard links here: one file each
-            return [[i] for i in todo]
-        groups: list[list[int]] = []
-        current: list[int] = []
-        nbytes = 0
-        for i in todo:
-            size = HEADER_SIZE + views[i].nbytes
-            if size >= limit:
-                groups.append([i])
-                continue
-            if current and (nbytes + size > limit or len(current) == MAX_PAGES):
-                groups.append(current)
-                current, nbytes = [], 0
-            current.append(i)
-            nbytes += size
-        if current:
-            groups.append(current)
-        return groups
+        """The files to write ``todo``'s pages in (``segment.plan_files``); one page per file
+        where the filesystem has no hard links."""
+        limit = self.segment_bytes if self._files.links_ok else None
+        return plan_files(todo, [v.nbytes for v in views], limit)
 
     async def _sync_dirs(self, keys: list[str]) -> dict[str, tuple[str, str | None]]:
         """fsync the directories of freshly published pages, once each per batch (the new
@@ -656,7 +571,7 @@ class FileBackend(BackendBase):
         outcomes, details = await self._runner.run(
             len(key_list), self._unlink_job(key_list), self._deadline()
         )
-        self._unquarantine([k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)])
+        self._quarantine.discard([k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)])
         self._set_usage()
         sizes = [0] * len(key_list)
         removed = sum(self._account("delete", key_list, outcomes, details, sizes, started))
@@ -672,8 +587,7 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         known = self._index.keys()
         self._index.clear()
-        with self._quarantine_lock:
-            self._quarantine.clear()
+        self._quarantine.clear()
         removed: list[str] = []
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
@@ -710,9 +624,9 @@ class FileBackend(BackendBase):
             "stuck_threads": self._runner.stuck,
             "quarantined": len(self._quarantine),
             "no_space_retries": self.metrics.no_space_retries,
-            "temp_files": len(self._temps),
-            "temp_bytes": self._tmp_bytes,
-            "writer_id": self._files.writer,
+            "temp_files": len(self._dir.temps),
+            "temp_bytes": self._dir.tmp_bytes,
+            "writer_id": self._dir.writer,
         }
 
     async def aclose(self) -> None:
@@ -721,23 +635,11 @@ class FileBackend(BackendBase):
         if self._closed:
             return
         self._closed = True
-        if self._writer.held:
-
-            def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-                self._writer.release()
-                guard.finish(i, OK)
-
-            await self._runner.run(1, job, self.timeout_s)
+        if self._dir.lock.held:
+            with contextlib.suppress(OSError, TimeoutError):
+                await self._runner.call(self._dir.lock.release, self.timeout_s)
 
     def __repr__(self) -> str:
         return f"FileBackend(root={str(self.root)!r}, tag={self._layout.tag!r})"
 
 
-def _file_bytes(payload_sizes: list[int], direct: bool) -> int:
-    """Bytes on disk of a file holding pages of these payload sizes (an O_DIRECT segment
-    is padded to a whole block)."""
-    pages = sum(HEADER_SIZE + s for s in payload_sizes)
-    if len(payload_sizes) == 1:
-        return pages
-    size = table_bytes(len(payload_sizes)) + pages
-    return -(-size // BLOCK) * BLOCK if direct else size

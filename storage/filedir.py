@@ -34,6 +34,7 @@ from asynccache.logs import get_logger
 __all__ = [
     "LEGACY_STALE_S",
     "WRITERS_DIR",
+    "DirState",
     "Liveness",
     "TempFile",
     "WriterLock",
@@ -242,3 +243,49 @@ def recheck(temps: dict[str, TempFile], liveness: Liveness) -> dict[str, TempFil
         except OSError:
             left[path] = tf
     return left
+
+
+class DirState:
+    """One backend's view of its directory beyond the index: its writer lock, and the temp
+    files of other writers it keeps counting. The blocking methods run on worker threads."""
+
+    #: Seconds between looks at the temp files kept at start (while there are any).
+    recheck_s = 60.0
+
+    def __init__(self, root: str, suffix: str) -> None:
+        self.root = root
+        self.suffix = suffix
+        self.lock = WriterLock(root)
+        self.writer: str | None = None  # named in temp files once the lock is held
+        self._lock_tried = False
+        self.temps: dict[str, TempFile] = {}
+        self.tmp_bytes = 0
+        self._checked = time.monotonic()
+
+    def liveness(self) -> Liveness:
+        return Liveness(self.root, self.writer)
+
+    def scan(self) -> list[tuple[int, str, int, int]]:
+        """Blocking: take this writer's lock (the first time), then :func:`scan`; the temp files
+        kept are counted from now on."""
+        if not self._lock_tried:
+            os.makedirs(self.root, exist_ok=True)
+            self._lock_tried = True
+            if self.lock.acquire():
+                self.writer = self.lock.id
+        entries, temps = scan(self.root, self.suffix, self.liveness())
+        self._set(temps)
+        return entries
+
+    def due(self) -> bool:
+        """Whether kept temp files are waiting for another look."""
+        return bool(self.temps) and time.monotonic() >= self._checked + self.recheck_s
+
+    def recheck(self) -> None:
+        """Blocking: :func:`recheck` the temp files kept."""
+        self._checked = time.monotonic()
+        self._set(recheck(dict(self.temps), self.liveness()))
+
+    def _set(self, temps: dict[str, TempFile]) -> None:
+        self.temps = temps
+        self.tmp_bytes = sum(t.size for t in temps.values())

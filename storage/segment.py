@@ -36,8 +36,10 @@ __all__ = [
     "SEGMENT_MAGIC",
     "Entry",
     "encode_table",
+    "file_bytes",
     "is_segment",
     "parse_table",
+    "plan_files",
     "table_bytes",
 ]
 
@@ -115,3 +117,37 @@ def parse_table(head: memoryview | bytes | bytearray, name: str) -> dict[int, En
     for nh, offset, length in _ENTRY.iter_unpack(body):
         out[nh] = Entry(offset, length)
     return out
+
+
+def plan_files(todo: list[int], payload_sizes: list[int], limit: int | None) -> list[list[int]]:
+    """Group pages (indices ``todo`` into ``payload_sizes``) into files: runs of up to
+    ``limit`` bytes and :data:`MAX_PAGES` pages, in order; pages of ``limit`` bytes or more
+    alone; ``limit`` None: one page per file."""
+    if limit is None:
+        return [[i] for i in todo]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    nbytes = 0
+    for i in todo:
+        size = HEADER_SIZE + payload_sizes[i]
+        if size >= limit:
+            groups.append([i])
+            continue
+        if current and (nbytes + size > limit or len(current) == MAX_PAGES):
+            groups.append(current)
+            current, nbytes = [], 0
+        current.append(i)
+        nbytes += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def file_bytes(payload_sizes: list[int], direct: bool) -> int:
+    """Bytes on disk of a file holding pages of these payload sizes (a single page, or a
+    segment; an ``O_DIRECT`` segment is padded to a whole block)."""
+    pages = sum(HEADER_SIZE + s for s in payload_sizes)
+    if len(payload_sizes) == 1:
+        return pages
+    size = table_bytes(len(payload_sizes)) + pages
+    return -(-size // BLOCK) * BLOCK if direct else size

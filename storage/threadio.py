@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
 
@@ -36,6 +37,8 @@ from asynccache.logs import get_logger
 from asynccache.storage.daemonpool import DaemonPool, loop_caller
 
 __all__ = ["PageGuard", "Scratch", "ThreadRunner"]
+
+T = TypeVar("T")
 
 _log = get_logger("asynccache.storage.threadio")
 
@@ -275,3 +278,24 @@ class ThreadRunner:
                     if release is not None:
                         guard.when_finished(i, release)
         return outcomes, details
+
+    async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """Run one blocking ``fn()`` on a worker thread: its result, or its exception;
+        TimeoutError when it did not return in time (the thread is abandoned) or could not
+        start (too many stuck threads)."""
+        box: list[Any] = []
+
+        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
+            try:
+                box.append((True, fn()))
+            except Exception as exc:
+                box.append((False, exc))
+            guard.finish(i, "ok")
+
+        outcomes, details = await self.run(1, job, timeout_s)
+        if outcomes[0] != "ok" or not box:
+            raise TimeoutError(f"{outcomes[0]}: {details[0] or f'not done in {timeout_s} s'}")
+        done, value = box[0]
+        if not done:
+            raise value
+        return value  # type: ignore[no-any-return]
