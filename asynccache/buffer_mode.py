@@ -43,7 +43,7 @@ import numpy as np
 from asynccache.buffer_reads import StagedReads
 from asynccache.buffer_swa import EMPTY, SWABuffer
 from asynccache.errors import ConfigError
-from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
+from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache, listen, unlisten
 from asynccache.hostpages import page_buffers
 from asynccache.l3 import BATCH_PAGES, StoragePolicy
 from asynccache.logs import get_logger
@@ -90,6 +90,7 @@ class BufferModePipeline:
         self.backend = backend
         self.policy = policy
         self.existence = StorageExistenceCache(existence_entries)
+        listen(backend, self.existence)
         self.host = host
         hy = cache.hybrid
         # FULL+SWA: the SWA pages go with the KV pages (None: a FULL-only cache).
@@ -412,6 +413,7 @@ class BufferModePipeline:
             if self._copies or self._writes:
                 await self._wait_in_flight()
             self.cache.tree.set_storage_intents(False)
+            unlisten(self.backend, self.existence)
 
     def check(self) -> None:
         """Accounting of the staging (for ``sanity_check``)."""

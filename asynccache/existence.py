@@ -127,3 +127,17 @@ class StorageExistenceCache:
     def clear(self) -> None:
         """Forget every belief (the backend was cleared or replaced); writes in flight stay."""
         self._lru.clear()
+
+
+def listen(backend: object, belief: StorageExistenceCache) -> None:
+    """Forget pages as soon as ``backend`` says they are gone (capacity eviction, a corrupt or
+    missing page, ``delete`` / ``clear``), where it can tell (``add_eviction_listener``)."""
+    add = getattr(backend, "add_eviction_listener", None)
+    if add is not None:
+        add(belief.forget)
+
+
+def unlisten(backend: object, belief: StorageExistenceCache) -> None:
+    remove = getattr(backend, "remove_eviction_listener", None)
+    if remove is not None:
+        remove(belief.forget)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
-from asynccache.existence import StorageExistenceCache
+from asynccache.existence import StorageExistenceCache, listen, unlisten
 from asynccache.hostpages import page_buffers, read_pages
 from asynccache.logs import get_logger
 from asynccache.tasks import stop_and_wait
@@ -180,6 +180,7 @@ class StorageTier:
             if cache._agree is not None:
                 self._agreed_hy = AgreedComponents(self, self._hybrid)
         self.set_policy(policy)
+        listen(backend, self._known)
 
     def set_policy(self, policy: StoragePolicy) -> None:
         """Use ``policy`` from now on (operations already running keep their limits)."""
@@ -593,6 +594,7 @@ class StorageTier:
         if self._aborts:
             await asyncio.gather(*list(self._aborts), return_exceptions=True)
         await self.drain()
+        unlisten(self.backend, self._known)
 
     # ------------------------------------------------------------------ multi-rank prefetch
     # With several ranks the decisions of a prefetch that depend on rank-local timing are taken
