@@ -543,11 +543,11 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         self._check_open()
         arr = as_slots(slots, "slots")
         if len(arr):
-            self._ledger.release(arr)
+            pages = self._ledger.release(arr)
             if self.hybrid is not None:
                 self.hybrid.free_full(arr)
             else:
-                self.device_pool.allocator.free(arr)
+                self.device_pool.allocator.free_pages(pages)
 
     def _alloc_host(self, num_tokens: int) -> np.ndarray | None:
         assert self.host_pool is not None

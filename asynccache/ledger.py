@@ -73,12 +73,14 @@ class SlotLedger:
                 )
         return pages
 
-    def release(self, slots: SlotIndices, name: str = "slots") -> None:
+    def release(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
         """The caller gives ``slots`` up (freed, or adopted by the tree): checked as
-        :meth:`check`, then no longer held."""
+        :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
+        free them without validating the slots again)."""
         pages = self.check(slots, name)
         self._held[pages] = 0
         self._pages -= len(pages)
+        return pages
 
     def take_all(self) -> np.ndarray:
         """Every slot callers still hold, now held by no one (the cache closes: requests
