@@ -7,11 +7,15 @@ prefetched tokens to keep, whether a prefetch may stop, how many pages storage h
 reduced across ranks through a :class:`RankGroup`:
 
 * :class:`SingleRank` is the identity (one process); the cache then keeps its immediate paths.
-* :class:`TorchRankGroup` uses ``torch.distributed`` (gloo on CPU, NCCL on GPU). Its collectives
-  run on one dedicated thread, in submission order (FIFO), and are awaited through the loop,
-  so the loop never blocks and every rank issues them in the order its loop submitted them.
-  A peer that dies or stops answering raises :class:`RankGroupError` after ``timeout_s``
-  (the process group's own timeout) instead of hanging.
+* :class:`TorchRankGroup` uses ``torch.distributed``. The cache's collectives (its *control
+  plane*) run on process groups of their own, gloo by default even when the model's default
+  group is NCCL: they carry a few hundred ints per tick, never pair up with the model's
+  collectives, need no CUDA device, and a gloo timeout raises (NCCL's watchdog would tear
+  the process down). They run on one dedicated thread (which sets the rank's CUDA device when
+  there is one), in submission order (FIFO), and are awaited through the loop, so the loop
+  never blocks and every rank issues them in the order its loop submitted them. A peer that
+  dies or stops answering raises :class:`RankGroupError` after ``timeout_s`` instead of
+  hanging.
 
 Values are lists of ints; ``all_reduce_min`` reduces element-wise (a MAX is the MIN of the
 negated values, so one collective carries both kinds, see :meth:`RankGroup.all_reduce_min_max`).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -130,16 +135,24 @@ class TorchRankGroup:
     Build it with :meth:`create` (initialises the default process group: every rank calls it
     with the same ``init_method``, ``world_size`` and ``tp_size``) or wrap an already
     initialised default group with :meth:`from_initialized`. Rank ``r`` is TP rank
-    ``r % tp_size`` of pipeline stage ``r // tp_size``; the TP and PP sub-groups are created on
-    every rank (``torch.distributed.new_group`` must see every group on every rank).
+    ``r % tp_size`` of pipeline stage ``r // tp_size``; the world, TP and PP groups of the
+    control plane are created on every rank (``torch.distributed.new_group`` must see every
+    group on every rank, in the same order).
+
+    ``control_backend``: ``"gloo"`` (default: dedicated gloo groups on CPU tensors, whatever
+    the default group's backend) or ``"default"`` (dedicated groups of the default group's
+    backend; with NCCL the collectives run on the rank's CUDA device and a timeout is NCCL's
+    watchdog's to enforce -- it aborts the process -- so this is not recommended). ``device``
+    is the rank's device (``cuda:<local rank>`` with NCCL), which the collective thread sets.
     """
 
     def __init__(self, *, tp_size: int = 1, device: str = "cpu", owns_default: bool = False,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, control_backend: str = "gloo") -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised; use TorchRankGroup.create()")
+        _check_control_backend(control_backend)
         self._dist = dist
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
@@ -150,33 +163,61 @@ class TorchRankGroup:
         self.pp_size = self.size // tp_size
         self.tp_rank = self.rank % tp_size
         self.pp_rank = self.rank // tp_size
-        self.backend = dist.get_backend()
+        self.backend = dist.get_backend()  # the default (the model's) group's
+        self.control_backend = "gloo" if control_backend == "gloo" else self.backend
         self.device = device
+        # Tensors of the control plane live where its backend wants them.
+        self._tensor_device = device if self.control_backend == "nccl" else "cpu"
         self.timeout_s = timeout_s
         self._owns_default = owns_default
-        self._groups: dict[str, Any] = {"world": None}
-        tp_groups = [dist.new_group(list(range(p * tp_size, (p + 1) * tp_size)))
+        timeout = timedelta(seconds=timeout_s)
+
+        def new_group(ranks: list[int]) -> Any:
+            try:
+                return dist.new_group(ranks, timeout=timeout, backend=self.control_backend)
+            except Exception as exc:
+                raise RankGroupError(
+                    f"rank {self.rank}/{self.size}: could not create the cache's "
+                    f"{self.control_backend} group of ranks {ranks}: {exc}") from exc
+
+        # Every rank creates every group, in the same order: world, TP groups, PP groups.
+        self._groups: dict[str, Any] = {"world": new_group(list(range(self.size)))}
+        tp_groups = [new_group(list(range(p * tp_size, (p + 1) * tp_size)))
                      for p in range(self.pp_size)]
-        pp_groups = [dist.new_group(list(range(t, self.size, tp_size))) for t in range(tp_size)]
+        pp_groups = [new_group(list(range(t, self.size, tp_size))) for t in range(tp_size)]
+        self._all_groups = [self._groups["world"], *tp_groups, *pp_groups]
         self._groups["tp"] = tp_groups[self.pp_rank]
         self._groups["pp"] = pp_groups[self.tp_rank]
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"asynccache-ranks-{self.rank}")
+            max_workers=1, thread_name_prefix=f"asynccache-ranks-{self.rank}",
+            initializer=self._thread_init)
         self._lock = threading.Lock()
         self._closed = False
         self._failed: BaseException | None = None
         self.calls = 0
 
+    def _thread_init(self) -> None:
+        """The collective thread runs on the rank's CUDA device (a new thread starts on
+        cuda:0, where an NCCL collective would land)."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
+
     @classmethod
     def create(cls, rank: int, world_size: int, init_method: str, *, tp_size: int = 1,
                backend: str = "gloo", timeout_s: float = 60.0,
-               device: str | None = None) -> TorchRankGroup:
-        """Join (and create) the default process group, then build the TP / PP groups.
+               device: str | None = None, control_backend: str = "gloo") -> TorchRankGroup:
+        """Join (and create) the default process group, then build the control plane's world,
+        TP and PP groups (gloo unless ``control_backend="default"``).
 
-        ``init_method``: e.g. ``tcp://127.0.0.1:29500`` (every rank the same). ``timeout_s``
-        bounds every collective: a peer that died or hangs makes them fail after it.
+        ``init_method``: e.g. ``tcp://127.0.0.1:29500`` (every rank the same). ``backend``:
+        the default group's (``"nccl"`` for a model on GPUs). ``timeout_s`` bounds every
+        collective: a peer that died or hangs makes them fail after it.
         """
         import torch.distributed as dist
+
+        _check_control_backend(control_backend)
 
         for name, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -203,17 +244,20 @@ class TorchRankGroup:
                 f"rank {rank}/{world_size} could not join {init_method!r} ({backend}): {exc}"
             ) from exc
         return cls(tp_size=tp_size, device=device or "cpu", owns_default=True,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, control_backend=control_backend)
 
     @classmethod
-    def from_initialized(cls, *, tp_size: int = 1, timeout_s: float = 60.0) -> TorchRankGroup:
-        """Wrap the already initialised default process group (the caller destroys it)."""
+    def from_initialized(cls, *, tp_size: int = 1, timeout_s: float = 60.0,
+                         control_backend: str = "gloo") -> TorchRankGroup:
+        """Wrap the already initialised default process group (the caller destroys it; the
+        control plane's own groups are destroyed by :meth:`close`)."""
         import torch
 
         device = "cpu"
         if torch.distributed.get_backend() == "nccl":
             device = f"cuda:{torch.cuda.current_device()}"
-        return cls(tp_size=tp_size, device=device, timeout_s=timeout_s)
+        return cls(tp_size=tp_size, device=device, timeout_s=timeout_s,
+                   control_backend=control_backend)
 
     @property
     def is_single(self) -> bool:
@@ -265,7 +309,7 @@ class TorchRankGroup:
 
             if not vals:
                 return []
-            t = torch.tensor(vals, dtype=torch.int64, device=self.device)
+            t = torch.tensor(vals, dtype=torch.int64, device=self._tensor_device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
             return [int(x) for x in t.cpu().tolist()]
 
@@ -305,11 +349,24 @@ class TorchRankGroup:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
-        # After a failed collective the group is unusable (destroying it may wait on the dead
-        # peer): leave it to process exit.
-        if self._owns_default and self._failed is None and self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        # After a failed collective the groups are unusable (destroying them may wait on the
+        # dead peer): leave them to process exit.
+        if self._failed is not None or not self._dist.is_initialized():
+            return
+        if self._owns_default:
+            self._dist.destroy_process_group()  # every group
+            return
+        for g in self._all_groups:
+            with contextlib.suppress(Exception):
+                self._dist.destroy_process_group(g)
 
     def __repr__(self) -> str:
         return (f"TorchRankGroup(rank={self.rank}/{self.size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"pp={self.pp_rank}/{self.pp_size}, backend={self.backend})")
+                f"pp={self.pp_rank}/{self.pp_size}, backend={self.backend}, "
+                f"control={self.control_backend})")
+
+
+def _check_control_backend(control_backend: str) -> None:
+    if control_backend not in ("gloo", "default"):
+        raise ConfigError(
+            f"control_backend must be 'gloo' or 'default', got {control_backend!r}")
