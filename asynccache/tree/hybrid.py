@@ -147,7 +147,9 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
             best_count = len(path)
         children = child.children
         ck = data[off : off + pb]
-    tree._touch_path(path)
+    # Access stamps from the best node up (behavior.md 1.3): the tail past it, which no
+    # component accepts (e.g. no Mamba state), ages as if unmatched.
+    tree._touch_path(path if best_count == len(path) else path[:best_count])
     touch_aux(tree, best)
     indices: np.ndarray | None
     if best_count == 0:

@@ -137,7 +137,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
             best_count = len(path)
         node = child
         children = child.children
-    tree._touch_path(path)
+    tree._touch_path(path if best_count == len(path) else path[:best_count])  # (hybrid.match)
     touch_aux(tree, best)
     indices: np.ndarray
     if dev_count == 0:

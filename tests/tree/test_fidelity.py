@@ -187,3 +187,26 @@ def test_insert_refiles_host_duplicates_it_walks(window: int, policy: str, ps: i
     res = tree.evict_host(1)
     assert [f.tolist() for f in res.host_frees] == [host[ps:].tolist()]
     tree.sanity_check()
+
+
+@pytest.mark.parametrize("host", (False, True))
+@pytest.mark.parametrize("ps", (1, 16))
+def test_match_stamps_only_up_to_the_best_node(host: bool, ps: int, alloc) -> None:
+    """behavior.md 1.3: a match refreshes the nodes from its best node (the deepest every
+    component accepts) up to the root, not the matched tail past it. Mamba, LRU: insert [1,2]
+    with a state, [1,2,3,4] without one, [9] with one; match [1,2,3,4] (best: [1,2]); the
+    oldest leaf is then [3,4], not [9]."""
+    kw: dict[str, Any] = {"host_enabled": True, "write_policy": "write_back"} if host else {}
+    tree = RadixTree(page_size=ps, mamba=True, **kw)
+    tree.insert(_key([1, 2], ps), alloc.take(2 * ps), mamba_value=1)
+    tail = alloc.take(4 * ps)
+    tree.insert(_key([1, 2, 3, 4], ps), tail)
+    tree.insert(_key([9], ps), alloc.take(ps), mamba_value=2)
+    m = tree.match_prefix(_key([1, 2, 3, 4], ps))
+    assert m.device_prefix_len == 2 * ps
+    res = tree.evict(2 * ps)
+    if host:  # write-back: the victim is backed up first
+        assert [b.device_slots.tolist() for b in res.backups] == [tail[2 * ps :].tolist()]
+    else:
+        assert [f.tolist() for f in res.device_frees] == [tail[2 * ps :].tolist()]
+    tree.sanity_check()
