@@ -66,7 +66,8 @@ def plot_sweep(points: list[dict[str, Any]], path: str,
     def line(key: str) -> list[float]:
         return [p["hit_rate"][key] or 0.0 for p in points]
 
-    l12 = [p["hit_rate"]["device_tokens"] + p["hit_rate"]["host_tokens"] for p in points]
+    l12 = [(p["hits"]["device_tokens"] + p["hits"]["host_tokens"]) / max(1, p["prompt_tokens"])
+           for p in points]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     ax.plot(caps, line("device_tokens"), marker="o", label="L1 device")
     if any(p["config"]["host_tokens"] for p in points):

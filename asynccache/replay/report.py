@@ -96,6 +96,14 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         "prompt_blocks": pages,
         "reused_tokens": s.reused_tokens,
         "computed_tokens": s.computed_tokens,
+        "hits": {
+            "device_tokens": s.device_hit_tokens,
+            "host_tokens": s.host_hit_tokens,
+            "storage_tokens": s.storage_hit_tokens,
+            "device_blocks": s.device_hit_pages,
+            "host_blocks": s.host_hit_pages,
+            "storage_blocks": s.storage_hit_pages,
+        },
         "hit_rate": {
             "device_tokens": ratio(s.device_hit_tokens, tok),
             "host_tokens": ratio(s.host_hit_tokens, tok),
@@ -251,9 +259,9 @@ def format_sweep(points: list[dict[str, Any]],
         head.append("all tiers, write_through")
     rows = [head]
     for i, p in enumerate(points):
-        hr = p["hit_rate"]
-        l12 = (ratio(hr["device_tokens"] + hr["host_tokens"], 1),
-               ratio(hr["device_blocks"] + hr["host_blocks"], 1))
+        hr, hits = p["hit_rate"], p["hits"]
+        l12 = (ratio(hits["device_tokens"] + hits["host_tokens"], p["prompt_tokens"]),
+               ratio(hits["device_blocks"] + hits["host_blocks"], p["prompt_blocks"]))
         row = [f"{human_tokens(p['config']['device_tokens'])} tokens",
                f"{_pct(hr['device_tokens'])} / {_pct(hr['device_blocks'])}",
                f"{_pct(l12[0])} / {_pct(l12[1])}",

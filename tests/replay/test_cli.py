@@ -19,7 +19,7 @@ SUBPROCESS_TIMEOUT = 120  # a hang guard, not a performance assertion
 REPORT_KEYS = {
     "trace", "status", "config", "model", "requests", "completed", "rejected", "rejected_tokens",
     "largest_rejected_tokens", "skipped_records", "prompt_tokens", "prompt_blocks",
-    "reused_tokens", "computed_tokens", "hit_rate", "overlap", "moved", "evicted_device_tokens",
+    "reused_tokens", "computed_tokens", "hits", "hit_rate", "overlap", "moved", "evicted_device_tokens",
     "dropped_tokens", "verified_tokens", "wall_s", "requests_per_s", "tokens_per_s", "notes",
 }
 HIT_RATE_KEYS = {
