@@ -11,7 +11,15 @@ coroutine hands the worker a future and awaits it; the worker completes it eithe
 engine's cancellation-safe handle await (``asyncio.shield``). Round trips are interleaved so
 all three see the same machine; medians are reported with their ratio to the bare round trip.
 
-Prints one JSON object. ``--quick`` runs a few seconds.
+Event latency (``--events``): the same ping-pong where the worker is the copy engine's
+completer: the coroutine records a blocking-sync event on a stream (CUDA; on the CPU a
+completed one), the thread waits for it (``synchronize()``) and posts through the bridge; and
+the whole engine path, a one-page ``submit_h2d`` awaited (submit -> issuer -> copy stream ->
+event -> completer -> bridge -> coroutine). Both as medians against the bare round trip
+(target: the event path <= 2x).
+
+Prints one JSON object (``--jsonl PATH`` also appends each section as one JSON line as it is
+measured). ``--quick`` runs a few seconds.
 """
 
 from __future__ import annotations
@@ -148,6 +156,83 @@ async def latency(samples: int) -> dict[str, Any]:
     }
 
 
+async def event_latency(samples: int, device: str) -> dict[str, Any]:
+    """Median round trips: bare, CUDA event -> completer thread -> bridge, one-page copy."""
+    import numpy as np
+    import torch
+
+    from asynccache.transfers.engine import CopyEngine
+    from asynccache.transfers.pools import DevicePool, HostPool, KVShape
+    from asynccache.transfers.streams import CudaStreams, HostStreams
+
+    dev_t = torch.device(device)
+    cuda = dev_t.type == "cuda"
+    streams = CudaStreams(dev_t) if cuda else HostStreams()
+    stream = streams.new_stream()
+    loop = asyncio.get_running_loop()
+    bridge = LoopBridge()
+    requests: queue.SimpleQueue[tuple[Callable[[], None]] | None] = queue.SimpleQueue()
+
+    def worker() -> None:
+        if cuda:
+            torch.cuda.set_device(dev_t)
+        while (req := requests.get()) is not None:
+            req[0]()
+
+    thread = threading.Thread(target=worker, name="bench-bridge-completer")
+    thread.start()
+    shape = KVShape(2, 2, 64, "fp16")
+    pool_dev = DevicePool(shape, 64, 16, device=dev_t)
+    pool_host = HostPool(shape, 64, 16)
+    page = np.arange(16)
+    times: dict[str, list[float]] = {"bare": [], "event": [], "engine": []}
+    async with CopyEngine(pool_dev, pool_host) as engine:
+
+        async def one(how: str) -> None:
+            t = time.perf_counter()
+            if how == "engine":
+                await engine.submit_h2d(page, page)
+            elif how == "bare":
+                fut: asyncio.Future[Any] = loop.create_future()
+                requests.put((lambda: loop.call_soon_threadsafe(_set, fut),))
+                await fut
+            else:
+                fut = bridge.create_future()
+                ev = streams.event()
+                ev.record(stream)
+
+                def wait_and_post(ev: Any = ev, fut: asyncio.Future[Any] = fut) -> None:
+                    ev.synchronize()
+                    bridge.set_result(fut, None)
+
+                requests.put((wait_and_post,))
+                await Awaitable(fut)
+            times[how].append(time.perf_counter() - t)
+
+        for _ in range(50):  # warm-up
+            for how in times:
+                await one(how)
+        for h in times.values():
+            h.clear()
+        for i in range(samples):
+            for how in (("bare", "event", "engine") if i % 2 else ("engine", "event", "bare")):
+                await one(how)
+    requests.put(None)
+    thread.join()
+    bridge.close()
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {
+        "device": str(dev_t),
+        "samples": samples,
+        "bare_call_soon_threadsafe_us": round(med["bare"], 1),
+        "event_to_coroutine_us": round(med["event"], 1),
+        "engine_one_page_copy_us": round(med["engine"], 1),
+        "event_ratio": round(med["event"] / med["bare"], 3),
+        "engine_ratio": round(med["engine"] / med["bare"], 3),
+        "meets_event_target": med["event"] / med["bare"] <= TARGET_LATENCY_RATIO,
+    }
+
+
 async def run(quick: bool) -> dict[str, Any]:
     tasks = 500 if quick else 1000
     rounds = 20 if quick else 100
@@ -177,10 +262,26 @@ async def run(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few seconds instead of ~20")
+    parser.add_argument("--events", action="store_true",
+                        help="only the event-to-coroutine latency (see the module docstring)")
+    parser.add_argument("--device", default="auto", help="--events: auto, cpu, cuda[:N]")
+    parser.add_argument("--jsonl", default=None, help="append each section to this file")
     args = parser.parse_args()
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
-    result = asyncio.run(run(args.quick))
+    if args.events:
+        import torch
+
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        result = {"events": asyncio.run(event_latency(300 if args.quick else 2000, device))}
+    else:
+        result = asyncio.run(run(args.quick))
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            for key, value in result.items():
+                f.write(json.dumps({key: value}) + "\n")
     out = {
         "benchmark": "bench_bridge",
         "machine": {

@@ -10,8 +10,18 @@ Page patterns: ``contiguous`` (source and destination are ascending runs, what f
 allocators hand out), ``gather`` (random source pages into a destination run: a backup into
 freshly allocated pages) and ``random`` (both sides random: worst-case fragmentation).
 
+Ops: ``d2h``, ``h2d`` and ``h2d_layerwise`` (a layer-wise load, timed to its last layer).
+
+``--overlap`` adds the overlap of layer-wise loads with compute: a forward that awaits layer
+``i`` and then runs layer ``i``'s compute (matmuls sized to about the copy time of a layer)
+while the later layers load, against the load alone and the compute alone.
+``overlap = (t_load + t_compute - t_both) / min(t_load, t_compute)``: 1 when the shorter one
+hides entirely behind the other, 0 when they run one after the other.
+
 ``--strategies`` adds the measurement behind the CPU copy strategy (docs/transfers.md).
-Prints one JSON object. ``--quick`` runs a few seconds.
+Prints one JSON object; ``--jsonl PATH`` also appends each case to PATH as one JSON line as
+soon as it is measured (a run killed by a timeout keeps what it measured). ``--quick`` runs a
+few seconds; ``--profile gpu_check`` is the subset scripts/gpu_check.sh runs.
 """
 
 from __future__ import annotations
@@ -56,6 +66,22 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {name}: CUDA is not available")
     return device
+
+
+class JsonLines:
+    """Appends one JSON object per line to a file, flushed at once (or does nothing)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.f = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+
+    def write(self, obj: dict[str, Any]) -> None:
+        if self.f is not None:
+            self.f.write(json.dumps(obj) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
 
 
 def best_of(fn: Callable[[], Any], reps: int) -> float:
@@ -163,7 +189,13 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
     layouts = ["layer_first", "page_first"]
     batch_bytes = (32 << 20) if quick else (48 << 20)
+    if args.profile == "gpu_check":
+        page_sizes, patterns = [16, 64, 256], ["contiguous", "random"]
+    elif args.profile == "smoke":  # seconds on a CPU: does the script run at all
+        models, page_sizes, patterns, layouts = ["qwen2.5-0.5b"], [256], ["random"], ["page_first"]
+        batch_bytes = 4 << 20
     reps = args.reps if args.reps else (3 if quick else 5)
+    out = JsonLines(args.jsonl)
     rng = np.random.default_rng(0)
     max_batch = max(
         max(4, batch_bytes // KVShape(*MODELS[m]).bytes_per_page(ps))
@@ -187,7 +219,7 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                     async with CopyEngine(dev, host) as engine:
                         for pattern in patterns:
                             sp, dp = pages_for(pattern, n, pool_pages, rng)
-                            for op in ("d2h", "h2d"):
+                            for op in ("d2h", "h2d", "h2d_layerwise"):
                                 nbytes = n * page_bytes
                                 g = await measure_case(
                                     engine,
@@ -218,12 +250,76 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                         g["engine"] / g["one_thread"], 3
                                     )
                                 cases.append(case)
+                                out.write({"case": case})
                     del host
                 del dev
     finally:
         if helper is not None:
             helper.shutdown()
+        out.close()
     return cases
+
+
+async def bench_overlap(device: torch.device, reps: int, load_bytes: int = 0) -> dict[str, Any]:
+    """Layer-wise loads overlapped with per-layer compute (see the module docstring)."""
+    cuda = device.type == "cuda"
+    shape = KVShape(*MODELS["llama3-8b"])
+    ps = 16
+    n = max(4, (load_bytes or (64 << 20)) // shape.bytes_per_page(ps))
+    dev = DevicePool(shape, 2 * n * ps, ps, device=device)
+    host = HostPool(shape, 2 * n * ps, ps)
+    src, dst = slots(np.arange(n), ps), slots(np.arange(n, 2 * n), ps)
+    m = 2048 if cuda else 256
+    a = torch.randn(m, m, device=device)
+    b = torch.randn(m, m, device=device)
+    layers = shape.num_layers
+
+    def matmuls(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    async with CopyEngine(dev, host) as engine:
+        await engine.submit_h2d_layerwise(src, dst)  # warm-up
+
+        async def load_alone() -> float:
+            t = time.perf_counter()
+            await engine.submit_h2d_layerwise(src, dst)
+            return time.perf_counter() - t
+
+        def compute_alone(k: int) -> float:
+            _sync()
+            t = time.perf_counter()
+            for _ in range(layers):
+                matmuls(k)
+            _sync()
+            return time.perf_counter() - t
+
+        t_load = min([await load_alone() for _ in range(reps)])
+        # calibrate: per layer about the copy time of one layer
+        one = compute_alone(1) / layers
+        k = max(1, round((t_load / layers) / max(one, 1e-7)))
+
+        async def both() -> float:
+            _sync()
+            t = time.perf_counter()
+            handle = engine.submit_h2d_layerwise(src, dst)
+            for i in range(layers):
+                await handle.layer(i)
+                matmuls(k)  # queued on the compute stream (CUDA) / run here (CPU)
+            await handle
+            _sync()
+            return time.perf_counter() - t
+
+        t_compute = min(compute_alone(k) for _ in range(reps))
+        t_both = min([await both() for _ in range(reps)])
+    overlap = (t_load + t_compute - t_both) / min(t_load, t_compute)
+    return {
+        "model": "llama3-8b", "page_size": ps, "pages": int(n),
+        "load_bytes": int(n * shape.bytes_per_page(ps)), "layers": layers,
+        "matmuls_per_layer": k, "matmul_size": m,
+        "t_load_ms": round(t_load * 1e3, 2), "t_compute_ms": round(t_compute * 1e3, 2),
+        "t_both_ms": round(t_both * 1e3, 2), "overlap": round(overlap, 3),
+    }
 
 
 def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -246,6 +342,17 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 statistics.median(c["ratio_one_thread"] for c in big), 3
             )
         out[pattern] = entry
+    by_op: dict[str, Any] = {}
+    for op in sorted({c["op"] for c in cases}):
+        big = [c for c in cases if c["op"] == op and c["page_bytes"] >= TARGET_PAGE_BYTES]
+        if big:
+            by_op[op] = {
+                "min_ratio": min(c["ratio"] for c in big),
+                "median_ratio": round(statistics.median(c["ratio"] for c in big), 3),
+                "cases_below_target": sum(c["ratio"] < TARGET_RATIO for c in big),
+                "cases": len(big),
+            }
+    out["by_op"] = by_op
     return out
 
 
@@ -355,10 +462,25 @@ def main() -> None:
     parser.add_argument(
         "--device", default="auto", help="device pool: auto (CUDA if available), cpu, cuda[:N]"
     )
+    parser.add_argument("--jsonl", default=None, help="append each case to this file as it goes")
+    parser.add_argument("--profile", choices=["default", "gpu_check", "smoke"], default="default",
+                        help="gpu_check: page sizes 16/64/256, contiguous and random pages; "
+                        "smoke: one small case per op")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also measure layer-wise loads overlapped with compute")
+    parser.add_argument("--only-overlap", action="store_true", help="only the overlap")
     args = parser.parse_args()
     cuda = resolve_device(args.device).type == "cuda"
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
+    if args.only_overlap:
+        ov = asyncio.run(bench_overlap(resolve_device(args.device), args.reps or 3,
+                                       (4 << 20) if args.profile == "smoke" else 0))
+        JsonLines(args.jsonl).write({"overlap": ov})
+        print(json.dumps({"benchmark": "bench_transfers", "overlap": ov,
+                          "device": str(resolve_device(args.device)),
+                          "elapsed_s": round(time.perf_counter() - t0, 1)}, indent=1))
+        return
     cases = asyncio.run(bench_cases(args))
     result: dict[str, Any] = {
         "benchmark": "bench_transfers",
@@ -372,7 +494,7 @@ def main() -> None:
         },
         "quick": args.quick,
         "loadavg_1m_at_start": round(load, 2),
-        "baseline": "pinned host<->device copy_"
+        "baseline": "pinned host<->device copy_ (the pinned peak)"
         if cuda
         else (
             "contiguous CPU copy_ (default intra-op threads, main thread); "
@@ -381,6 +503,11 @@ def main() -> None:
         "summary": summarize(cases),
         "cases": cases,
     }
+    if args.overlap:
+        result["overlap"] = asyncio.run(bench_overlap(resolve_device(args.device),
+                                                      args.reps or 3))
+        JsonLines(args.jsonl).write({"overlap": result["overlap"]})
+    JsonLines(args.jsonl).write({"summary": result["summary"]})
     if args.strategies and not cuda:
         result["strategies"] = bench_strategies(args.quick)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)

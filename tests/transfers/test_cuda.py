@@ -225,3 +225,25 @@ async def test_state_copier_on_cuda_is_fenced_and_bit_exact() -> None:
         assert state_bytes(dev, np.array([0])) == state_bytes(host, np.array([6]))
     finally:
         await copier.aclose()
+
+
+async def test_an_engine_on_the_last_visible_device() -> None:
+    """cuda:N-1 (cuda:1 on a two-GPU machine) while cuda:0 stays current on the loop's thread:
+    the copy threads set their device, the fences are recorded on the pool's device."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    shape = KVShape(2, 2, 64, "fp16")
+    dev = DevicePool(shape, 16 * PAGE, PAGE, device=device)
+    host = HostPool(shape, 16 * PAGE, PAGE)
+    assert dev.kv.device == device
+    _fill(dev.kv, 3)
+    d = _slots(np.arange(16))
+    async with CopyEngine(dev, host) as engine:
+        await engine.submit_d2h(d, d)
+        assert _same(host.read_slots(d), dev.read_slots(d))
+        want = dev.read_slots(d).clone()
+        dev.kv.zero_()
+        load = engine.submit_h2d_layerwise(d, d)
+        for i in range(2):
+            await load.layer(i)
+        await load
+        assert _same(dev.read_slots(d), want)
