@@ -330,14 +330,15 @@ class TraceDriver:
             return True
         key = RadixKey(tr.tokens, extra_key=tr.namespace)
         req = cache.admit(key, rid=tr.rid)
+        verified = 0
         try:
             dev_hit = req.prefix_len
             fetched = await cache.prefetch_request(req)
             loaded = await cache.load_back_request(req)
             if opts.verify == "all" and dev_hit:
-                self._verify(inst, tr, req.slots[:dev_hit], 0)
+                verified += self._verify(inst, tr, req.slots[:dev_hit], 0)
             if loaded and opts.verify != "none":
-                self._verify(inst, tr, req.slots[dev_hit : dev_hit + loaded], dev_hit)
+                verified += self._verify(inst, tr, req.slots[dev_hit : dev_hit + loaded], dev_hit)
             start = req.prefix_len
             new = await cache.extend(req, n - start)
             cache.write_kv(new, expected_kv(cache.shape, tr.tokens[start:], np.arange(start, n)))
@@ -355,6 +356,7 @@ class TraceDriver:
         ps = self.config.page_size
         from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
         computed = n - dev_hit - loaded
+        st.verified_tokens += verified  # a retried admission checks its KV again
         st.prompt_tokens += n
         st.prompt_pages += -(-n // ps)
         st.device_hit_tokens += dev_hit
@@ -435,7 +437,8 @@ class TraceDriver:
         if self.progress is not None:
             self.progress(1)
 
-    def _verify(self, inst: _Instance, tr: TraceRequest, slots: np.ndarray, start: int) -> None:
+    def _verify(self, inst: _Instance, tr: TraceRequest, slots: np.ndarray, start: int) -> int:
+        """Check the KV served in ``slots`` bit for bit; returns how many tokens were checked."""
         cache = inst.cache
         n = len(slots)
         got = cache.read_kv(slots)
@@ -446,7 +449,7 @@ class TraceDriver:
                 f"request {tr.rid}: KV served for token position {start + bad} "
                 f"(slot {int(slots[bad])}) differs from the KV of its tokens"
             )
-        inst.stats.verified_tokens += n
+        return n
 
     # ------------------------------------------------------------------ running figures
     @property

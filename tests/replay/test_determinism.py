@@ -160,3 +160,14 @@ def test_a_warm_shared_store_is_reported_by_the_cluster(tmp_path, capsys) -> Non
     warm = _run(argv, capsys)
     assert warm["storage_state"]["warm"] and warm["pooled_infinite_bound"] is None
     assert any("not empty" in n for n in warm["notes"])
+
+
+def test_a_retried_admission_counts_its_verified_kv_once(capsys) -> None:
+    """Requests overlap in a small L1: some admissions find the memory held by running requests,
+    give up and retry after a finish; the KV they check is counted once, when they succeed."""
+    rep = _run([*SYN, "--prefill-rate", "2000", "--max-in-flight", "4", "--device-tokens", "12k",
+                "--host-tokens", "64k", "--write-policy", "write_through"], capsys)
+    assert rep["overlap"]["queued_requests"] > 0 and rep["rejected"] == 0
+    hits = rep["hits"]
+    assert hits["host_tokens"] > 0
+    assert rep["verified_tokens"] == hits["host_tokens"] + hits["storage_tokens"]
