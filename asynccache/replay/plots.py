@@ -70,9 +70,10 @@ def plot_sweep(points: list[dict[str, Any]], path: str,
            for p in points]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     ax.plot(caps, line("device_tokens"), marker="o", label="L1 device")
+    storage = any(p["config"]["storage"] for p in points)
     if any(p["config"]["host_tokens"] for p in points):
-        ax.plot(caps, l12, marker="s", label="L1 + L2 host")
-    if any(p["config"]["storage"] for p in points):
+        ax.plot(caps, l12, marker="s", label="L1 + L2 host" if storage else "L1 + L2 = all tiers")
+    if storage:
         ax.plot(caps, line("total_tokens"), marker="^", label="all tiers")
     if write_through:
         ax.plot(caps, [p["hit_rate"]["total_tokens"] for p in write_through], marker="^",
@@ -107,6 +108,8 @@ def plot_tiers(report: dict[str, Any], path: str) -> None:
            hr["infinite_cache_bound_tokens"] or 0.0]
     blk = [hr["device_blocks"], hr["host_blocks"], hr["storage_blocks"], hr["total_blocks"],
            hr["infinite_cache_bound_blocks"] or 0.0]
+    if not report["config"]["storage"]:  # no L3 bar without an L3
+        labels, tok, blk = (x[:2] + x[3:] for x in (labels, tok, blk))
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], tok, width=0.4, label="tokens")

@@ -282,7 +282,7 @@ def test_sweep_plot_is_titled_by_trace_name_with_human_capacities(
     assert seen["title"].startswith("conversation_trace.jsonl: ")
     assert str(mooncake_conversation.parent) not in seen["title"]
     assert seen["ticks"] == ["64Ki", "256Ki"]
-    assert seen["lines"] == ["L1 device", "L1 + L2 host", "all tiers, write_through",
+    assert seen["lines"] == ["L1 device", "L1 + L2 = all tiers", "all tiers, write_through",
                              "infinite cache"]
 
 
