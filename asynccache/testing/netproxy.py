@@ -224,12 +224,12 @@ class TcpProxy:
                         self.stats.swallowed += len(data)
                         conn.lost = True
                         continue
-                dst.write(data)
-                await dst.drain()
-                if way == "up":
+                if way == "up":  # counted before the peer can see them
                     self.stats.bytes_up += len(data)
                 else:
                     self.stats.bytes_down += len(data)
+                dst.write(data)
+                await dst.drain()
             if dst.can_write_eof():
                 dst.write_eof()
         except (OSError, asyncio.IncompleteReadError):
@@ -264,7 +264,10 @@ class TcpProxy:
             self._server.close()
         for conn in list(self._conns):
             self._reset(conn)
-        await asyncio.sleep(0)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _abort(writer: asyncio.StreamWriter, *, rst: bool = False) -> None:
