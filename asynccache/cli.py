@@ -363,9 +363,11 @@ class _Run:
                     device = auto
                 self.auto_note = (
                     f"L1 sized from the trace: its longest prompt has {longest:,} tokens, so "
-                    f"--device-tokens {suggest_capacity(longest, args.page_size)}"
+                    f"L1 holds {device:,} tokens (the longest prompt rounded up to pages plus a "
+                    f"quarter, at least {DEFAULT_DEVICE_TOKENS:,})"
                     + ("" if args.host_tokens is not None or args.host_bytes is not None
-                       else " and --host-tokens 4x that") + " (pass them to choose)")
+                       else " and L2 four times that") + "; --device-tokens / --host-tokens "
+                    "choose")
         dev_tokens = device if device is not None else args.device_bytes // self._per_token()
         host = args.host_tokens
         if host is None and args.host_bytes is None:

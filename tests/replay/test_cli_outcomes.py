@@ -200,7 +200,14 @@ def test_defaults_are_sized_from_the_trace(kvtester_samples, capsys) -> None:
     assert rep["rejected"] == 0 and rep["completed"] == rep["requests"] == 24
     assert rep["hit_rate"]["total_tokens"] > 0.5
     assert rep["config"]["host_tokens"] == 4 * rep["config"]["device_tokens"]
-    assert any(n.startswith("L1 sized from the trace") for n in rep["notes"])
+    note = next(n for n in rep["notes"] if n.startswith("L1 sized from the trace"))
+    assert f"L1 holds {rep['config']['device_tokens']:,} tokens" in note  # what it used
+    # A trace whose prompts are all short keeps the 32Ki default, and the note says so.
+    assert main(["replay", str(kvtester_samples[0].parent / "trace_0026.json"), "--page-size",
+                 "64", "--limit", "1", "--json"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert small["config"]["device_tokens"] == 32768
+    assert any("L1 holds 32,768 tokens" in n for n in small["notes"])
 
 
 # -- progress -----------------------------------------------------------------------------------
