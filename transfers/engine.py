@@ -213,6 +213,7 @@ class CopyEngine:
     def _fail_all(self, err: TransferError) -> None:
         self._dead = err
         pending, self._pending = self._pending, {}
+        self._hazards.clear()
         for job in pending.values():
             self.stats[job.op].failed += 1
             for fut in (*(job.layer_futs or ()), job.fut):
@@ -444,6 +445,7 @@ class CopyEngine:
         if job is None:  # failed already, when a copy thread died
             return
         self._in_flight -= 1
+        self._hazards.retire(op == "d2h")
         if job.own_fences and len(self._fence_pool) < 64:
             # The copy stream's wait on them was issued before the copy ran (it captured their
             # state then): recording them again for a later copy is safe.

@@ -8,16 +8,19 @@ trusting its caller: at submission (on the loop thread) :class:`HostHazards` fin
 earlier copies still in flight that touch the same host pages --
 
 * an H->D (reads host pages) depends on the pending D->H copies that write any of them;
-* a D->H (writes host pages) depends on the pending H->D copies that read any of them, and on
-  the pending D->H copies that write any of them --
+* a D->H (writes host pages) depends on the pending H->D copies that read any of them --
 
 and the worker waits, before it touches host memory, until each of those is done with its
-host side (:meth:`~asynccache.transfers.workers.WorkerBase.wait_deps`). Device pages need no
-tracking: every copy's device work runs in submission order on one copy stream.
+host side (:meth:`~asynccache.transfers.workers.WorkerBase.wait_deps`). Two D->H copies of
+the same host pages need nothing: both workers write host pages in submission order (the
+direct worker copies one job after the other, the staged completer scatters in order). Device
+pages need no tracking either: every copy's device work runs in submission order on one copy
+stream.
 
 Per host page the tracker keeps the sequence number of the last copy that wrote and the last
-that read it (two int64 arrays, 16 bytes per host page); a submission costs two numpy gathers
-of its pages, and nothing more when no page is in flight.
+that read it (two int64 arrays, 16 bytes per host page). A submission records its pages (one
+numpy assignment) and looks up the other kind only while a copy of that kind is in flight
+(one gather).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import numpy as np
 class HostHazards:
     """Last writer / last reader per host page (see the module docstring). Loop thread only."""
 
-    __slots__ = ("_last_read", "_last_write", "ordered")
+    __slots__ = ("_last_read", "_last_write", "_pending", "ordered")
 
     def __init__(self, num_pages: int) -> None:
         self._last_write = np.full(num_pages, -1, dtype=np.int64)
         self._last_read = np.full(num_pages, -1, dtype=np.int64)
+        self._pending = [0, 0]  # copies in flight that read / write host pages
         self.ordered = 0  # submissions that had to wait for an earlier copy
 
     def note(self, seq: int, host_pages: np.ndarray, writes: bool,
@@ -43,22 +47,26 @@ class HostHazards:
         """Record copy ``seq`` on ``host_pages``; return the pending jobs it must wait for.
 
         ``pending`` maps the sequence numbers of copies still in flight to their jobs, oldest
-        first (copies retire in submission order)."""
+        first (copies retire in submission order). Call :meth:`retire` when it completes."""
+        self._pending[writes] += 1
         if host_pages.shape[0] == 0:
             return ()
         deps: tuple[Any, ...] = ()
-        if pending:
+        if self._pending[not writes] and pending:  # a copy of the other kind is in flight
             oldest = next(iter(pending))
-            seen = self._last_write[host_pages]
-            if writes:
-                seen = np.maximum(seen, self._last_read[host_pages])
+            seen = (self._last_read if writes else self._last_write)[host_pages]
             if int(seen.max()) >= oldest:
                 found = np.unique(seen[seen >= oldest]).tolist()
                 deps = tuple(pending[s] for s in found if s in pending)
                 if deps:
                     self.ordered += 1
-        if writes:
-            self._last_write[host_pages] = seq
-        else:
-            self._last_read[host_pages] = seq
+        (self._last_write if writes else self._last_read)[host_pages] = seq
         return deps
+
+    def retire(self, writes: bool) -> None:
+        """A copy recorded with :meth:`note` completed (or failed)."""
+        self._pending[writes] -= 1
+
+    def clear(self) -> None:
+        """Every copy in flight failed at once (a dead copy thread)."""
+        self._pending = [0, 0]

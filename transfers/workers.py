@@ -113,6 +113,7 @@ class WorkerBase:
         # Guards host_done flags, staging slots and ``dead``; notified when any changes.
         self.cv = threading.Condition()
         self.dead: TransferError | None = None
+        self._waiting = 0  # threads in wait_deps
         self._half: queue.SimpleQueue[SharedChunks | None] = queue.SimpleQueue()
 
     def start(self) -> None:
@@ -162,16 +163,24 @@ class WorkerBase:
         if not job.deps:
             return
         with self.cv:
-            while not all(d.host_done for d in job.deps):
-                if self.dead is not None:
-                    raise self.dead
-                self.cv.wait()
+            self._waiting += 1
+            try:
+                while not all(d.host_done for d in job.deps):
+                    if self.dead is not None:
+                        raise self.dead
+                    self.cv.wait()
+            finally:
+                self._waiting -= 1
         job.deps = ()
 
     def mark_host_done(self, job: Job) -> None:
-        with self.cv:
-            job.host_done = True
-            self.cv.notify_all()
+        # Lock-free unless a thread waits: the flag is written before ``_waiting`` is read
+        # and a waiter counts itself before it reads the flag (both under the GIL), so one of
+        # the two sees the other.
+        job.host_done = True
+        if self._waiting:
+            with self.cv:
+                self.cv.notify_all()
 
     # ---------------------------------------------------------------- the helper thread
     def _helper_thread(self) -> threading.Thread:
