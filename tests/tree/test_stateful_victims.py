@@ -19,7 +19,10 @@ from the tree's code: a plain radix tree of page symbols whose operations scan e
 Every evict and evict_host must free exactly the slots the model predicts, in the same order;
 inserts must report the predicted duplicates and backups, matches the predicted device and
 host hits. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
-page sizes 1 and 16.
+page sizes 1 and 16. Mamba trees (device only): a state goes to the node ending at the insert's
+end, a split leaves it on the suffix, a match's best node is the deepest holding one (only the
+path up to it is stamped), and a deleted leaf takes with it every ancestor left a leaf without a
+state.
 """
 
 from __future__ import annotations
@@ -53,13 +56,16 @@ class MNode:
         self.host: np.ndarray | None = None
         self.access = self.creation = self.hits = self.prio = 0
         self.pending = False  # a write-back backup in flight
+        self.state = False  # holds a Mamba state (Mamba trees)
 
 
 class Model:
     """The naive reference tree (page symbols; ``ps`` slots per page)."""
 
-    def __init__(self, ps: int, policy: str, host: bool, write_policy: str) -> None:
+    def __init__(self, ps: int, policy: str, host: bool, write_policy: str,
+                 mamba: bool = False) -> None:
         self.ps = ps
+        self.mamba = mamba
         self.key = POLICY_KEY[policy]
         self.host = host
         self.write_back = host and write_policy == "write_back"
@@ -90,7 +96,7 @@ class Model:
         n.dev = None if n.dev is None else n.dev[cut:]
         n.host = None if n.host is None else n.host[cut:]
         p.access, p.creation, p.hits, p.prio = n.access, n.creation, n.hits, n.prio
-        n.access = self.tick()
+        n.access = self.tick()  # (a Mamba state stays on the suffix)
         parent.children[p.pages[0]] = p
         n.pages = n.pages[k:]
         p.children[n.pages[0]] = n
@@ -124,8 +130,10 @@ class Model:
             n = n.parent
         out.extend(reversed(chain))
 
-    def insert(self, key: list[int], slots: np.ndarray, prio: int) -> tuple[list[int], list[MNode]]:
-        """Returns (duplicate slots, nodes to back up)."""
+    def insert(self, key: list[int], slots: np.ndarray, prio: int,
+               state: bool = False) -> tuple[list[int], list[MNode]]:
+        """Returns (duplicate slots, nodes to back up). ``state``: a Mamba state goes to the
+        node ending at the key's end (unless it holds one)."""
         ps = self.ps
         dups: list[int] = []
         backups: list[MNode] = []
@@ -153,10 +161,16 @@ class Model:
             node.children[leaf.pages[0]] = leaf
             if self.threshold == 1:
                 self._backup_chain(leaf, backups)
+            node = leaf
+        if state and node is not self.root:
+            node.state = True
         return dups, backups
 
     def match(self, key: list[int]) -> tuple[int, int]:
         path = [c for c, _ in self._walk(key)]
+        if self.mamba:  # the best node is the deepest holding a state; the tail is not stamped
+            best = max((i + 1 for i, c in enumerate(path) if c.state), default=0)
+            path = path[:best]
         for c in path:
             c.access = self.tick()
         dev = sum(len(c.pages) for c in path if c.dev is not None)
@@ -214,6 +228,15 @@ class Model:
                     hfrees.extend(d.host.tolist())
                     todo.extend(d.children.values())
                 self._remove(v)
+                parent = v.parent
+                # An ancestor left a leaf without a state can never end a match: it goes too.
+                while (self.mamba and parent is not self.root and parent is not None
+                       and not parent.children and not parent.state):
+                    assert parent.dev is not None
+                    frees.append(parent.dev.tolist())
+                    freed += len(parent.dev)
+                    self._remove(parent)
+                    parent = parent.parent
         return frees, hfrees, backups
 
     def evict_host(self, n: int, dups: bool | None, seen: list[int]) -> list[list[int]]:
@@ -247,6 +270,7 @@ class VictimMachine(RuleBasedStateMachine):
     HOST = False
     WRITE_POLICY = "write_through_selective"
     WINDOW = 0  # > 0: a hybrid tree with an SWA component of this window (never reached here)
+    MAMBA = False  # a hybrid tree with a Mamba component (device only)
 
     @initialize(ps=st.sampled_from([1, 16]), policy=st.sampled_from(sorted(POLICIES)))
     def setup(self, ps: int, policy: str) -> None:
@@ -254,8 +278,11 @@ class VictimMachine(RuleBasedStateMachine):
         kw: dict[str, Any] = {"host_enabled": self.HOST, "write_policy": self.WRITE_POLICY}
         if self.WINDOW:
             kw["sliding_window"] = self.WINDOW
+        if self.MAMBA:
+            kw["mamba"] = True
         self.tree = RadixTree(page_size=ps, eviction_policy=policy, **kw)
-        self.model = Model(ps, policy, self.HOST, self.WRITE_POLICY)
+        self.model = Model(ps, policy, self.HOST, self.WRITE_POLICY, self.MAMBA)
+        self.next_state = 0
         self.next_slot = 0
         self.by_slot: dict[int, MNode] = {}
 
@@ -280,11 +307,16 @@ class VictimMachine(RuleBasedStateMachine):
             m.host = host
             m.pending = False
 
-    @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5), prio=st.integers(0, 3))
-    def insert(self, key: list[int], prio: int) -> None:
+    @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5), prio=st.integers(0, 3),
+          state=st.booleans())
+    def insert(self, key: list[int], prio: int, state: bool) -> None:
         slots = self._slots(len(key) * self.ps)
-        res = self.tree.insert(self._tokens(key), slots, priority=prio)
-        dups, backups = self.model.insert(key, slots, prio)
+        kw: dict[str, Any] = {}
+        if self.MAMBA and state:
+            self.next_state += 1
+            kw["mamba_value"] = self.next_state
+        res = self.tree.insert(self._tokens(key), slots, priority=prio, **kw)
+        dups, backups = self.model.insert(key, slots, prio, bool(kw))
         got = [s for f in res.device_frees for s in f.tolist()]
         assert got == dups
         self._commit(res.backups, backups)
@@ -326,6 +358,9 @@ class VictimMachine(RuleBasedStateMachine):
 SETTINGS = stateful_settings(150)
 TestDevice = machine_case(VictimMachine, "Device", SETTINGS)
 TestHybridDevice = machine_case(VictimMachine, "HybridDevice", SETTINGS, WINDOW=4096)
+# (More examples: a stateless tail matched past its best node, then an evict that tells it from
+# a newer leaf, is a long sequence; 150 examples missed a stamping bug that 600 find.)
+TestMambaDevice = machine_case(VictimMachine, "MambaDevice", stateful_settings(600), MAMBA=True)
 TestHostWriteThrough = machine_case(VictimMachine, "HostWT", SETTINGS, HOST=True,
                                     WRITE_POLICY="write_through")
 TestHostSelective = machine_case(VictimMachine, "HostWTS", SETTINGS, HOST=True)
