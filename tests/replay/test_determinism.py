@@ -94,6 +94,11 @@ def test_cluster_result_is_identical_at_one_and_many_in_flight(tmp_path, capsys,
     assert one["storage_hit_rate"] > 0  # the instances do read each other's pages
     assert _figures(one) | {"model": None} == _figures(many) | {"model": None}
     assert one["overlapped_requests"] == many["overlapped_requests"] == 0
+    # With modelled compute, requests overlap; the storage still answers at random speeds.
+    overlap = [*argv, "--prefill-rate", "5000", "--max-in-flight", "4", "--skip-isolated"]
+    a, b = _run(overlap, capsys), _run(overlap, capsys)
+    assert a["overlapped_requests"] > 0 and a["storage_hit_rate"] > 0
+    assert _figures(a) == _figures(b)
 
 
 def test_modelled_compute_makes_requests_overlap_deterministically(capsys) -> None:
