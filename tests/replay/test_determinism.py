@@ -176,3 +176,26 @@ def test_a_retried_admission_counts_its_verified_kv_once(capsys) -> None:
     hits = rep["hits"]
     assert hits["host_tokens"] > 0
     assert rep["verified_tokens"] == hits["host_tokens"] + hits["storage_tokens"]
+
+
+def test_a_full_store_evicts_the_same_pages_whatever_the_write_timing(tmp_path, capsys,
+                                                                     monkeypatch) -> None:
+    """A capacity-bound store evicts by recency, so the order in which concurrent writes land
+    decides what survives: the replay hands them to the store one at a time, in the order
+    the engine issued them."""
+    real = factory.open_backend
+    seeds = iter(range(1000))
+
+    async def slow_open(url: str, layout: Any, **kw: Any) -> Any:
+        return _SlowWrites(await real(url, layout, **kw), next(seeds))
+
+    argv = ["replay", "--limit", "250", "--json", "--storage",
+            f"file://{tmp_path / 'l3'}?capacity=600KiB", "--clear-storage",
+            "--host-tokens", "4k", "--device-tokens", "8k", "--write-policy", "write_through",
+            "--prefetch-threshold", "16", "--layers", "1", "--heads", "1", "--head-dim", "8"]
+    fast = _run(argv, capsys)
+    monkeypatch.setattr(factory, "open_backend", slow_open)
+    runs = [_run(argv, capsys) for _ in range(3)]
+    assert fast["hit_rate"]["storage_tokens"] > 0
+    for r in runs:
+        assert _figures(r) == _figures(fast)
