@@ -148,6 +148,7 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         # Detaches of storage tiers still closing (a cancelled detach_storage keeps going);
         # aclose waits for them before it frees anything.
         self._detaching: set[asyncio.Task[bool]] = set()
+        self._compute_stream: Any = None  # see bind_compute_stream
         self._storage: StorageTier | None = None
         self._buffer: BufferModePipeline | None = None  # buffer-only host mode with storage
         self._copy_keys = itertools.count(-1, -1)  # _inflight keys of copies without a tree op
@@ -218,7 +219,25 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
             if self.hybrid is not None and self.hybrid.tier is not None:
                 await self.hybrid.tier.start()
         self._state = "running"
+        if self._compute_stream is not None:
+            self.bind_compute_stream(self._compute_stream)
         return self
+
+    def bind_compute_stream(self, stream: Any) -> None:
+        """Every copy the cache starts from now on waits for the work queued so far on
+        ``stream`` (the stream the model's forward runs on; None: unbind). Without it, copies
+        wait for the *submitting thread's current* stream only, which misses a forward on a side
+        stream or another thread: a backup could read KV before the kernel wrote it. See the
+        fence contract in docs/transfers.md. Applies to every copier (KV, SWA, Mamba states);
+        before ``start`` it is kept and applied then."""
+        engines = [self._engine]
+        tier = self.hybrid.tier if self.hybrid is not None else None
+        if tier is not None:
+            engines += [tier.swa_engine, tier.states.engine if tier.states is not None else None]
+        for engine in engines:
+            if engine is not None:
+                engine.bind_compute_stream(stream)  # (ConfigError: not a stream of its kind)
+        self._compute_stream = stream
 
     async def aclose(self) -> None:
         """Wait for in-flight copies, commit them, free every slot, stop the copy thread.

@@ -234,3 +234,15 @@ async def test_bad_inputs(make_cache, kit):
     with pytest.raises(InvalidInputError):
         cache.evict(-1)
     await kit.quiesce_and_check(cache)
+
+
+async def test_bind_compute_stream_checks_the_stream_and_reaches_every_copier(make_cache):
+    """The cache's copies all wait for the bound compute stream (the fence contract); a value
+    that is not a stream of the copiers' kind is a ConfigError naming it."""
+    cache = await make_cache(host_tokens=128, sliding_window=8, mamba_states=4)
+    engines = [cache._engine, cache.hybrid.tier.swa_engine, cache.hybrid.tier.states.engine]
+    with pytest.raises(ConfigError, match="not-a-stream"):
+        cache.bind_compute_stream("not-a-stream")
+    assert all(e.compute_stream is None for e in engines)
+    cache.bind_compute_stream(None)
+    assert all(e.compute_stream is None for e in engines)

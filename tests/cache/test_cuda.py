@@ -58,3 +58,29 @@ async def test_cuda_cancel_load_back(make_cache, kit):
             break
     else:
         raise AssertionError("load_back_request never completed")
+
+
+async def test_cuda_bound_compute_stream_orders_backups_after_a_side_stream_forward(make_cache,
+                                                                                  kit):
+    """The forward writes KV on a side stream; with the stream bound, the write-through backup
+    waits for it, and the KV loaded back is bit exact (the fence contract)."""
+    cache = await make_cache(device="cuda", write_policy="write_through", device_tokens=256,
+                             host_tokens=512)
+    side = torch.cuda.Stream()
+    cache.bind_compute_stream(side)
+    assert cache._engine.compute_stream is side
+    model = kit.KVModel.of(cache)
+    s = list(range(1, 65))
+    req = cache.admit(s)
+    slots = await cache.extend(req, len(s))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # a slow kernel ahead of the write, on the side stream
+        cache.write_kv(slots, model.expected(s))
+    cache.cache_finished_req(req)  # starts the backup from this (default) stream
+    await asyncio.wait_for(cache.flush(), kit.TIMEOUT)
+    await asyncio.wait_for(cache.evict_async(10**6), kit.TIMEOUT)
+    req = cache.admit(s)
+    await asyncio.wait_for(cache.load_back_request(req), kit.TIMEOUT)
+    model.check(cache, s, req.slots)
+    cache.cache_finished_req(req)
+    await kit.quiesce_and_check(cache)
