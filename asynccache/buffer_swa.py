@@ -13,9 +13,9 @@ store written in cache mode reads in buffer-only mode and the other way round).
   written when the copy lands; the staging is freed when the storage write returns.
 * **Existence.** A separate :class:`~asynccache.existence.StorageExistenceCache` tracks which
   ``.swa`` objects are believed stored: a page's KV being stored says nothing about its SWA.
-  Its heal policy is the trailing-window one (behavior.md §1.11 TrailingWindowPolicy): a short
+  Its heal policy is the trailing-window one (reference §1.11 TrailingWindowPolicy): a short
   window query invalidates, a whole one adds nothing (only a successful write does).
-* **Reads.** A hit needs the SWA of the trailing window only (behavior.md §1.14
+* **Reads.** A hit needs the SWA of the trailing window only (reference §1.14
   TRAILING_PAGES). :meth:`SWABuffer.usable_pages` picks the longest prefix (of the KV hit)
   whose window's ``.swa`` objects all exist; the pages before the window are loaded as FULL KV
   only, below the SWA floor of the insert (SWA tombstones from birth).

@@ -3,7 +3,7 @@
 Names: ``<page key>.swa`` for the SWA KV of a page, ``<key of a node's last page>.mamba`` for
 the state after that page. A backup writes them with the node's KV pages.
 
-A prefetch restores the longest *restorable* prefix (behavior.md §1.14: the largest prefix that
+A prefetch restores the longest *restorable* prefix (reference §1.14: the largest prefix that
 every pool can restore). A prefix of ``p`` pages is restorable when its KV pages are stored,
 ``<key p-1>.mamba`` is stored (Mamba) and the ``.swa`` pages of its last window are stored (SWA;
 a prefix shorter than the window needs all of its pages). States exist only at node ends, so:

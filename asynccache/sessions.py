@@ -1,6 +1,6 @@
 """Sessions: radix session references and streaming (multi-turn) sessions.
 
-Radix sessions (behavior.md 1.9). A session has *generations*: ``open`` starts a new one. When a
+Radix sessions (reference §1.9). A session has *generations*: ``open`` starts a new one. When a
 request of the session finishes and is cached, the node it inserted gets a session reference
 (:meth:`asynccache.tree.RadixTree.add_session_ref`): eviction takes the session's paths after
 everything else. ``release`` closes the session and drops its references. Closed ids are kept

@@ -536,7 +536,7 @@ class HostTier(TreeBase):
         """Free at least ``num_tokens`` host tokens.
 
         Host-only leaves go. Host copies of nodes still on device (duplicates) are reclaimed
-        only under write-back, and first there (behavior.md 1.17): under write-through a
+        only under write-back, and first there (reference §1.17): under write-through a
         device node without a host copy is deleted at eviction with its host-only subtree, so
         taking a parent's copy would lose its host-only children.
         ``reclaim_duplicates``: None follows the write policy; False never touches duplicates;

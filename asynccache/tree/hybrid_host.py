@@ -5,7 +5,7 @@ value it had on device when the backup was taken (its ``HOST`` entry of ``Node.a
 SWA slot per token, or one host Mamba state slot). A component host copy exists only on a node
 with a FULL host copy and goes with it (host eviction, deletion).
 
-* Match (behavior.md §1.3 step 2): two validator sets walk together. Device-or-host validators
+* Match (reference §1.3 step 2): two validator sets walk together. Device-or-host validators
   (a component counts where it has a device *or* a host value) pick ``best_node``; device-only
   validators pick ``last_device_node``. The tokens in between are the host hit.
 * Load-back: every node from below the last device-valid ancestor down to the anchor that
