@@ -88,6 +88,11 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
+def _summary(exc: BaseException) -> str:
+    """The whole first paragraph of an error (obstore appends a multi-line debug dump)."""
+    return " ".join(str(exc).split("\n\n", 1)[0].split()) or type(exc).__name__
+
+
 class S3Backend(BackendBase):
     """Pages as objects in an S3 bucket (AWS, SeaweedFS, MinIO, ...)."""
 
@@ -163,6 +168,13 @@ class S3Backend(BackendBase):
                 config["secret_access_key"] = secret_access_key
                 if session_token:
                     config["session_token"] = session_token
+            elif endpoint is not None:
+                # A custom endpoint never gets cloud instance-metadata credentials (obstore
+                # would ask 169.254.169.254, then fail with an unrelated error).
+                raise ConfigError(
+                    f"S3 endpoint {endpoint}: no credentials: set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or pass access_key_id / secret_access_key)"
+                )
             store = self._make_store(bucket, config, endpoint, req_timeout, retries)
         self._store = store
         self._known: OrderedDict[str, float] = OrderedDict()  # key -> monotonic time seen
@@ -488,7 +500,13 @@ class S3Backend(BackendBase):
         except TimeoutError as exc:
             raise StorageError(f"{where}: no answer within {self.timeout_s} s") from exc
         except Exception as exc:
-            raise StorageError(f"{where}: {_reason(exc)} ({_short(exc)})") from exc
+            reason = _reason(exc)
+            if reason == "connection" or "error sending request" in str(exc):
+                raise StorageError(
+                    f"{where}: the endpoint is unreachable (is the S3 server running, and the "
+                    f"endpoint right?): {_summary(exc)}"
+                ) from exc
+            raise StorageError(f"{where}: {reason}: {_summary(exc)}") from exc
         if bytes(got) != b"probe":
             raise StorageError(f"{where}: probe object read back wrong bytes")
 

@@ -46,9 +46,22 @@ async def test_s3_url_without_check(layout) -> None:
 
 
 async def test_s3_url_check_fails_loudly(layout, refused_endpoint) -> None:
+    """No server: the message says the endpoint is unreachable, names it, and carries the
+    error's whole first paragraph (not a 300-character cut into obstore's debug dump)."""
     url = f"s3://bucket?endpoint={refused_endpoint}&retries=0&timeout=2"
-    with pytest.raises(StorageError, match="connection"):
+    with pytest.raises(StorageError, match="endpoint is unreachable") as info:
         await open_backend(url, layout, access_key_id="a", secret_access_key="b")
+    msg = str(info.value)
+    assert refused_endpoint in msg and "Debug source" not in msg and "\n" not in msg
+
+
+async def test_s3_custom_endpoint_without_credentials_is_refused(layout, monkeypatch) -> None:
+    """No credentials for a custom endpoint: a clear ConfigError before any request (never a
+    fall back to cloud instance metadata)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=r"http://127.0.0.1:1: no credentials.*AWS_ACCESS_KEY_ID"):
+        await open_backend("s3://bucket?endpoint=http://127.0.0.1:1", layout)
 
 
 @pytest.mark.parametrize(

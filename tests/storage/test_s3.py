@@ -190,7 +190,7 @@ async def test_dead_server_degrades_to_misses(refused_endpoint, layout, make_key
     assert (await read(b, keys, 10))[0] == [False] * 3
     assert await b.exists_prefix(keys) == 0
     assert faults(b)["set.connection"] == 3 and faults(b)["get.connection"] == 3
-    with pytest.raises(StorageError, match="connection"):
+    with pytest.raises(StorageError, match="endpoint is unreachable"):
         await b.check()
 
 
