@@ -400,13 +400,13 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
         key = self._key(key)
-        value, lo = self._check_insert_slots(key, value, prev_prefix_len)
+        value, held = self._check_insert_slots(key, value, prev_prefix_len)
         if self.hybrid is not None:
             return self._insert_hybrid(key, value, prev_prefix_len, inserted_len, priority,
-                                       swa_evicted_seqlen, mamba_value, lo)
+                                       swa_evicted_seqlen, mamba_value, held)
         res = self.tree.insert(key, value, prev_prefix_len=prev_prefix_len,
                                inserted_len=inserted_len, priority=priority)
-        self._ledger.release(value[lo : max(lo, res.cached_len)], "value")
+        self._release_inserted(held, res.cached_len)
         for slots in res.device_frees:
             self.device_pool.allocator.free(slots)
         if res.backups:
@@ -416,21 +416,29 @@ class HierarchicalCache(RequestsMixin, LoadBackMixin, StorageAttachmentMixin, Re
         return res
 
     def _check_insert_slots(self, key: RadixKey, value: Any,
-                            prev_prefix_len: Any) -> tuple[np.ndarray, int]:
+                            prev_prefix_len: Any) -> tuple[np.ndarray, tuple[int, np.ndarray]]:
         """``value`` as slots, checked before the tree sees them: from the page of
         ``prev_prefix_len`` to the key's last whole page (what the tree adopts or gives back as
-        duplicates) they must be whole pages the caller holds. Returns (slots, that start).
-        (Malformed arguments are left to the tree's own checks, which name them.)"""
+        duplicates) they must be whole pages the caller holds. Returns the slots and (that
+        start, those pages) for :meth:`_release_inserted`. (Malformed arguments are left to the
+        tree's own checks, which name them.)"""
         slots = as_slots(value, "value")
         ps = self.page_size
         end = len(key) - len(key) % ps
         if (isinstance(prev_prefix_len, bool) or not isinstance(prev_prefix_len, int)
                 or not 0 <= prev_prefix_len <= len(slots) or len(slots) != len(key)):
-            return slots, end
+            return slots, (end, EMPTY_SLOTS)
         lo = prev_prefix_len - prev_prefix_len % ps
-        if end > lo:
-            self._ledger.check(slots[lo:end], "value")
-        return slots, lo
+        pages = self._ledger.check(slots[lo:end], "value") if end > lo else EMPTY_SLOTS
+        return slots, (lo, pages)
+
+    def _release_inserted(self, held: tuple[int, np.ndarray], cached_len: int) -> None:
+        """The caller's pages up to the insert's cached length are the tree's now (adopted, or
+        freed as duplicates); those past it stay the caller's."""
+        lo, pages = held
+        n = max(0, cached_len - lo) // self.page_size
+        if n:
+            self._ledger.release_pages(pages[:n])
 
     @property
     def outstanding_device_tokens(self) -> int:

@@ -20,8 +20,8 @@ class HybridMixin:
 
     def _insert_hybrid(self: HierarchicalCache, key: RadixKey | Any, value: Any, prev_prefix_len: int,
                        inserted_len: int, priority: int, swa_evicted_seqlen: int,
-                       mamba_value: int | None, lo: int) -> InsertResult:
-        """(``value`` and ``lo`` come checked from :meth:`HierarchicalCache.insert`.)"""
+                       mamba_value: int | None, held: tuple[int, Any]) -> InsertResult:
+        """(``value`` and ``held`` come checked from :meth:`HierarchicalCache.insert`.)"""
         hy = self.hybrid
         assert hy is not None
         slots = as_slots(value)
@@ -37,7 +37,7 @@ class HybridMixin:
         res = self.tree.insert(key, slots, prev_prefix_len=prev_prefix_len,
                                inserted_len=inserted_len, priority=priority,
                                component_evicted_seqlens=evicted, mamba_value=mamba_value)
-        self._ledger.release(slots[lo : max(lo, res.cached_len)], "value")
+        self._release_inserted(held, res.cached_len)
         hy.apply_insert(res, mamba_value)
         if res.backups:
             self._start_backups(res.backups)

@@ -78,9 +78,13 @@ class SlotLedger:
         :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
         free them without validating the slots again)."""
         pages = self.check(slots, name)
+        self.release_pages(pages)
+        return pages
+
+    def release_pages(self, pages: np.ndarray) -> None:
+        """Release pages :meth:`check` returned (nothing changed them since)."""
         self._held[pages] = 0
         self._pages -= len(pages)
-        return pages
 
     def take_all(self) -> np.ndarray:
         """Every slot callers still hold, now held by no one (the cache closes: requests
