@@ -221,13 +221,13 @@ class StampQueue:
             j = self._chunks[k].find(1)
         assert p >= 0 and j >= 0, "a live entry has no stamp byte"
         stamp = (k << self._SHIFT) | j
+        node_id = self._ids[stamp]
         more = self._dups.get(stamp)
-        if more:
-            node_id = more.pop(0)
+        if more:  # the next node filed under the same stamp takes its place
+            self._ids[stamp] = more.pop(0)
             if not more:
                 del self._dups[stamp]
         else:
-            node_id = self._ids[stamp]
             self._clear(stamp)
         node = self._nodes[node_id]
         node.aux[self._slot] = None

@@ -102,6 +102,11 @@ def test_stamp_queue_equal_stamps_and_old_stamps() -> None:
     assert [q.pop().id for _ in range(3)] == [3, 2, 1]
     assert q.pop() is None and len(q) == 0
     assert all(n.aux[DLEAF] is None for n in made.values())
+    for node_id in (4, 1, 2):  # equal stamps come out in filing order
+        made[node_id].last_access = 50
+        q.push(made[node_id])
+    q.discard(made[1])
+    assert [q.pop().id for _ in range(2)] == [4, 2] and q.pop() is None
 
 
 def test_queue_entries_hold_no_nodes() -> None:
