@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.storage.base import listen_for_evictions, stop_listening
 
 DEFAULT_MAX_ENTRIES: Final = 512 * 1024
 
@@ -132,12 +133,8 @@ class StorageExistenceCache:
 def listen(backend: object, belief: StorageExistenceCache) -> None:
     """Forget pages as soon as ``backend`` says they are gone (capacity eviction, a corrupt or
     missing page, ``delete`` / ``clear``), where it can tell (``add_eviction_listener``)."""
-    add = getattr(backend, "add_eviction_listener", None)
-    if add is not None:
-        add(belief.forget)
+    listen_for_evictions(backend, belief.forget)
 
 
 def unlisten(backend: object, belief: StorageExistenceCache) -> None:
-    remove = getattr(backend, "remove_eviction_listener", None)
-    if remove is not None:
-        remove(belief.forget)
+    stop_listening(backend, belief.forget)

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,13 +31,30 @@ __all__ = [
     "StorageLayout",
     "check_batch",
     "copy_into",
+    "listen_for_evictions",
     "readable_view",
+    "stop_listening",
     "validate_keys",
     "writable_view",
 ]
 
 #: Every object name ends with ``.<layout tag>`` + this suffix.
 OBJECT_SUFFIX = ".kv"
+
+
+def listen_for_evictions(backend: object, fn: Callable[[list[str]], None]) -> None:
+    """``backend.add_eviction_listener(fn)`` where the backend has it (a custom backend, or a
+    wrapper around one, may not: then nothing)."""
+    add = getattr(backend, "add_eviction_listener", None)
+    if add is not None:
+        add(fn)
+
+
+def stop_listening(backend: object, fn: Callable[[list[str]], None]) -> None:
+    """``backend.remove_eviction_listener(fn)`` where the backend has it."""
+    remove = getattr(backend, "remove_eviction_listener", None)
+    if remove is not None:
+        remove(fn)
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}(?:\.[a-z0-9_-]{1,32})?")
 _SLUG_RE = re.compile(r"[^A-Za-z0-9.+-]+")

@@ -34,7 +34,12 @@ from typing import Any, Protocol
 import xxhash
 
 from asynccache.errors import ConfigError
-from asynccache.storage.base import StorageBackend, StorageLayout
+from asynccache.storage.base import (
+    StorageBackend,
+    StorageLayout,
+    listen_for_evictions,
+    stop_listening,
+)
 
 __all__ = [
     "Fault",
@@ -237,14 +242,10 @@ class FaultInjectingBackend:
 
     def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
         """Forwarded to the wrapped backend (nothing if it has no listeners)."""
-        add = getattr(self.inner, "add_eviction_listener", None)
-        if add is not None:
-            add(fn)
+        listen_for_evictions(self.inner, fn)
 
     def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
-        remove = getattr(self.inner, "remove_eviction_listener", None)
-        if remove is not None:
-            remove(fn)
+        stop_listening(self.inner, fn)
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())

@@ -21,7 +21,14 @@ from typing import Any
 
 import anyio
 
-from asynccache.storage.base import StorageBackend, StorageLayout, readable_view, writable_view
+from asynccache.storage.base import (
+    StorageBackend,
+    StorageLayout,
+    listen_for_evictions,
+    readable_view,
+    stop_listening,
+    writable_view,
+)
 from asynccache.storage.faults import (
     FaultHook,
     FaultInjectingBackend,
@@ -167,14 +174,10 @@ class ProtocolFaultAdapter:
         return await self.inner.clear()
 
     def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
-        add = getattr(self.inner, "add_eviction_listener", None)
-        if add is not None:
-            add(fn)
+        listen_for_evictions(self.inner, fn)
 
     def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
-        remove = getattr(self.inner, "remove_eviction_listener", None)
-        if remove is not None:
-            remove(fn)
+        stop_listening(self.inner, fn)
 
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
