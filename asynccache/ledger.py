@@ -37,9 +37,10 @@ class SlotLedger:
         """Device slots held by callers (handed out, not yet freed or adopted)."""
         return self._pages * self._ps
 
-    def hand_out(self, slots: SlotIndices) -> None:
-        """``slots`` (whole pages, just allocated by the cache) now belong to a caller."""
-        pages = self._alloc.pages_of(slots, name="slots")
+    def hand_out(self, slots: np.ndarray) -> None:
+        """``slots`` (whole pages the cache's allocator just returned, so not validated again)
+        now belong to a caller."""
+        pages = slots if self._ps == 1 else slots[:: self._ps] // self._ps
         if self._held[pages].any():
             bad = int(pages[int(np.argmax(self._held[pages]))])
             raise AssertionError(f"page {bad} handed out twice")
