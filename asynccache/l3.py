@@ -209,7 +209,7 @@ class StorageTier:
 
     # ------------------------------------------------------------------ write breaker
     def _writes_suspended(self) -> bool:
-        return self._closed_until > 0 and time.monotonic() < self._closed_until
+        return time.monotonic() < self._closed_until
 
     def _write_outcome(self, stored: int, tried: int) -> None:
         """Count a write batch for the breaker: ``stored`` of ``tried`` pages landed."""
