@@ -38,9 +38,9 @@ _ERRORS = "asynccache.errors"
 _WHERE = {
     # the engine
     "CacheConfig": "asynccache.config",
-    "CacheRequest": "asynccache.requests",
+    "CacheRequest": "asynccache.request",
     "HierarchicalCache": "asynccache.cache",
-    "LoadBack": "asynccache.loadback",
+    "LoadBack": "asynccache.engine",
     "RadixKey": "asynccache.tree.keys",
     "RetractedKV": "asynccache.retraction",
     "StoragePolicy": "asynccache.l3",

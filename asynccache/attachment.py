@@ -1,38 +1,200 @@
-"""Storage attachment of the cache facade: attach / detach / clear an L3 backend at runtime,
-name its objects, and prefetch from it for a request (cache mode: :mod:`asynccache.l3`;
-buffer-only host mode: :mod:`asynccache.buffer_mode`)."""
+"""Storage attachment: attach / detach / clear an L3 backend at runtime, name its objects, and
+prefetch from it for a request.
+
+The attached tier is one of three modes, each one class here with the same calls, so nothing
+else asks which mode it is in: :class:`NoStorage` (nothing attached), :class:`CacheModeL3` (a
+:class:`~asynccache.l3.StorageTier`: host memory is a cache tier, storage sits behind it) and
+:class:`BufferModeL3` (a :class:`~asynccache.buffer.BufferModePipeline`: host memory only
+stages storage reads and writes). On attach the tier's ports are plugged into the engine (it
+hears of backups and write intents through them); on detach they are unplugged.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from asynccache.buffer_mode import BufferModePipeline
+from asynccache.buffer import BufferModePipeline
+from asynccache.engine import NO_STORAGE, LoadBacks, StoragePorts, TaskOwner, Tiering
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
 from asynccache.logs import get_logger
+from asynccache.ranks import RankGroup
+from asynccache.request import CacheRequest, rematch
 from asynccache.tree import MatchResult, RadixKey, as_key
-
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
-    from asynccache.requests import CacheRequest
 
 _log = get_logger("cache")
 
 
-class StorageAttachmentMixin:
-    """Storage calls of :class:`~asynccache.HierarchicalCache`."""
+class NoStorage:
+    """Nothing attached: no prefetch, nothing to write."""
 
-    def storage_layout(self: HierarchicalCache, *, tp_rank: int | None = None, tp_size: int | None = None,
-                       kv_replicated: bool | None = None) -> Any:
-        """The :class:`storage.StorageLayout` naming this cache's pages in a backend.
+    tier: StorageTier | None = None
+    public: StorageTier | BufferModePipeline | None = None
+    ports: StoragePorts = NO_STORAGE
 
-        TP / PP rank and size default to the cache's rank group, ``kv_replicated`` to the
-        config's (replicated KV, as with MLA: the TP ranks share one object per page).
-        """
+    def start_prefetch(self, key: RadixKey, match: MatchResult) -> PrefetchOp | None:
+        return None
+
+    def begin_prefetch(self, req: CacheRequest) -> bool:
+        return False
+
+    def drop_prefetch(self, req: CacheRequest) -> None:
+        req.prefetch = None
+
+    def release_request(self, req: CacheRequest) -> None:
+        return None
+
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        return 0
+
+    async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int | None:
+        return None
+
+    def flush_writes(self) -> None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def forget_stored(self) -> None:
+        return None
+
+    def unplug(self) -> None:
+        """Detached: requests waiting on the tier see no storage from now on."""
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class CacheModeL3(NoStorage):
+    """Host memory is a cache tier; storage backs it up and prefetches into it."""
+
+    def __init__(self, tier: StorageTier, tiering: Tiering, loads: LoadBacks) -> None:
+        self.tier = self.public = self._tier = tier
+        self.ports = tier.ports()
+        self._t = tiering
+        self._loads = loads
+
+    def start_prefetch(self, key: RadixKey, match: MatchResult) -> PrefetchOp | None:
+        assert self.tier is not None
+        return self.tier.start_prefetch(key, match)
+
+    def begin_prefetch(self, req: CacheRequest) -> bool:
+        if req.prefetch is not None:
+            return True
+        if (self._t.commits.agreement is not None or self._t.parts.config.disable
+                or req.finished or req.computed != req.prefix_len or req.pending_loads):
+            return False
+        req.prefetch = self.start_prefetch(req.key, req.match())
+        return req.prefetch is not None
+
+    def drop_prefetch(self, req: CacheRequest) -> None:
+        """``req`` ends without finishing the fetch it began: release it in the background."""
+        op, req.prefetch = req.prefetch, None
+        if op is not None:
+            assert self.tier is not None
+            self.tier.abort_soon(op)
+
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        tier, tree = self.tier, self._t.tree
+        assert tier is not None
+        op, req.prefetch = req.prefetch, None
+        if op is None:  # not begun at arrival: start it now
+            if req.pending_loads:
+                await self._loads.wait_loads(req.pending_loads)
+            rematch(tree, req)  # other requests may have cached more of the prompt since admit
+            if self.tier is None or not self._t.parts.life.running:
+                return 0  # detached (or closing) while it waited
+            op = tier.start_prefetch(req.key, req.match())
+            if op is None:
+                return 0
+        got = await tier.finish_prefetch(op, policy)  # stop it per the policy
+        if got:
+            rematch(tree, req)
+        return got
+
+    def forget_stored(self) -> None:
+        assert self.tier is not None
+        self.tier.forget_known()
+
+    def unplug(self) -> None:
+        self.tier = None
+
+    async def close(self) -> None:
+        await self._tier.close()
+
+
+class BufferModeL3(NoStorage):
+    """Host memory only stages storage reads and writes (the tree holds nothing on host)."""
+
+    def __init__(self, buffer: BufferModePipeline, tiering: Tiering) -> None:
+        self.buffer = self.public = buffer
+        self.ports = buffer.ports()
+        self._tree = tiering.tree
+
+    def start_prefetch(self, key: RadixKey, match: MatchResult) -> PrefetchOp | None:
+        raise InvalidInputError(
+            "start_prefetch is not available in buffer_only host mode: use prefetch_request"
+        )
+
+    def release_request(self, req: CacheRequest) -> None:
+        self.buffer.release_request(req)
+
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        rematch(self._tree, req)  # fetch into a bounce parked for req
+        return await self.buffer.prefetch_request(req, policy)
+
+    async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int | None:
+        before = req.prefix_len
+        rematch(self._tree, req)
+        if await self.buffer.load_staged(req, mem_quota):
+            rematch(self._tree, req)
+        return req.prefix_len - before
+
+    def flush_writes(self) -> None:
+        self.buffer.launch_writes()
+
+    def check(self) -> None:
+        self.buffer.check()
+
+    def forget_stored(self) -> None:
+        self.buffer.clear_beliefs()
+
+    async def close(self) -> None:
+        await self.buffer.close()
+
+
+_NOTHING = NoStorage()
+
+
+class StorageAttachment:
+    """The L3 tier of one cache, if any (see the module docstring)."""
+
+    def __init__(self, tiering: Tiering, loads: LoadBacks, ranks: RankGroup,
+                 tasks: TaskOwner) -> None:
+        self._t = tiering
+        self._p = tiering.parts
+        self._loads = loads
+        self._ranks = ranks
+        self._tasks = tasks
+        self.mode: NoStorage = _NOTHING
+
+    @property
+    def tier(self) -> StorageTier | None:
+        """The cache-mode storage tier (None: none, or buffer-only host mode)."""
+        return self.mode.tier
+
+    @property
+    def storage(self) -> StorageTier | BufferModePipeline | None:
+        return self.mode.public
+
+    def layout(self, *, tp_rank: int | None = None, tp_size: int | None = None,
+               kv_replicated: bool | None = None) -> Any:
         from asynccache.storage.base import StorageLayout
 
-        c, r = self.config, self.ranks
+        c, r = self._p.config, self._ranks
         return StorageLayout(
             model=c.model_name, page_size=c.page_size, kv_dtype=str(c.torch_dtype).split(".")[-1],
             kv_layout="page-major", tp_rank=r.tp_rank if tp_rank is None else tp_rank,
@@ -42,154 +204,96 @@ class StorageAttachmentMixin:
             extra=f"L{c.num_layers}H{c.num_heads}D{c.head_dim}",
         )
 
-    @property
-    def storage(self: HierarchicalCache) -> StorageTier | BufferModePipeline | None:
-        """The attached L3 tier: a :class:`StorageTier`, or in buffer-only host mode the
-        :class:`~asynccache.buffer_mode.BufferModePipeline` (both have ``drain()``)."""
-        return self._storage if self._storage is not None else self._buffer
-
-    def attach_storage(self: HierarchicalCache, backend: Any, policy: StoragePolicy | None = None) -> None:
-        """Use ``backend`` (a started :class:`storage.StorageBackend`) as the L3 tier.
-
-        Pages backed up to host from now on are written to it; requests can prefetch from it.
-        The caller keeps ownership of the backend (close it after the cache).
-        """
-        self._check_open()
+    def attach(self, backend: Any, policy: StoragePolicy | None) -> None:
         policy = policy or StoragePolicy()
         if not isinstance(policy, StoragePolicy):
             raise ConfigError(f"policy must be a StoragePolicy, got {policy!r}")
-        tier = self.storage
-        if tier is not None:
-            if tier.backend is not backend:
+        current = self.mode.public
+        if current is not None:
+            if current.backend is not backend:
                 raise ConfigError("a different storage backend is already attached; detach it first")
-            if self._storage is not None:  # attaching the same backend again: a new policy
-                self._storage.set_policy(policy)
+            if isinstance(current, StorageTier):  # attaching the same backend again: a new policy
+                current.set_policy(policy)
             else:
-                tier.policy = policy
+                current.policy = policy
             return
         layout = getattr(backend, "layout", None)
-        if layout is not None and layout.page_size != self.page_size:
-            raise ConfigError(
-                f"backend layout page_size {layout.page_size} != cache page_size {self.page_size}"
-            )
-        self.tree.enable_page_hashes()
-        if self.config.host_mode == "buffer_only":
-            self._buffer = BufferModePipeline(self, backend, policy)
-            return
-        self._storage = StorageTier(self, backend, policy)
+        ps = self._p.page_size
+        if layout is not None and layout.page_size != ps:
+            raise ConfigError(f"backend layout page_size {layout.page_size} != cache page_size {ps}")
+        self._p.tree.enable_page_hashes()
+        if self._p.config.host_mode == "buffer_only":
+            buffer = BufferModePipeline(self._t, backend, policy, tasks=self._tasks)
+            self.mode = BufferModeL3(buffer, self._t)
+        else:
+            tier = StorageTier(self._t, backend, policy, tasks=self._tasks)
+            self.mode = CacheModeL3(tier, self._t, self._loads)
+        self._t.effects.ports = self.mode.ports
 
-    async def detach_storage(self: HierarchicalCache) -> bool:
-        """Stop using storage: abort prefetches, wait for writes, release their pins.
-
-        Never raises for a storage fault: it is logged and ``False`` is returned (the tier is
-        detached either way). Requests waiting on the tier see no storage from now on.
-        Cancelling the call does not stop the detach: it finishes in the background, and
-        ``aclose`` waits for it before freeing anything.
-        """
-        tier, self._storage = self._storage, None
-        buffer, self._buffer = self._buffer, None
-        if tier is None and buffer is None:
+    async def detach(self) -> bool:
+        mode, self.mode = self.mode, _NOTHING
+        if mode is _NOTHING:
             return True
-        task = asyncio.get_running_loop().create_task(self._close_tiers(tier, buffer))
-        self._detaching.add(task)
-        task.add_done_callback(self._detaching.discard)
+        self._t.effects.ports = NO_STORAGE
+        mode.unplug()
+        task = self._tasks.spawn("detach", self._close(mode))
         return await asyncio.shield(task)
 
+    async def wait_detached(self) -> None:
+        """Wait for every detach still closing its tier (a cancelled detach keeps going)."""
+        await self._tasks.drain("detach")
+
     @staticmethod
-    async def _close_tiers(tier: StorageTier | None, buffer: BufferModePipeline | None) -> bool:
+    async def _close(mode: NoStorage) -> bool:
         try:
-            if tier is not None:
-                await tier.close()
-            if buffer is not None:
-                await buffer.close()
+            await mode.close()
         except Exception as exc:
             _log.error("storage_detach_failed", error=repr(exc))
             return False
         return True
 
-    async def clear_storage(self: HierarchicalCache) -> int | None:
-        """Remove this cache's pages from the attached backend and forget which pages were
-        believed stored; returns how many were removed, or None if the backend failed (logged)."""
-        self._check_open()
-        tier = self.storage
-        if tier is None:
+    async def clear(self) -> int | None:
+        current = self.mode.public
+        if current is None:
             raise ConfigError("no storage backend is attached")
-        if self._buffer is not None:
-            self._buffer.clear_beliefs()
-        if self._storage is not None:
-            self._storage.forget_known()
+        self.mode.forget_stored()
         try:
-            return int(await tier.backend.clear())
+            return int(await current.backend.clear())
         except Exception as exc:
             _log.error("storage_clear_failed", error=repr(exc))
             return None
 
-    def start_prefetch(self: HierarchicalCache, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
-        """Start fetching the pages after ``match``'s cached prefix from storage."""
-        self._check_open()
-        if self._buffer is not None:
-            raise InvalidInputError(
-                "start_prefetch is not available in buffer_only host mode: use prefetch_request"
-            )
-        if self._storage is None:
-            return None
-        return self._storage.start_prefetch(as_key(key), match)
+    # ------------------------------------------------------------------ per mode
+    def flush_writes(self) -> None:
+        """Buffer-only host mode: start the D->H copies of the queued storage writes."""
+        self.mode.flush_writes()
 
-    def begin_prefetch(self: HierarchicalCache, req: CacheRequest) -> bool:
-        """Start fetching ``req``'s uncached pages from storage now (when it arrives), so that
-        :meth:`prefetch_request` at scheduling time stops the fetch per its policy and takes
-        what arrived meanwhile (``best_effort`` then means something). Returns whether a fetch
-        is running. Cache host mode on one rank only (else False: use ``prefetch_request``)."""
-        self._check_open()
-        self._check_request(req)
-        if req.prefetch is not None:
-            return True
-        if (self._storage is None or self._agree is not None or self.config.disable
-                or req.finished or req.computed != req.prefix_len or req.pending_loads):
-            return False
-        req.prefetch = self._storage.start_prefetch(req.key, self._match_of(req))
-        return req.prefetch is not None
+    def check(self) -> None:
+        self.mode.check()
 
-    def _drop_prefetch(self: HierarchicalCache, req: CacheRequest) -> None:
-        """``req`` ends without finishing the fetch it began: release it in the background."""
-        op, req.prefetch = req.prefetch, None
-        if op is not None and self._storage is not None:
-            self._storage.abort_soon(op)
+    def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
+        return self.mode.start_prefetch(as_key(key), match)
 
-    async def prefetch_request(self: HierarchicalCache, req: CacheRequest, *, policy: str | None = None) -> int:
-        """Fetch ``req``'s uncached pages from storage into host memory (before it computes).
+    def begin_prefetch(self, req: CacheRequest) -> bool:
+        return self.mode.begin_prefetch(req)
 
-        ``policy``: the stop policy (default: the attached :class:`StoragePolicy`'s). Returns
-        the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
-        """
-        self._check_open()
-        self._check_active(req)
-        if (self._storage is None and self._buffer is None) or self.config.disable:
+    def drop_prefetch(self, req: CacheRequest) -> None:
+        self.mode.drop_prefetch(req)
+
+    def release_request(self, req: CacheRequest) -> None:
+        """``req`` finished or was retracted: the buffer drops what it staged for it."""
+        self.mode.release_request(req)
+
+    async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
+        if self._p.config.disable:
             return 0
-        if req.computed != req.prefix_len:
+        if self.mode.public is not None and req.computed != req.prefix_len:
             raise InvalidInputError(
                 f"request {req.rid}: prefetch_request must come before it computes tokens"
             )
-        if self._buffer is not None:  # buffer-only host: fetch into a bounce parked for req
-            self._rematch(req)
-            return await self._buffer.prefetch_request(req, policy)
-        tier = self._storage
-        assert tier is not None
-        op, req.prefetch = req.prefetch, None
-        if op is not None:  # begun at arrival: stop it now, per the policy
-            got = await tier.finish_prefetch(op, policy)
-            if got:
-                self._rematch(req)
-            return got
-        if req.pending_loads:
-            await self.wait_loads(req.pending_loads)
-        self._rematch(req)  # other requests may have cached more of the prompt since admit
-        if self._storage is not tier or self._state != "running":
-            return 0  # detached (or closing) while it waited
-        op = tier.start_prefetch(req.key, self._match_of(req))
-        if op is None:
-            return 0
-        got = await tier.finish_prefetch(op, policy)
-        if got:
-            self._rematch(req)
-        return got
+        return await self.mode.prefetch_request(req, policy)
+
+    async def load_staged(self, req: CacheRequest, mem_quota: int | None) -> int | None:
+        """Buffer-only host mode: load the bounce parked for ``req``; returns the tokens the
+        device prefix grew by (None: not buffer mode, load back from host memory instead)."""
+        return await self.mode.load_staged(req, mem_quota)

@@ -45,10 +45,11 @@ def event_from_wire(item: list[Any]) -> KVEvent:
 def encode_batch(events: Iterable[KVEvent], *, ts: float | None = None,
                  attn_dp_rank: int | None = None) -> bytes:
     """One msgpack message carrying ``events``."""
-    return msgpack.packb(
+    message: bytes = msgpack.packb(  # msgpack has no type hints: packb returns Any
         [time.time() if ts is None else ts, [event_to_wire(e) for e in events], attn_dp_rank],
         use_bin_type=True,
     )
+    return message
 
 
 def decode_batch(data: bytes) -> tuple[float, list[KVEvent], int | None]:

@@ -1,6 +1,6 @@
 """Sessions: radix session references and streaming (multi-turn) sessions.
 
-Radix sessions (reference §1.9). A session has *generations*: ``open`` starts a new one. When a
+Radix sessions (as the reference system has them). A session has *generations*: ``open`` starts a new one. When a
 request of the session finishes and is cached, the node it inserted gets a session reference
 (:meth:`asynccache.tree.RadixTree.add_session_ref`): eviction takes the session's paths after
 everything else. ``release`` closes the session and drops its references. Closed ids are kept
@@ -16,14 +16,19 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asynccache.errors import InvalidInputError
+from asynccache.request import CacheRequest
 from asynccache.tree import RadixKey, RadixTree, SessionRef, as_key
 
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
-    from asynccache.requests import CacheRequest
+
+class RequestCalls(Protocol):
+    """What a streaming session needs of its cache."""
+
+    def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest: ...
+
+    def cache_finished_req(self, req: CacheRequest, *, insert: bool = True) -> None: ...
 
 CLOSED_IDS_LIMIT = 8192
 
@@ -113,7 +118,7 @@ class StreamingSession:
     the tree; ``close(cache=False)`` frees it.
     """
 
-    def __init__(self, cache: HierarchicalCache, session_id: str,
+    def __init__(self, cache: RequestCalls, session_id: str,
                  on_close: Callable[[StreamingSession], None]) -> None:
         self.session_id = _check_id(session_id)
         self._cache = cache

@@ -81,7 +81,7 @@ async def _stream(group: Any, root: str, n: int) -> dict[str, float]:
     await cache.flush()
     await cache.storage.drain()
     wall = time.perf_counter() - t0
-    ticks = cache._agree.ticks if cache._agree is not None else 0
+    ticks = cache.agreement.ticks if cache.agreement is not None else 0
     await cache.detach_storage()
     await cache.aclose()
     await backend.aclose()

@@ -11,22 +11,24 @@ from __future__ import annotations
 import errno
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 
 from asynccache.errors import ClosedError, ConfigError
 from asynccache.logs import get_logger
-from asynccache.storage.base import OBJECT_SUFFIX, StorageLayout, validate_keys
+from asynccache.storage.base import (
+    OBJECT_SUFFIX,
+    EvictionListener,
+    StorageLayout,
+    validate_keys,
+)
 from asynccache.storage.faults import Fault, FaultHook
 from asynccache.storage.metrics import StorageMetrics
 from asynccache.storage.pageformat import PageMac
 
 __all__ = ["MISS", "OK", "PRESENT", "BackendBase", "EvictionListener", "os_error_reason"]
-
-#: ``fn(keys)``: pages this backend no longer has (see :meth:`BackendBase.add_eviction_listener`).
-EvictionListener = Callable[[list[str]], None]
 
 #: Why a backend dropped pages (``stats()["removed"]``).
 REMOVAL_CAUSES = ("capacity", "no_space", "corrupt", "missing", "delete", "clear")

@@ -27,6 +27,7 @@ from asynccache.errors import ConfigError, InvalidInputError
 
 __all__ = [
     "OBJECT_SUFFIX",
+    "EvictionListener",
     "StorageBackend",
     "StorageLayout",
     "check_batch",
@@ -41,8 +42,12 @@ __all__ = [
 #: Every object name ends with ``.<layout tag>`` + this suffix.
 OBJECT_SUFFIX = ".kv"
 
+#: ``fn(keys)``: pages a backend no longer has (see ``BackendBase.add_eviction_listener``).
+#: Whatever ``fn`` returns is ignored.
+EvictionListener = Callable[[list[str]], object]
 
-def listen_for_evictions(backend: object, fn: Callable[[list[str]], None]) -> None:
+
+def listen_for_evictions(backend: object, fn: EvictionListener) -> None:
     """``backend.add_eviction_listener(fn)`` where the backend has it (a custom backend, or a
     wrapper around one, may not: then nothing)."""
     add = getattr(backend, "add_eviction_listener", None)
@@ -50,7 +55,7 @@ def listen_for_evictions(backend: object, fn: Callable[[list[str]], None]) -> No
         add(fn)
 
 
-def stop_listening(backend: object, fn: Callable[[list[str]], None]) -> None:
+def stop_listening(backend: object, fn: EvictionListener) -> None:
     """``backend.remove_eviction_listener(fn)`` where the backend has it."""
     remove = getattr(backend, "remove_eviction_listener", None)
     if remove is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -35,6 +35,7 @@ import xxhash
 
 from asynccache.errors import ConfigError
 from asynccache.storage.base import (
+    EvictionListener,
     StorageBackend,
     StorageLayout,
     listen_for_evictions,
@@ -240,11 +241,11 @@ class FaultInjectingBackend:
     async def clear(self) -> int:
         return await self.inner.clear()
 
-    def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+    def add_eviction_listener(self, fn: EvictionListener) -> None:
         """Forwarded to the wrapped backend (nothing if it has no listeners)."""
         listen_for_evictions(self.inner, fn)
 
-    def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+    def remove_eviction_listener(self, fn: EvictionListener) -> None:
         stop_listening(self.inner, fn)
 
     def stats(self) -> dict[str, Any]:

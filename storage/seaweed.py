@@ -100,9 +100,11 @@ class LocalSeaweed:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalSeaweed:
-        problem = weed_problem(self.weed)
+        weed = self.weed
+        problem = weed_problem(weed)
         if problem is not None:
             raise StorageError(problem)
+        assert weed is not None  # weed_problem(None) is a problem
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
@@ -115,7 +117,7 @@ class LocalSeaweed:
         master, volume, filer, s3, admin = _free_ports(5)
         self.endpoint = f"http://127.0.0.1:{s3}"
         cmd = [
-            self.weed,
+            weed,
             "mini",
             f"-dir={data}",
             "-ip=127.0.0.1",

@@ -56,7 +56,7 @@ async def _made_caches(config: Callable[..., CacheConfig],
     for cache, strict in made:
         try:
             if strict:
-                if cache._state == "running":
+                if cache.state == "running":
                     await at_rest(cache)
                 await close_and_check(cache)
             else:

@@ -203,7 +203,7 @@ class TraceDriver:
             self.instances = [_Instance(i, c, ReplayStats(), InfiniteBound(ps))
                               for i, c in enumerate(caches)]
             if self.options.storage_url:
-                backend = await self._open_storage(caches[0])
+                backend = await self._open_storage(caches[0], self.options.storage_url)
                 policy = self.options.storage_policy or StoragePolicy(
                     prefetch_policy="wait_complete")
                 for c in caches:
@@ -218,7 +218,7 @@ class TraceDriver:
                 self.outcome.storage_hidden_misses = self.store.hidden_misses
         finally:
             for c in caches:
-                if c._state == "running":
+                if c.state == "running":
                     await c.detach_storage()
                 await c.aclose()
             if backend is not None:
@@ -229,17 +229,17 @@ class TraceDriver:
         self.pooled.wall_s = wall
         return [inst.stats for inst in self.instances]
 
-    async def _open_storage(self, cache: HierarchicalCache) -> Any:
+    async def _open_storage(self, cache: HierarchicalCache, url: str) -> Any:
         from asynccache.storage.factory import open_backend
 
-        backend = await open_backend(self.options.storage_url, cache.storage_layout())
+        backend = await open_backend(url, cache.storage_layout())
         try:
             stats = backend.stats() if hasattr(backend, "stats") else {}
             capacity = stats.get("capacity_bytes")
             page = self.config.page_size * cache.shape.bytes_per_token + PAGE_HEADER_BYTES
             if capacity is not None and capacity < page:
                 raise ConfigError(
-                    f"storage capacity {capacity:,} bytes ({self.options.storage_url}) holds no "
+                    f"storage capacity {capacity:,} bytes ({url}) holds no "
                     f"page: one page takes {page:,} bytes ({self.config.page_size} tokens x "
                     f"{cache.shape.bytes_per_token} B of KV + a {PAGE_HEADER_BYTES}-byte "
                     "header)")

@@ -16,12 +16,13 @@ the raw-I/O hook.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 
 from asynccache.storage.base import (
+    EvictionListener,
     StorageBackend,
     StorageLayout,
     listen_for_evictions,
@@ -173,10 +174,10 @@ class ProtocolFaultAdapter:
     async def clear(self) -> int:
         return await self.inner.clear()
 
-    def add_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+    def add_eviction_listener(self, fn: EvictionListener) -> None:
         listen_for_evictions(self.inner, fn)
 
-    def remove_eviction_listener(self, fn: Callable[[list[str]], None]) -> None:
+    def remove_eviction_listener(self, fn: EvictionListener) -> None:
         stop_listening(self.inner, fn)
 
     def stats(self) -> dict[str, Any]:

@@ -195,7 +195,7 @@ class KVFactory:
             if check:
                 self.check(cache, key, req.slots, what=f"KV of {req.rid}")
         except BaseException:
-            if not req.finished and cache._state == "running":
+            if not req.finished and cache.state == "running":
                 cache.abort_req(req)
             raise
         if finish:

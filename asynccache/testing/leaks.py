@@ -133,7 +133,7 @@ def _inspect(cache: HierarchicalCache, checks: frozenset[str], *, outstanding: b
                 "never finished (call storage.finish_prefetch() or abort_prefetch())"
             )
     if "pools" in checks and outstanding:
-        n = getattr(cache, "outstanding_device_tokens", 0)
+        n = cache.outstanding_device_tokens
         if n:
             problems.append(
                 f"device pool: {_plural(n, 'slot')} handed out by alloc_device / extend never "
@@ -158,7 +158,7 @@ async def find_leaks(cache: HierarchicalCache, *, checks: Iterable[str] = CHECKS
     has nothing to check here (see :func:`close_and_check`).
     """
     chosen = frozenset(checks)
-    if getattr(cache, "_state", "running") != "running":
+    if cache.state != "running":
         return []
     problems = await quiesce(cache, timeout) if "sanity" in chosen or "locks" in chosen else []
     return problems + _inspect(cache, chosen, outstanding=True)
@@ -178,11 +178,11 @@ async def close_and_check(cache: HierarchicalCache, *, checks: Iterable[str] = C
     check that both pools are empty and its copy threads stopped. Always closes the cache."""
     chosen = frozenset(checks)
     problems: list[str] = []
-    if getattr(cache, "_state", None) == "running":
+    if cache.state == "running":
         problems += await quiesce(cache, timeout)
         problems += _inspect(cache, chosen, outstanding=False)
-    outstanding = getattr(cache, "outstanding_device_tokens", 0)
-    engine = getattr(cache, "_engine", None)
+    outstanding = cache.outstanding_device_tokens
+    engine = cache.copy_engine
     try:
         await asyncio.wait_for(cache.aclose(), timeout)
     except TimeoutError:
@@ -251,7 +251,7 @@ class TaskSites:
         # task being garbage-collected is still there when asyncio reports it (the collector
         # clears weak references before it runs finalizers).
         self._sites: dict[int, tuple[weakref.ref[Any], str]] = {}
-        loop.set_task_factory(self._factory)  # type: ignore[arg-type]
+        loop.set_task_factory(self._factory)
 
     def _factory(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
         if self._prev is not None:

@@ -285,8 +285,8 @@ class CacheFactory:
         if self._lost and "tasks" in self.checks:
             problems += [f"background task lost: {lost}" for lost in self._lost]
         if "threads" in self.checks:
-            known = {th for t in self._tracked if t.cache._engine is not None
-                     for th in t.cache._engine.threads}
+            known = {th for t in self._tracked if t.cache.copy_engine is not None
+                     for th in t.cache.copy_engine.threads}
             left = sorted(t.name for t in copy_threads() - self._baseline_threads - known)
             if left:
                 problems.append(

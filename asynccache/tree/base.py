@@ -68,7 +68,8 @@ class TreeBase:
         self._host = config.host_enabled
         self._write_back = config.host_enabled and config.write_policy == "write_back"
         self._write_through = config.host_enabled and not self._write_back
-        # Write-back backs up at eviction only and counts no hits (reference §1.17).
+        # Write-back backs up at eviction only and counts no hits, as the reference (SGLang's
+        # HiCache) does.
         self._count_hits = not self._write_back
         self._threshold = config.write_through_threshold
         self._intents = False  # buffer-only host mode with storage: report, do not back up
@@ -429,8 +430,9 @@ class TreeBase:
     # ------------------------------------------------------------------ split
     def _split(self, x: Node, nbytes: int) -> Node:
         """Split ``x`` after ``nbytes``; the new prefix node is returned. ``x`` keeps its id and
-        its place in the queues, and its access time is refreshed (reference §1.3): the prefix
-        keeps the old stamp (the walk that split stamps it next, newer still)."""
+        its place in the queues, and its access time is refreshed, as in the reference's
+        ``match_prefix``: the prefix keeps the old stamp (the walk that split stamps it next,
+        newer still)."""
         parent = x.parent
         assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
         m = nbytes >> 2

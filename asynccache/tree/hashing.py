@@ -5,7 +5,8 @@ A page is its tokens as little-endian uint32 bytes. In the default namespace
 so storage and routers interoperate. In a namespace (extra key, cache salt) every page hashes
 ``seed || d_{i-1} || page_i``, with ``seed`` the namespace's digest and ``d_{-1}`` 32 zero bytes.
 Storage keys are ``hex(d_i)``; they are position-aware because every page continues from the
-previous digest.
+previous digest. Namespaced keys are a deliberate difference from the reference, which seeds
+only the first page (docs/differences.md, "Namespaced page keys").
 
 Why namespaced pages carry the seed at every step: with the seed only as the first page's
 prefix (``sha256(seed || page_0)``), a default-namespace prompt whose first page *is* the seed's

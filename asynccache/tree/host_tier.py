@@ -536,13 +536,14 @@ class HostTier(TreeBase):
         """Free at least ``num_tokens`` host tokens.
 
         Host-only leaves go. Host copies of nodes still on device (duplicates) are reclaimed
-        only under write-back, and first there (reference §1.17): under write-through a
-        device node without a host copy is deleted at eviction with its host-only subtree, so
-        taking a parent's copy would lose its host-only children.
+        only under write-back, and first there, as the reference system (SGLang's HiCache)
+        does: under write-through a device node without a host copy is deleted at eviction with
+        its host-only subtree, so taking a parent's copy would lose its host-only children.
         ``reclaim_duplicates``: None follows the write policy; False never touches duplicates;
         True reclaims them under write-through too, but only those none of whose children holds
         a host copy, so the host copies stay prefix-closed (a parent's goes after its
-        children's, within the same call if needed).
+        children's, within the same call if needed). True under write-through is a deliberate
+        difference from the reference (docs/differences.md).
         """
         self._check_owner()
         num_tokens = _check_count("num_tokens", num_tokens)

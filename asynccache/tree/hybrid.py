@@ -147,8 +147,8 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
             best_count = len(path)
         children = child.children
         ck = data[off : off + pb]
-    # Access stamps from the best node up (reference §1.3): the tail past it, which no
-    # component accepts (e.g. no Mamba state), ages as if unmatched.
+    # Access stamps from the best node up, as the reference's match does: the tail past it,
+    # which no component accepts (e.g. no Mamba state), ages as if unmatched.
     tree._touch_path(path if best_count == len(path) else path[:best_count])
     touch_aux(tree, best)
     indices: np.ndarray | None

@@ -5,9 +5,10 @@ value it had on device when the backup was taken (its ``HOST`` entry of ``Node.a
 SWA slot per token, or one host Mamba state slot). A component host copy exists only on a node
 with a FULL host copy and goes with it (host eviction, deletion).
 
-* Match (reference §1.3 step 2): two validator sets walk together. Device-or-host validators
-  (a component counts where it has a device *or* a host value) pick ``best_node``; device-only
-  validators pick ``last_device_node``. The tokens in between are the host hit.
+* Match (as in the reference's ``match_prefix``): two validator sets walk together.
+  Device-or-host validators (a component counts where it has a device *or* a host value) pick
+  ``best_node``; device-only validators pick ``last_device_node``. The tokens in between are
+  the host hit.
 * Load-back: every node from below the last device-valid ancestor down to the anchor that
   lacks a device value its host copy can supply gets it back — FULL KV of host-only nodes,
   SWA of nodes whose SWA is only on host, the anchor's Mamba state. The caller supplies the

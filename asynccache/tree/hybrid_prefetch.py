@@ -1,5 +1,6 @@
 """Host inserts of hybrid trees: pages fetched from storage (L3 -> L2) with their SWA pages and
-the Mamba state at the end of the span (reference §1.16 step 5).
+the Mamba state at the end of the span: the last step of a prefetch, inserting what arrived
+from storage into the host tier, as the reference (SGLang's HiCache) does.
 
 The caller brings, for ``key[start:end]``: one FULL host slot per token; optionally one SWA
 host slot per token, -1 where no SWA page was fetched (the fetched ones are a page-aligned

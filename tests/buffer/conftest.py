@@ -59,7 +59,7 @@ def assert_at_rest(cache: HierarchicalCache, *, own_receipts: int = 0) -> None:
         assert cache.host_pool.allocator.used_size == p.occupied
     else:
         assert cache.host_pool.allocator.used_size == 0
-    assert cache._host_inflight == cache.host_pool.allocator.used_size
+    assert cache.host_in_flight == cache.host_pool.allocator.used_size
 
 
 async def quiesce(cache: HierarchicalCache) -> None:
@@ -71,7 +71,7 @@ async def quiesce(cache: HierarchicalCache) -> None:
 
 
 async def close_and_check(cache: HierarchicalCache) -> None:
-    engine = cache._engine
+    engine = cache.copy_engine
     await asyncio.wait_for(cache.detach_storage(), TIMEOUT)
     await asyncio.wait_for(cache.aclose(), TIMEOUT)
     assert cache.device_pool.allocator.used_size == 0

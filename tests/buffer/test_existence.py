@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asynccache.errors import ConfigError, InvalidInputError
-from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
+from asynccache.l3 import DEFAULT_MAX_ENTRIES, StorageExistenceCache
 
 
 def test_observed_scenario_st05() -> None:

@@ -92,10 +92,10 @@ async def test_split_intent_is_repaired_and_the_batch_is_one_copy(kit, make_cach
     prefix = c.tree.match_prefix(a[:16]).last_device_node
     assert ra.intents == [ra.last_node]
     assert rb.intents == [prefix, rb.last_node] and prefix != ra.last_node
-    d2h = c._engine.stats["d2h"].ops
+    d2h = c.copy_engine.stats["d2h"].ops
     await c.flush()
     await c.storage.drain()
-    assert c._engine.stats["d2h"].ops == d2h + 1
+    assert c.copy_engine.stats["d2h"].ops == d2h + 1
     want = set(kit.page_keys(a)) | set(kit.page_keys(b))
     assert len(want) == 12 and stored_keys(backend.root) == want
     assert kit.counter(c, "asynccache_storage_backup_tokens") == 48
@@ -144,7 +144,7 @@ async def test_write_window_limits_staging(kit, make_cache, make_file_backend) -
     assert p.launch_writes() == 228
     assert p.write_staged == 228 and p.queued_intents == 1  # the rest waits at the head
     await p.drain()
-    d2h = c._engine.stats["d2h"]
+    d2h = c.copy_engine.stats["d2h"]
     assert (d2h.ops, d2h.tokens) == (2, 400)  # 57 pages, then the remaining 43
     assert stored_keys(backend.root) == set(kit.page_keys(s))
     assert kit.counter(c, "asynccache_storage_backup_tokens") == 400

@@ -206,7 +206,7 @@ async def close_and_check(cache: HierarchicalCache,
                           baseline: set[threading.Thread] | None = None) -> None:
     """aclose, then: both pools fully free, the cache's copy threads gone (and, given a
     ``baseline``, no copy thread alive that was not alive before)."""
-    engine = cache._engine
+    engine = cache.copy_engine
     await asyncio.wait_for(cache.aclose(), TIMEOUT)
     assert cache.device_pool.allocator.used_size == 0, cache.device_pool.allocator
     if cache.host_pool is not None:

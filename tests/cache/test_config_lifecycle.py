@@ -139,7 +139,7 @@ async def test_calls_before_start_and_after_close_raise_closed_error(make_cache,
         cache.cache_finished_req(req)
         req2 = cache.admit(list(range(1, 13)))
         await cache.extend(req2, 4)
-    assert cache._state == "closed"
+    assert cache.state == "closed"
     for name, call in _calls(cache, req2, host_match).items():
         with pytest.raises(ClosedError, match="closed"):
             call()
@@ -159,7 +159,7 @@ async def test_start_twice_and_close_unstarted(make_cache, kit):
         await cache.start()
     never = await make_cache(start=False)
     await never.aclose()
-    assert never._state == "closed"
+    assert never.state == "closed"
     with pytest.raises(ClosedError):
         never.match_prefix([1, 2, 3, 4])
     await kit.quiesce_and_check(cache)
@@ -168,10 +168,10 @@ async def test_start_twice_and_close_unstarted(make_cache, kit):
 async def test_async_with_lifecycle_leaves_nothing(kit):
     baseline = kit.copy_threads()
     cache = HierarchicalCache(kit.config(write_policy="write_through", enable_kv_events=True))
-    assert cache._engine is None
+    assert cache.copy_engine is None
     async with cache as c:
         assert c is cache
-        engine_threads = list(cache._engine.threads)
+        engine_threads = list(cache.copy_engine.threads)
         assert engine_threads and all(t.is_alive() for t in engine_threads)
         model = kit.KVModel.of(cache)
         for i in range(5):
@@ -240,7 +240,7 @@ async def test_bind_compute_stream_checks_the_stream_and_reaches_every_copier(ma
     """The cache's copies all wait for the bound compute stream (the fence contract); a value
     that is not a stream of the copiers' kind is a ConfigError naming it."""
     cache = await make_cache(host_tokens=128, sliding_window=8, mamba_states=4)
-    engines = [cache._engine, cache.hybrid.tier.swa_engine, cache.hybrid.tier.states.engine]
+    engines = [cache.copy_engine, cache.hybrid.tier.swa_engine, cache.hybrid.tier.states.engine]
     with pytest.raises(ConfigError, match="not-a-stream"):
         cache.bind_compute_stream("not-a-stream")
     assert all(e.compute_stream is None for e in engines)

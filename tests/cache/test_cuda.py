@@ -68,7 +68,7 @@ async def test_cuda_bound_compute_stream_orders_backups_after_a_side_stream_forw
                              host_tokens=512)
     side = torch.cuda.Stream()
     cache.bind_compute_stream(side)
-    assert cache._engine.compute_stream is side
+    assert cache.copy_engine.compute_stream is side
     model = kit.KVModel.of(cache)
     s = list(range(1, 65))
     req = cache.admit(s)

@@ -199,7 +199,7 @@ async def test_disable_mode_is_a_chunk_cache(make_cache, kit):
 async def test_device_only_cache_has_no_host_tier(make_cache, kit):
     cache = await make_cache(host_tokens=None, device_tokens=16)
     model = kit.KVModel.of(cache)
-    assert cache.host_pool is None and cache._engine is None
+    assert cache.host_pool is None and cache.copy_engine is None
     await kit.serve(cache, model, list(range(1, 13)))
     await kit.serve(cache, model, list(range(50, 62)))  # evicts the first (deleted, no host)
     m = cache.match_prefix(list(range(1, 13)))

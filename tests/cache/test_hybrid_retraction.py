@@ -98,7 +98,7 @@ def used(cache: Any) -> tuple[int, int, int]:
 def host_parts(cache: Any) -> tuple[int, int, int]:
     """Host slots owned by operations (retracted requests here): FULL, SWA, Mamba."""
     tier = cache.hybrid.tier
-    return cache._host_inflight, tier.inflight["swa"], tier.inflight["mamba"]
+    return cache.host_in_flight, tier.inflight["swa"], tier.inflight["mamba"]
 
 
 def expected_swa_from(cache: Any, computed: int) -> int:
@@ -384,7 +384,7 @@ async def test_random_lifecycle_with_retractions(make_cache, seed):
             cache.release_swa_window(rnd.choice(running_)[0])
         elif op == "retract" and running_:
             r, _ = rnd.choice(running_)
-            swa_from = cache._swa_window(r, np.concatenate([r.slots, r.spare]))[0]
+            swa_from = _swa_from(cache, r)
             want = snapshot(cache, r, swa_from)
             try:
                 await cache.retract(r)
@@ -472,3 +472,15 @@ async def test_a_failed_part_frees_everything_and_changes_nothing(make_cache, mo
     await cache.restore(req)
     assert_same(snapshot(cache, req, 16), want)
     cache.abort_req(req)
+
+
+def _swa_from(cache, req) -> int:
+    """Where a retraction's SWA window starts (this test's model of the rule): the request's
+    last window from a page boundary, moved past its last token whose SWA slot is not live."""
+    ps, window = cache.page_size, cache.config.sliding_window
+    slots = np.concatenate([req.slots, req.spare])
+    lo = max(0, req.computed - window) // ps * ps
+    dead = np.flatnonzero(cache.hybrid.swa_map.full_to_swa[slots[lo:]] < 0)
+    if len(dead):
+        lo += -(-(int(dead[-1]) + 1) // ps) * ps
+    return lo

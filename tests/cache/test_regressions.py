@@ -148,7 +148,7 @@ async def test_cancelled_aclose_still_shuts_down(make_cache, kit):
     cache = await make_cache(write_policy="write_through", strict=False)
     model = kit.KVModel.of(cache)
     baseline = kit.copy_threads()
-    engine_threads = list(cache._engine.threads)
+    engine_threads = list(cache.copy_engine.threads)
     for i in range(4):
         await kit.serve(cache, model, [100 * i + j for j in range(1, 13)])
     assert cache.in_flight == 4
@@ -160,8 +160,8 @@ async def test_cancelled_aclose_still_shuts_down(make_cache, kit):
         assert cache.device_pool.allocator.used_size == 0
         assert cache.host_pool.allocator.used_size == 0
     finally:
-        if cache._engine is not None and not cache._engine.closed:
-            await asyncio.wait_for(cache._engine.aclose(), kit.TIMEOUT)  # do not leak it
+        if cache.copy_engine is not None and not cache.copy_engine.closed:
+            await asyncio.wait_for(cache.copy_engine.aclose(), kit.TIMEOUT)  # do not leak it
     assert not (kit.copy_threads() - baseline)
 
 
@@ -222,7 +222,7 @@ async def test_cache_unfinished_req_does_not_hand_out_slots_still_loading(make_c
     assert a.host_hit_length == 32
     new = await cache.extend(a, 32)
     cache.write_kv(new, model.expected(x))
-    lock = cache._engine._bridge._lock  # stalls the copy worker after its current copy
+    lock = cache.copy_engine._bridge._lock  # stalls the copy worker after its current copy
     with lock:
         gate = cache.try_alloc_device(4)
         cache.insert([7, 7, 7, 7], gate)  # a write-through copy queued ahead of the load

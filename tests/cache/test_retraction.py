@@ -46,7 +46,7 @@ async def test_retract_restore_is_bit_exact(make_cache, kit, host_mode):
     assert req.retracted is backup and req.computed == 0 and req.receipt is None
     assert cache.tree.held_locks == 0
     assert cache.device_pool.allocator.used_size == cache.tree.device_size == 12
-    assert cache._host_inflight == 28
+    assert cache.host_in_flight == 28
     cache.sanity_check()
     await _clobber_device(cache)
     assert cache.tree.device_size == 0
@@ -54,7 +54,7 @@ async def test_retract_restore_is_bit_exact(make_cache, kit, host_mode):
     assert req.retracted is None and backup.state == "restored"
     assert (req.prefix_len, req.computed, len(req.spare)) == (0, 26, 2)
     model.check(cache, TOKENS, req.slots, "restored KV")
-    assert cache._host_inflight == 0
+    assert cache.host_in_flight == 0
     cache.sanity_check()
     new = await cache.extend(req, 4)  # and it carries on
     cache.write_kv(new, model.expected(TOKENS, 26, 30))
@@ -90,7 +90,7 @@ async def test_discard_and_abort_free_the_host_copy(make_cache, kit):
     await cache.retract(req2)
     cache.abort_req(req2)  # aborting a retracted request drops its host copy too
     await cache.flush()
-    assert cache._host_inflight == 0
+    assert cache.host_in_flight == 0
     assert cache.host_pool.allocator.used_size == cache.host_size == 12  # a backup of the hit prefix
     cache.sanity_check()
 
@@ -145,7 +145,7 @@ async def test_cancelled_retract_leaves_the_request_intact(make_cache, kit, k):
     cache.sanity_check()
     if outcome == "cancelled":
         assert req.retracted is None and req.computed == 26
-        assert cache._host_inflight == 0 and cache.host_pool.allocator.used_size == cache.host_size
+        assert cache.host_in_flight == 0 and cache.host_pool.allocator.used_size == cache.host_size
         model.check(cache, TOKENS, req.slots, "KV after a cancelled retraction")
     else:
         assert req.retracted is not None

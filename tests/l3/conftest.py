@@ -207,7 +207,7 @@ def assert_at_rest(cache: HierarchicalCache, *, own_receipts: int = 0) -> None:
         assert not tier._prefetches, f"{len(tier._prefetches)} prefetches still registered"
         assert tier._occupied == 0, f"prefetch occupancy {tier._occupied} != 0"
     if cache.host_pool is not None:
-        assert cache._host_inflight == 0
+        assert cache.host_in_flight == 0
         assert cache.host_pool.allocator.used_size == cache.tree.host_size
 
 
@@ -220,7 +220,7 @@ async def quiesce(cache: HierarchicalCache) -> None:
 
 
 async def close_and_check(cache: HierarchicalCache) -> None:
-    engine = cache._engine
+    engine = cache.copy_engine
     await asyncio.wait_for(cache.detach_storage(), TIMEOUT)
     await asyncio.wait_for(cache.aclose(), TIMEOUT)
     assert cache.device_pool.allocator.used_size == 0

@@ -156,7 +156,7 @@ async def test_abort_prefetch_mid_flight(kit, make_cache, make_file_backend) -> 
     op = c.start_prefetch(s, c.match_prefix(s))
     assert op is not None
     await asyncio.sleep(0.05)
-    assert not op.task.done()
+    assert not c.storage.tasks_of(op).task.done()
     await asyncio.wait_for(c.storage.abort_prefetch(op), kit.TIMEOUT)
     assert op.finished
     await c.storage.abort_prefetch(op)  # a second abort is a no-op

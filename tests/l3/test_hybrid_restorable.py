@@ -1,4 +1,4 @@
-"""Hybrid (SWA / Mamba) prefetch restores the longest restorable prefix (asynccache/l3_hybrid.py).
+"""Hybrid (SWA / Mamba) prefetch restores the longest restorable prefix (asynccache/l3/hybrid.py).
 
 A writer cache stores one conversation of 600 tokens (150 pages of 4) inserted in two turns, so
 storage holds a Mamba state at the end of each turn (tokens 300 and 600) and the SWA pages of

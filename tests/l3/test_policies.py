@@ -300,7 +300,7 @@ async def test_a_reader_that_would_not_clear_the_bar_is_revoked(kit, make_cache,
     await _until(lambda: op1.reserved_tokens == 120, "the first hit query")
     op2 = c.start_prefetch(b, c.match_prefix(b))
     assert op2 is not None
-    await _until(lambda: op2.task.done(), "the second prefetch")
+    await _until(lambda: tier.tasks_of(op2).task.done(), "the second prefetch")
     assert op2.reserved_tokens == 0 and tier._occupied == 120
     assert await tier.finish_prefetch(op2, "wait_complete") == 0
     assert await tier.finish_prefetch(op1, "wait_complete") == 120
@@ -401,7 +401,8 @@ async def test_begun_at_arrival_best_effort_takes_what_arrived(kit, make_cache,
     req = c.admit(s)
     assert c.begin_prefetch(req) is True and c.begin_prefetch(req) is True  # idempotent
     op = req.prefetch
-    await _until(lambda: op.task.done(), "the fetch")  # the scheduler is busy elsewhere
+    # the scheduler is busy elsewhere
+    await _until(lambda: c.storage.tasks_of(op).task.done(), "the fetch")
     assert await c.prefetch_request(req, policy="best_effort") == 64
     assert req.prefetch is None and req.host_hit_length == 64
     assert await c.load_back_request(req) == 64

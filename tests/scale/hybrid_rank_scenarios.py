@@ -137,7 +137,7 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
     faults = [copy_faults(tier.states, delay_s=slow,
                           fail=set(fail_at) if rank == 1 else ()),
               copy_faults(tier.swa_engine, delay_s=slow * 0.7 if rank else 0.0),
-              copy_faults(cache._engine, delay_s=0.0 if rank else 0.001,
+              copy_faults(cache.copy_engine, delay_s=0.0 if rank else 0.001,
                           fail={5} if fail_at and rank == 0 else ())]
     d = RankDriver(cache, random.Random(f"hybrid-ranks/{policy}"))
     out: dict[str, Any] = {"rank": rank}
@@ -188,9 +188,9 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
             out["kv"] = kv_digest(cache)
             out["events"] = [repr(e) for e in cache.take_events()]
             out["log"] = d.log
-            out["ticks"] = cache._agree.ticks
-            out["held_back"] = cache._agree.held_back
-            out["failed_items"] = cache._agree.failed_items
+            out["ticks"] = cache.agreement.ticks
+            out["held_back"] = cache.agreement.held_back
+            out["failed_items"] = cache.agreement.failed_items
             out["skipped"] = {op: _counter(cache, "asynccache_hybrid_skipped_total", op=op)
                               for op in ("backup", "load_back")}
             out["load_backs"] = _counter(cache, "asynccache_load_back_tokens_total")
@@ -200,7 +200,7 @@ async def _workload(group: Any, policy: str, steps: int, fail_at: tuple[int, ...
             out["host_parts"] = (len(cache.tree.component_host_slots("swa")),
                                  len(cache.tree.component_host_slots("mamba")))
             out["injected_failures"] = faults[0].failed + faults[2].failed
-            out["in_flight"] = (cache.in_flight, cache._host_inflight, dict(tier.inflight),
+            out["in_flight"] = (cache.in_flight, cache.host_in_flight, dict(tier.inflight),
                                 cache.tree.held_locks)
     finally:
         for f in faults:
@@ -379,7 +379,7 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
             except RankGroupError as exc:
                 out["failure"] = str(exc)
             cache.abort_req(req)
-            out["in_flight"] = (cache._host_inflight, dict(cache.hybrid.tier.inflight))
+            out["in_flight"] = (cache.host_in_flight, dict(cache.hybrid.tier.inflight))
             return out
         got = []
         for toks, _turns in convs[:2]:  # prefetched to the end (wait_complete)
@@ -423,7 +423,7 @@ async def _l3_read(group: Any, url: str, kwargs: dict[str, Any],
             reason: _counter(cache, "asynccache_prefetch_component_fallback_tokens_total",
                              reason=reason)
             for reason in ("not_stored", "fault", "stopped", "host_memory")}
-        out["in_flight"] = (cache.in_flight, cache._host_inflight,
+        out["in_flight"] = (cache.in_flight, cache.host_in_flight,
                             dict(cache.hybrid.tier.inflight), cache.tree.held_locks)
     finally:
         await cache.aclose()

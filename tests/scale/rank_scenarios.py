@@ -115,10 +115,10 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
         return float(v or 0.0)
 
     state = {"digest": tree_digest(cache), "events": events, "log": log,
-             "ticks": cache._agree.ticks, "held_locks": cache.tree.held_locks,
-             "host_inflight": cache._host_inflight, "in_flight": cache.in_flight}
+             "ticks": cache.agreement.ticks, "held_locks": cache.tree.held_locks,
+             "host_inflight": cache.host_in_flight, "in_flight": cache.in_flight}
     out.update(state)
-    out["held_back"] = cache._agree.held_back
+    out["held_back"] = cache.agreement.held_back
     out["prefetched"] = counter("asynccache_prefetched_tokens_total")
     out["evicted"] = counter("asynccache_evicted_tokens_total")
     out["object_name"] = cache.storage_layout().object_name("ab" * 32)
@@ -130,14 +130,14 @@ async def _agreement(group: Any, root: str, n_requests: int, fail_rank: int | No
     out["min_max"] = (mins[0], maxs[0])
     # A cancelled sync() still completes its tick (its peers are in the collective): the
     # next sync waits for it, and the ranks stay in step.
-    before = cache._agree.ticks
+    before = cache.agreement.ticks
     tick = asyncio.get_running_loop().create_task(cache.sync())
     await asyncio.sleep(0)
     tick.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tick
     await cache.sync()
-    state["ticks_after_cancel"] = cache._agree.ticks - before
+    state["ticks_after_cancel"] = cache.agreement.ticks - before
     state["digest_after_cancel"] = tree_digest(cache)
     out.update(state)
     # Every rank checks its peers' state itself too (the test compares the returned copies).

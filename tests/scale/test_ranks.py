@@ -46,7 +46,7 @@ async def test_cache_takes_a_rank_group() -> None:
     with pytest.raises(InvalidInputError, match="ranks must be a RankGroup, got 'tp2'"):
         HierarchicalCache(cfg, ranks="tp2")  # type: ignore[arg-type]
     async with HierarchicalCache(cfg, ranks=SingleRank()) as cache:
-        assert cache._agree is None  # one rank keeps the immediate (callback) commits
+        assert cache.agreement is None  # one rank keeps the immediate (callback) commits
         assert await cache.sync() == 0
         layout = cache.storage_layout()
         assert (layout.tp_rank, layout.tp_size, layout.kv_replicated) == (0, 1, False)

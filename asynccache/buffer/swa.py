@@ -1,7 +1,7 @@
 """The SWA side of the buffer-only host mode (FULL+SWA caches).
 
 A FULL+SWA cache in buffer-only mode stores, next to each KV page ``<key>``, the page's
-sliding-window KV as the object ``<key>.swa`` (the names of :mod:`asynccache.l3_hybrid`, so a
+sliding-window KV as the object ``<key>.swa`` (the names of :mod:`asynccache.l3.hybrid`, so a
 store written in cache mode reads in buffer-only mode and the other way round).
 
 * **Writes.** An intent covers its node's KV pages and the pages of it that are still SWA-live
@@ -11,33 +11,32 @@ store written in cache mode reads in buffer-only mode and the other way round).
   intent was queued may leave the SWA of its upper fragments to a later intent. The SWA pages
   are copied D->H into the host SWA pool (operation-owned staging, like the KV staging) and
   written when the copy lands; the staging is freed when the storage write returns.
-* **Existence.** A separate :class:`~asynccache.existence.StorageExistenceCache` tracks which
-  ``.swa`` objects are believed stored: a page's KV being stored says nothing about its SWA.
-  Its heal policy is the trailing-window one (reference §1.11 TrailingWindowPolicy): a short
-  window query invalidates, a whole one adds nothing (only a successful write does).
-* **Reads.** A hit needs the SWA of the trailing window only (reference §1.14
-  TRAILING_PAGES). :meth:`SWABuffer.usable_pages` picks the longest prefix (of the KV hit)
-  whose window's ``.swa`` objects all exist; the pages before the window are loaded as FULL KV
-  only, below the SWA floor of the insert (SWA tombstones from birth).
+* **Existence.** A separate :class:`~asynccache.l3.existence.StorageExistenceCache` tracks
+  which ``.swa`` objects are believed stored: a page's KV being stored says nothing about its
+  SWA. Its heal policy is the trailing-window one, as in the reference system (see
+  docs/differences.md): a short window query invalidates, a whole one adds nothing (only a
+  successful write does).
+* **Reads.** A hit needs the SWA of the trailing window only, as in the reference
+  system (see docs/differences.md). :meth:`SWABuffer.usable_pages` picks the longest
+  prefix (of the KV hit) whose window's ``.swa`` objects all exist; the pages before the window
+  are loaded as FULL KV only, below the SWA floor of the insert (SWA tombstones from birth).
+  The load-back's device slots come from the engine's one allocation loop
+  (``Tiering.alloc(n, swa_tokens)``: FULL slots for all, SWA pairs for the window only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from asynccache.engine import Tiering
 from asynccache.errors import ConfigError
-from asynccache.existence import StorageExistenceCache
-from asynccache.hostpages import page_buffers, read_pages
-from asynccache.l3 import BATCH_PAGES
-from asynccache.l3_hybrid import swa_object
+from asynccache.l3 import BATCH_PAGES, StorageExistenceCache, page_buffers, read_run
+from asynccache.l3.hybrid import swa_object
 from asynccache.logs import get_logger
 from asynccache.transfers.handles import CopyHandle
-
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
 
 _log = get_logger("buffer_swa")
 
@@ -47,27 +46,30 @@ EMPTY = np.empty(0, dtype=np.int64)
 class SWABuffer:
     """Host SWA staging, ``.swa`` objects and their existence beliefs of one pipeline."""
 
-    def __init__(self, cache: HierarchicalCache, backend: Any, existence_entries: int) -> None:
-        hy = cache.hybrid
+    def __init__(self, tiering: Tiering, backend: Any, existence_entries: int) -> None:
+        parts = tiering.parts
+        hy = parts.hybrid
         if hy is None or hy.swa_map is None or hy.tier is None or hy.tier.swa_host is None:
             raise ConfigError("buffer-only SWA staging needs an SWA component and host memory")
         if hy.mamba_pool is not None:
             raise ConfigError("Mamba is not supported in buffer_only host mode")
-        self.cache = cache
+        self._t = tiering
+        self._metrics = parts.metrics
         self.backend = backend
         self.map = hy.swa_map
         self.tier = hy.tier
         self.host = hy.tier.swa_host
         self.existence = StorageExistenceCache(existence_entries)
-        ps = cache.page_size
+        ps = tiering.page_size
         self._ps = ps
-        self.window_pages = -(-cache.config.sliding_window // ps)
+        sliding_window = parts.config.sliding_window
+        self.window_pages = -(-sliding_window // ps)
         self.window_span = self.window_pages * ps
         if self.host.num_slots < self.window_span:
             raise ConfigError(
                 f"buffer_only host mode stages one SWA window per read: the host SWA pool "
                 f"(swa_host_tokens={self.host.num_slots}) must hold at least {self.window_span} "
-                f"tokens (sliding_window={cache.config.sliding_window}, page-aligned)"
+                f"tokens (sliding_window={sliding_window}, page-aligned)"
             )
         self.write_staged = 0  # host SWA slots held by writes
         self.read_held = 0  # host SWA slots held by read bounces
@@ -106,7 +108,7 @@ class SWABuffer:
         ps = self._ps
         pairs = self.map.full_to_swa[slots[: len(keys) * ps]].reshape(len(keys), ps)
         live = (pairs >= 0).all(axis=1)
-        own = len(self.cache.tree.node_page_keys(node_id))
+        own = len(self._t.tree.node_page_keys(node_id))
         lo = max(0, len(keys) - max(own, self.window_pages))
         cand = [j for j in range(lo, len(keys)) if live[j]]
         if not cand:
@@ -116,17 +118,18 @@ class SWABuffer:
 
     def device_slots(self, full_slots: np.ndarray) -> np.ndarray:
         """The SWA device slots paired with ``full_slots`` (every one must be live)."""
-        return self.map.translate(full_slots)
+        slots: np.ndarray = self.map.translate(full_slots)
+        return slots
 
     def submit_d2h(self, device_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
         engine = self.tier.swa_engine
         assert engine is not None, "the cache is not started"
-        return self.cache._track_copy(engine.submit_d2h(device_slots, host_slots))
+        return self._t.copies.track(engine.submit_d2h(device_slots, host_slots))
 
     def submit_h2d(self, host_slots: np.ndarray, device_slots: np.ndarray) -> CopyHandle:
         engine = self.tier.swa_engine
         assert engine is not None, "the cache is not started"
-        return self.cache._track_copy(engine.submit_h2d(host_slots, device_slots))
+        return self._t.copies.track(engine.submit_h2d(host_slots, device_slots))
 
     async def store(self, keys: Sequence[str], host: np.ndarray, ok: list[bool]) -> None:
         """Write the staged SWA pages of ``keys`` as ``.swa`` objects; appends each outcome to
@@ -154,7 +157,7 @@ class SWABuffer:
             if found >= len(window):
                 return p  # trailing-window policy: a query is never evidence to add
             self.existence.invalidate_beyond(window, found)
-            self.cache.metrics.hybrid_skipped.labels(op="swa_window").inc()
+            self._metrics.hybrid_skipped.labels(op="swa_window").inc()
             _log.info("swa_window_missing", pages=p, missing=window[found])
             p = lo + found  # every window holding the missing page is broken
         return 0
@@ -169,45 +172,14 @@ class SWABuffer:
         while p >= max(min_pages, 1):
             lo = self.window(p)
             names = [swa_object(k) for k in keys[lo:p]]
-            good = await read_pages(self.backend, self.host, names, host[: (p - lo) * ps])
+            good = await read_run(self.backend, self.host, names, host[: (p - lo) * ps])
             if good == p - lo:
                 return p
             self.existence.invalidate_beyond(list(keys[lo:p]), good)
-            self.cache.metrics.hybrid_skipped.labels(op="swa_window").inc()
+            self._metrics.hybrid_skipped.labels(op="swa_window").inc()
             _log.info("swa_window_read_short", pages=p, missing=keys[lo + good])
             p = lo + good
         return 0
-
-    async def alloc_device(self, num_tokens: int, swa_tokens: int) -> np.ndarray:
-        """Device slots for a load of ``num_tokens``: FULL slots for all, fresh SWA slots
-        paired with the last ``swa_tokens`` only (evicting, and waiting for copies that pin
-        victims, as needed). Free them with ``cache.free_device``. Raises
-        :class:`PoolExhaustedError` when the pools cannot hold them."""
-        cache = self.cache
-        smap = self.map
-
-        async def attempt() -> np.ndarray | None:
-            full_free, swa_free = smap.full.available_size, smap.swa.available_size
-            if full_free < num_tokens or swa_free < swa_tokens:
-                cache.evict(max(0, num_tokens - full_free),
-                            swa_num_tokens=max(0, swa_tokens - swa_free))
-            full = smap.full.alloc(num_tokens)
-            if full is None:
-                return None
-            swa = smap.swa.alloc(swa_tokens) if swa_tokens else EMPTY
-            if swa is None:
-                smap.full.free(full)
-                return None
-            if swa_tokens:
-                smap.adopt(full[num_tokens - swa_tokens :], swa)
-            cache._ledger.hand_out(full)
-            return full
-
-        return await cache._alloc_waiting(
-            attempt,
-            lambda: f"cannot allocate {num_tokens} device slots with {swa_tokens} SWA slots "
-                    f"(FULL, SWA free: {smap.full.available_size}, {smap.swa.available_size})",
-        )
 
     def check(self) -> None:
         held = self.tier.inflight["swa"]

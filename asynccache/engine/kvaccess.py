@@ -1,23 +1,26 @@
-"""Direct KV access of the cache facade (tests, replay verification, a model writing its KV)."""
+"""Direct KV access to the device pool (tests, replay verification, a model writing its KV)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from asynccache.errors import InvalidInputError
+from asynccache.transfers.pools import DevicePool, KVShape
 from asynccache.tree import as_slots
 
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
 
+class KVAccess:
+    """``read_kv`` / ``write_kv`` of one device pool."""
 
-class KVAccessMixin:
-    """``read_kv`` / ``write_kv`` of :class:`~asynccache.HierarchicalCache`."""
+    def __init__(self, device_pool: DevicePool, shape: KVShape) -> None:
+        self.device_pool = device_pool
+        self.shape = shape
+        self.page_size = device_pool.allocator.page_size
 
-    def _split_pages(self: HierarchicalCache, slots: np.ndarray) -> tuple[np.ndarray, int]:
+    def _split_pages(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         """(page ids, tokens they cover) of the leading whole pages of ``slots``."""
         ps = self.page_size
         full = len(slots) // ps
@@ -29,7 +32,7 @@ class KVAccessMixin:
         full = full if whole.all() else int(np.argmin(whole))
         return firsts[:full] // ps, full * ps
 
-    def _device_slots(self: HierarchicalCache, slots: Any) -> np.ndarray:
+    def _device_slots(self, slots: Any) -> np.ndarray:
         arr = as_slots(slots, "slots")
         n = self.device_pool.num_slots
         if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= n):
@@ -37,7 +40,7 @@ class KVAccessMixin:
             raise InvalidInputError(f"slots holds slot {bad}, out of the device pool's [0, {n})")
         return arr
 
-    def read_kv(self: HierarchicalCache, slots: Any) -> torch.Tensor:
+    def read_kv(self, slots: Any) -> torch.Tensor:
         """A copy of the device KV of ``slots`` as (layers, 2, n, heads, head_dim)."""
         arr = self._device_slots(slots)
         pool = self.device_pool
@@ -54,7 +57,7 @@ class KVAccessMixin:
             return pool.kv[:, :, :0].cpu()
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).cpu()
 
-    def write_kv(self: HierarchicalCache, slots: Any, values: torch.Tensor) -> None:
+    def write_kv(self, slots: Any, values: torch.Tensor) -> None:
         """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
         arr = self._device_slots(slots)
         if values.dim() != 5 or values.shape[2] != len(arr):

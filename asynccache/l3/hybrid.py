@@ -3,10 +3,11 @@
 Names: ``<page key>.swa`` for the SWA KV of a page, ``<key of a node's last page>.mamba`` for
 the state after that page. A backup writes them with the node's KV pages.
 
-A prefetch restores the longest *restorable* prefix (reference §1.14: the largest prefix that
-every pool can restore). A prefix of ``p`` pages is restorable when its KV pages are stored,
-``<key p-1>.mamba`` is stored (Mamba) and the ``.swa`` pages of its last window are stored (SWA;
-a prefix shorter than the window needs all of its pages). States exist only at node ends, so:
+A prefetch restores the longest *restorable* prefix (the largest prefix that every pool can
+restore; where this differs from the reference system, docs/differences.md says why). A prefix of ``p`` pages is
+restorable when its KV pages are stored, ``<key p-1>.mamba`` is stored (Mamba) and the ``.swa``
+pages of its last window are stored (SWA; a prefix shorter than the window needs all of its
+pages). States exist only at node ends, so:
 
 * the hit query trims the KV hit to the deepest restorable prefix (existence queries, deepest
   first: the state at the hit's end alone and its SWA window in one call, which is the usual
@@ -27,7 +28,7 @@ a prefix shorter than the window needs all of its pages). States exist only at n
 What is inserted is always a prefix whose KV pages, SWA window and state all arrived and were
 verified. On several ranks the names carry the rank like the KV pages' (the backend's layout),
 and the steps above that touch the tree or a pool are agreed at ticks instead
-(:mod:`asynccache.l3_hybrid_ranks`); the existence searches and reads here are shared. Every
+(:mod:`asynccache.l3.hybrid_ranks`); the existence searches and reads here are shared. Every
 fallback is a ``prefetch_component_fallback`` log event and adds the KV tokens given up to
 ``asynccache_prefetch_component_fallback_tokens``.
 """
@@ -40,12 +41,13 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import torch
 
+from asynccache.engine import Tiering
+from asynccache.l3.op import PrefetchOp
+from asynccache.l3.pages import keep_pages, page_buffers
 from asynccache.logs import get_logger
 
 if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
-    from asynccache.hybrid_tier import HybridTier
-    from asynccache.l3 import PrefetchOp
+    from asynccache.engine.hybrid_tier import HybridTier
 
 _log = get_logger("l3_hybrid")
 
@@ -66,22 +68,30 @@ STORED_QUERY_CHUNK: Final = 16
 class HybridStorage:
     """Component objects of one hybrid cache's storage tier."""
 
-    def __init__(self, cache: HierarchicalCache) -> None:
-        assert cache.hybrid is not None and cache.hybrid.tier is not None
-        self.cache = cache
-        self.tier: HybridTier = cache.hybrid.tier
+    def __init__(self, tiering: Tiering) -> None:
+        parts = tiering.parts
+        assert parts.hybrid is not None and parts.hybrid.tier is not None
+        self._t = tiering
+        self._parts = parts
+        self.tier: HybridTier = parts.hybrid.tier
         self.swa = self.tier.swa_host is not None
         self.mamba = self.tier.mamba_host is not None
-        ps = cache.page_size
-        self.window_pages = -(-cache.config.sliding_window // ps) if self.swa else 0
+        self._ps = ps = tiering.page_size
+        self.window_pages = -(-parts.config.sliding_window // ps) if self.swa else 0
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Evict host copies for a component allocation (:class:`ClosedError` once the cache
+        is no longer running: nothing may be evicted then)."""
+        self._parts.life.check_open()
+        return self._t.evict_host(num_tokens)
 
     # ------------------------------------------------------------------ write
     def node_objects(self, nid: int, keys: list[str]) -> tuple[list[str], list[torch.Tensor]]:
         """Keys and (copied) bytes of ``nid``'s component host copies."""
-        tree = self.cache.tree
+        tree = self._t.tree
         out_k: list[str] = []
         out_b: list[torch.Tensor] = []
-        ps = self.cache.page_size
+        ps = self._ps
         if self.swa:
             host = tree.component_host_slots_of(nid, "swa")
             if host is not None:
@@ -120,7 +130,7 @@ class HybridStorage:
                     await self._exists(backend, op, ask)
                 # the deepest page of the window not stored (those above it are known stored)
                 miss = next((i for i in range(p - 1, lo - 1, -1)
-                             if not op.stored[swa_object(op.keys[i])]), None)
+                             if not op.hy.stored[swa_object(op.keys[i])]), None)
                 if miss is not None:  # try the prefix ending before it
                     p = miss
                     span = max(self.window_pages, STORED_QUERY_CHUNK)
@@ -138,7 +148,7 @@ class HybridStorage:
             names = [mamba_object(op.keys[q - 1]) for q in cands]
             await self._exists(backend, op, names)
             for q, name in zip(cands, names, strict=True):
-                if op.stored[name]:
+                if op.hy.stored[name]:
                     return q
             hi = cands[-1] - 1
             size = STORED_QUERY_CHUNK
@@ -146,23 +156,23 @@ class HybridStorage:
 
     async def _exists(self, backend: Any, op: PrefetchOp, names: list[str]) -> None:
         """Ask storage which of ``names`` it holds (those not asked yet), concurrently."""
-        todo = [n for n in names if n not in op.stored]
+        todo = [n for n in names if n not in op.hy.stored]
         if not todo:
             return
         if len(todo) == 1:
-            op.stored[todo[0]] = bool(await backend.exists_prefix(todo))
+            op.hy.stored[todo[0]] = bool(await backend.exists_prefix(todo))
             return
         async with asyncio.TaskGroup() as tg:
             asks = [tg.create_task(backend.exists_prefix([n])) for n in todo]
         for name, a in zip(todo, asks, strict=True):
-            op.stored[name] = bool(a.result())
+            op.hy.stored[name] = bool(a.result())
 
     async def _exists_run(self, backend: Any, op: PrefetchOp, names: list[str]) -> None:
         """One ``exists_prefix`` call for the ``names`` not asked yet before the first known
         missing one: those stored up to the first missing one become known, and that one."""
         todo: list[str] = []
         for n in names:
-            known = op.stored.get(n)
+            known = op.hy.stored.get(n)
             if known is False:
                 break
             if known is None:
@@ -171,16 +181,16 @@ class HybridStorage:
             return
         found = await backend.exists_prefix(todo)
         for n in todo[:found]:
-            op.stored[n] = True
+            op.hy.stored[n] = True
         if found < len(todo):
-            op.stored[todo[found]] = False
+            op.hy.stored[todo[found]] = False
 
     async def query(self, op: PrefetchOp, backend: Any, hit: int, floor: int) -> int:
         """Trim the KV ``hit`` (pages) to its restorable prefix (0: below ``floor`` pages)."""
         if hit < max(floor, 1):
             return hit  # a short hit anyway: revoked without asking for components
         p = await self.restorable(backend, op, hit, floor)
-        op.restorable_pages = p
+        op.hy.restorable_pages = p
         if p < hit:
             self.note_fallback(op, "not_stored", hit, p)
         return p
@@ -192,8 +202,8 @@ class HybridStorage:
         read ended early) and ``fault`` (a component object could not be read)."""
         if to_pages >= from_pages:
             return
-        ps = self.cache.page_size
-        self.cache.metrics.prefetch_component_fallback_tokens.labels(reason=reason).inc(
+        ps = self._ps
+        self._parts.metrics.prefetch_component_fallback_tokens.labels(reason=reason).inc(
             (from_pages - to_pages) * ps)
         log = _log.warning if reason == "fault" else _log.info
         log("prefetch_component_fallback", reason=reason, from_tokens=from_pages * ps,
@@ -202,44 +212,44 @@ class HybridStorage:
     # ------------------------------------------------------------------ prefetch
     async def fetch(self, op: PrefetchOp, backend: Any, floor: int, *, final: bool = True) -> None:
         """Hold in host slots recorded on ``op`` the SWA window and state of the deepest
-        restorable prefix within ``op``'s arrived KV pages (``op.parts_pages`` says which
+        restorable prefix within ``op``'s arrived KV pages (``op.hy.parts_pages`` says which
         prefix the held ones restore; 0: none). Held parts are replaced only by deeper ones
         that all arrived, so a fetch that fails or is cancelled keeps the previous ones.
 
         ``final=False``: between KV batches (a prefetch stopped later inserts what is held);
         ``final=True``: the KV read is over, fallbacks are counted and later calls return."""
-        if op.parts_settled:
+        if op.hy.parts_settled:
             return
-        arrived = op.completed_tokens // self.cache.page_size
-        p = op.restorable_pages
+        arrived = op.completed_tokens // self._ps
+        p = op.hy.restorable_pages
         if p > arrived:  # only a prefix deeper than the held one is worth a search
-            lowest = max(floor, op.parts_pages + 1)
+            lowest = max(floor, op.hy.parts_pages + 1)
             found = await self.restorable(backend, op, arrived, lowest) if arrived >= lowest else 0
-            p = max(found, op.parts_pages)
+            p = max(found, op.hy.parts_pages)
             if final:
                 self.note_fallback(op, "stopped", arrived, p)
         first, reason = p, "fault"
-        while p > op.parts_pages:
+        while p > op.hy.parts_pages:
             got = await self._get(op, backend, p)
             if got:
                 break
             if got is None:  # no host memory for the components: keep what is held
                 reason = "host_memory"
                 break
-            lowest = max(floor, op.parts_pages + 1)
+            lowest = max(floor, op.hy.parts_pages + 1)
             p = await self.restorable(backend, op, p, lowest) if p >= lowest else 0
         if final:
-            if op.parts_pages < first:
-                self.note_fallback(op, reason, first, op.parts_pages)
-            op.parts_settled = True
+            if op.hy.parts_pages < first:
+                self.note_fallback(op, reason, first, op.hy.parts_pages)
+            op.hy.parts_settled = True
 
     async def _get(self, op: PrefetchOp, backend: Any, p: int) -> bool | None:
         """Read the components of the ``p``-page prefix into new host slots; they become the
         held parts when all came (True). False: one did not (it counts as missing from now
         on); None: host memory is short. Nothing new is held then."""
-        ps = self.cache.page_size
+        ps = self._ps
         parts: dict[str, np.ndarray] = {}
-        op.parts_new = parts
+        op.hy.parts_new = parts
         try:
             if self.swa:
                 slots = self._take(op, "swa", min(p, self.window_pages) * ps)
@@ -253,28 +263,32 @@ class HybridStorage:
                 parts["mamba"] = slots
             if not await self.read_into(op, backend, p, parts):
                 return False
-            self._give(op.parts, free=True)  # the shallower parts held so far
-            op.parts, op.parts_pages, parts = parts, p, {}
+            self._give(op.hy.parts, free=True)  # the shallower parts held so far
+            op.hy.parts, op.hy.parts_pages, parts = parts, p, {}
             return True
         finally:  # what did not become the held parts (a cancel lands here too)
             self._give(parts, free=True)
-            op.parts_new = None
+            op.hy.parts_new = None
 
     async def read_into(self, op: PrefetchOp, backend: Any, p: int,
                         parts: dict[str, np.ndarray]) -> bool:
         """Read the SWA window and the state of the ``p``-page prefix into the host slots
-        ``parts`` (one slot group per component pool). False when one object did not come (it
-        counts as missing on ``op`` from now on); the slots then hold nothing meaningful."""
-        ps = self.cache.page_size
+        ``parts`` (one slot group per component pool), all or nothing, in one backend call.
+        False when one object did not come (it counts as missing on ``op`` from now on); the
+        slots then hold nothing meaningful.
+
+        (Not :func:`~asynccache.l3.pages.read_run`: the objects span two pools, the state is no
+        page, and a prefix counts only when all of them arrived, not a leading run.)"""
+        ps = self._ps
         keys = op.keys[:p]
         want_k: list[str] = []
         bufs: list[torch.Tensor] = []
+        w = 0
         if "swa" in parts:
             assert self.tier.swa_host is not None
             w = len(parts["swa"]) // ps
             want_k += [swa_object(k) for k in keys[p - w :]]
-            bufs += [torch.empty(self.tier.swa_host.page_bytes, dtype=torch.uint8)
-                     for _ in range(w)]
+            bufs += page_buffers(self.tier.swa_host, parts["swa"], fill=False)
         if "mamba" in parts:
             assert self.tier.mamba_host is not None
             row = self.tier.mamba_host.states[0]
@@ -284,12 +298,11 @@ class HybridStorage:
         if not all(ok):
             for k, good in zip(want_k, ok, strict=True):
                 if not good:
-                    op.stored[k] = False
+                    op.hy.stored[k] = False
             return False
         if "swa" in parts:
             assert self.tier.swa_host is not None
-            for first, buf in zip(parts["swa"][::ps].tolist(), bufs, strict=False):
-                self.tier.swa_host.write_page(first, buf)
+            keep_pages(self.tier.swa_host, parts["swa"], bufs, w)
         if "mamba" in parts:
             assert self.tier.mamba_host is not None
             dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
@@ -299,11 +312,11 @@ class HybridStorage:
     def _take(self, op: PrefetchOp, name: str, n: int) -> np.ndarray | None:
         """``n`` host slots of pool ``name`` for a deeper prefix's components; when short, the
         shallower held parts are given up for them (a later fault searches again)."""
-        slots = self.tier.take_host(name, n, self.cache.evict_host)
-        if slots is None and op.parts:
-            self._give(op.parts, free=True)
-            op.parts, op.parts_pages = None, 0
-            slots = self.tier.take_host(name, n, self.cache.evict_host)
+        slots: np.ndarray | None = self.tier.take_host(name, n, self.evict_host)
+        if slots is None and op.hy.parts:
+            self._give(op.hy.parts, free=True)
+            op.hy.parts, op.hy.parts_pages = None, 0
+            slots = self.tier.take_host(name, n, self.evict_host)
         return slots
 
     def _give(self, parts: dict[str, np.ndarray] | None, *, free: bool) -> None:
@@ -313,17 +326,17 @@ class HybridStorage:
     def insert_args(self, op: PrefetchOp, done: int) -> tuple[int, dict[str, Any]]:
         """Tokens to insert of ``done`` arrived ones (the prefix the fetched components
         restore; 0: none) and the ``insert_host`` keywords for them."""
-        ps = self.cache.page_size
-        end = op.parts_pages * ps
-        if not end or end > done or op.parts is None:
+        ps = self._ps
+        end = op.hy.parts_pages * ps
+        if not end or end > done or op.hy.parts is None:
             return 0, {}
         out: dict[str, Any] = {}
-        swa = op.parts.get("swa")
+        swa = op.hy.parts.get("swa")
         if swa is not None:
             full = np.full(end, -1, dtype=np.int64)
             full[end - len(swa) :] = swa
             out["swa_host_slots"] = full
-        state = op.parts.get("mamba")
+        state = op.hy.parts.get("mamba")
         if state is not None:
             out["mamba_host_slot"] = int(state[0])
         return end, out
@@ -331,7 +344,7 @@ class HybridStorage:
     def release(self, op: PrefetchOp, *, inserted: bool) -> None:
         """The op's component host slots leave flight (the held parts are kept by the tree if
         ``inserted``)."""
-        self._give(op.parts, free=not inserted)
-        self._give(op.parts_new, free=True)
-        op.parts = op.parts_new = None
-        op.parts_pages = 0
+        self._give(op.hy.parts, free=not inserted)
+        self._give(op.hy.parts_new, free=True)
+        op.hy.parts = op.hy.parts_new = None
+        op.hy.parts_pages = 0

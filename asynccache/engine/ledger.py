@@ -1,4 +1,4 @@
-"""The slot ledger: which device pages callers hold.
+"""The slot ledger: which device pages callers hold, and how many host slots operations hold.
 
 A page is *held by a caller* from the moment the cache hands it out (``alloc_device``,
 ``extend``, a load-back's destination before the tree takes it, a restore) until the caller
@@ -7,6 +7,10 @@ frees it or the tree adopts it (an insert). Every slot a caller gives back (``in
 a caller. Slots the tree owns, slots never handed out and slots already freed are refused with
 an :class:`InvalidInputError` naming the slot, before anything changes: a caller can no longer
 make the tree adopt slots another request is about to be given (wrong KV), nor free the tree's.
+
+Host slots owned by operations (backups in flight, storage writes and prefetches, buffer-mode
+staging, retracted requests) are counted here too: the ledger is the only writer of both counts,
+and :meth:`SlotLedger.check_accounting` is the accounting half of ``sanity_check``.
 
 Synchronous, single-owner (the cache's loop); no I/O.
 """
@@ -23,7 +27,7 @@ from asynccache.transfers.indices import SlotIndices
 class SlotLedger:
     """Per device page: held by a caller or not. The only writer of the caller-held count."""
 
-    __slots__ = ("_alloc", "_held", "_pages", "_ps", "_stamp")
+    __slots__ = ("_alloc", "_held", "_host", "_pages", "_ps", "_stamp")
 
     def __init__(self, allocator: PageAllocator) -> None:
         self._alloc = allocator
@@ -31,11 +35,41 @@ class SlotLedger:
         self._held = np.zeros(allocator.num_pages, dtype=np.uint8)
         self._stamp = np.zeros(allocator.num_pages, dtype=np.int64)
         self._pages = 0
+        self._host = 0
 
     @property
     def held_tokens(self) -> int:
         """Device slots held by callers (handed out, not yet freed or adopted)."""
         return self._pages * self._ps
+
+    @property
+    def host_tokens(self) -> int:
+        """Host slots operations hold (taken from the host pool, not the tree's)."""
+        return self._host
+
+    def host_taken(self, num_slots: int) -> None:
+        """An operation took ``num_slots`` host slots from the pool."""
+        self._host += num_slots
+
+    def host_returned(self, num_slots: int) -> None:
+        """An operation gave ``num_slots`` host slots back (freed, or adopted by the tree)."""
+        self._host -= num_slots
+
+    def check_accounting(self, tree_device: int, device_used: int,
+                         tree_host: int | None = None, host_used: int | None = None) -> None:
+        """Every allocated slot has one owner: device ``used == tree + callers``, host
+        ``used == tree + operations`` (host figures None: no host pool)."""
+        if device_used != tree_device + self.held_tokens:
+            raise AssertionError(
+                f"device accounting: allocator uses {device_used} slots, tree holds "
+                f"{tree_device} and callers {self.held_tokens}"
+            )
+        if host_used is not None and host_used != (tree_host or 0) + self._host:
+            raise AssertionError(
+                f"host accounting: allocator uses {host_used} slots, tree holds "
+                f"{tree_host} and operations (backups in flight, staging, "
+                f"retracted requests) {self._host}"
+            )
 
     def hand_out(self, slots: np.ndarray) -> None:
         """``slots`` (whole pages the cache's allocator just returned, so not validated again)

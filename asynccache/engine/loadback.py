@@ -1,4 +1,4 @@
-"""Load-back (L2 -> L1) of the cache facade: host hits copied to device layer by layer.
+"""Load-back (L2 -> L1): host hits copied to device layer by layer.
 
 A load-back pins the device prefix and the host hit while it makes room, hands the new device
 slots to the tree (``start_load_back``), submits a layer-wise H->D copy and commits it in the
@@ -8,31 +8,22 @@ forward pass start layer ``i`` while later layers are still copying.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from asynccache.engine.copies import copy_error
+from asynccache.engine.tiering import Tiering
 from asynccache.errors import InvalidInputError, PoolExhaustedError, TransferError
 from asynccache.logs import get_logger
+from asynccache.transfers.engine import CopyEngine
 from asynccache.transfers.handles import CopyHandle, LayerwiseHandle
 from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LoadBackTicket, LockReceipt, MatchResult
 
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
-
 _log = get_logger("cache")
-
-
-def copy_error(handle: CopyHandle) -> BaseException | None:
-    try:
-        handle.result()
-    except Exception as exc:  # the copy's own error, delivered through the bridge
-        return exc
-    return None
 
 
 @dataclass(eq=False)
@@ -74,23 +65,33 @@ class LoadBack:
             raise TransferError(f"load-back {self.op_id} failed: {self.error}") from self.error
 
 
-class LoadBackMixin:
-    """Load-back calls of :class:`~asynccache.HierarchicalCache`."""
+class LoadBacks:
+    """Load-backs of one cache."""
 
-    def _load_size(self: HierarchicalCache, match: MatchResult, mem_quota: int | None) -> int:
+    def __init__(self, tiering: Tiering) -> None:
+        self._t = tiering
+        self._p = tiering.parts
+        self.tree = tiering.tree
+        self._tier = tiering.parts.hybrid_tier  # hybrid: SWA / Mamba parts load with the KV
+
+    def _copier(self) -> CopyEngine:
+        assert self._t.copier is not None
+        return self._t.copier
+
+    def load_size(self, match: MatchResult, mem_quota: int | None) -> int:
         """Tokens a load-back of ``match`` would copy, or 0 when it should be skipped."""
         n = match.host_hit_length
-        if n == 0 or self._engine is None or match.pending_loads:
+        if n == 0 or self._t.copier is None or match.pending_loads:
             return 0
         if mem_quota is not None and n > mem_quota:
             return 0
-        if n < self.config.load_back_threshold and not self._loads_components(match):
+        if n < self._p.config.load_back_threshold and not self._loads_components(match):
             return 0  # short enough to recompute (unless SWA / Mamba parts must come back)
         return n
 
-    def _loads_components(self: HierarchicalCache, match: MatchResult) -> bool:
+    def _loads_components(self, match: MatchResult) -> bool:
         """Hybrid: would a load-back of ``match`` copy SWA or Mamba parts?"""
-        if self.hybrid is None:
+        if self._p.hybrid is None:
             return False
         try:
             sizes = self.tree.load_back_sizes(match.best_node)
@@ -98,15 +99,15 @@ class LoadBackMixin:
             return False
         return any(v for k, v in sizes.items() if k != "full")
 
-    def _pin(self: HierarchicalCache, match: MatchResult) -> tuple[LockReceipt, LockReceipt]:
+    def _pin(self, match: MatchResult) -> tuple[LockReceipt, LockReceipt]:
         """Pin the device prefix and the host hit of ``match`` while making room for a load."""
         return self.tree.lock(match.last_device_node), self.tree.lock_host(match.best_node)
 
-    def _unpin(self: HierarchicalCache, pins: tuple[LockReceipt, LockReceipt]) -> None:
+    def _unpin(self, pins: tuple[LockReceipt, LockReceipt]) -> None:
         self.tree.unlock(pins[0])
         self.tree.unlock_host(pins[1])
 
-    def begin_load_back(self: HierarchicalCache, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
+    def begin_load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
         """Start loading ``match``'s host hit into device memory; returns None when skipped.
 
         Skipped when there is no host hit, when it is shorter than ``load_back_threshold``, when
@@ -114,81 +115,80 @@ class LoadBackMixin:
         when the device cannot make room without waiting. The copy runs layer by layer:
         ``await lb.layer(i)`` before reading layer ``i``.
         """
-        self._check_open()
-        n = self._load_size(match, mem_quota)
+        n = self.load_size(match, mem_quota)
         if not n:
             return None
-        if self.hybrid is not None:
+        if self._p.hybrid is not None:
             return self._begin_hybrid_load(match)
         pins = self._pin(match)
         try:
-            slots = self.try_alloc_device(n)
+            slots = self._t.try_alloc(self._t.round_up(n))
         finally:
             self._unpin(pins)
         return None if slots is None else self._start_load(match, slots)
 
-    def _begin_hybrid_load(self: HierarchicalCache, match: MatchResult) -> LoadBack | None:
+    def _begin_hybrid_load(self, match: MatchResult) -> LoadBack | None:
         """Allocate every part of a hybrid load-back (FULL, SWA, Mamba; evicting if short) and
         start it; all or nothing: when any pool falls short, nothing is taken."""
-        hy = self.hybrid
-        assert hy is not None and hy.tier is not None
+        tier = self._tier
+        assert tier is not None
         try:
             sizes = self.tree.load_back_sizes(match.best_node)
         except InvalidInputError:
             return None  # a backup or load on the path is in flight
         pins = self._pin(match)
         try:
-            alloc = self.device_pool.allocator
+            alloc = self._p.device_pool.allocator
             need = sizes.get("full", 0)
             full = alloc.alloc(need)
             if full is None:
-                self.evict(need - alloc.available_size)
+                self._t.evict(need - alloc.available_size)
                 full = alloc.alloc(need)
-            parts = hy.tier.alloc_load(sizes) if full is not None else None
+            parts = tier.alloc_load(sizes) if full is not None else None
             if full is not None and parts is None:
                 short_swa = sizes.get("swa", 0)
                 short_mamba = sizes.get("mamba", 0)
-                self.evict(0, swa_num_tokens=short_swa, mamba_num=short_mamba)
-                parts = hy.tier.alloc_load(sizes)
+                self._t.evict(0, swa_num_tokens=short_swa, mamba_num=short_mamba)
+                parts = tier.alloc_load(sizes)
         finally:
             self._unpin(pins)
         if full is None or parts is None:
             if full is not None:
                 alloc.free(full)
-            self.metrics.hybrid_skipped.labels(op="load_back").inc()
+            self._p.metrics.hybrid_skipped.labels(op="load_back").inc()
             _log.info("load_back_skipped", node=match.best_node, sizes=sizes,
                       reason="pool_short")
             return None
-        self._ledger.hand_out(full)
+        self._t.ledger.hand_out(full)
         return self._start_load(match, full, parts)
 
-    def _start_load(self: HierarchicalCache, match: MatchResult, slots: np.ndarray,
+    def _start_load(self, match: MatchResult, slots: np.ndarray,
                     parts: dict[str, np.ndarray] | None = None) -> LoadBack | None:
         try:
             ticket = self.tree.start_load_back(match.best_node, slots, parts)
         except InvalidInputError:
             # The host hit changed while room was made (loaded or recomputed by another request).
             if parts is not None:
-                assert self.hybrid is not None and self.hybrid.tier is not None
-                self.hybrid.tier.free_load_parts(parts)
-                self._ledger.release(slots)
-                self.device_pool.allocator.free(slots)
+                assert self._tier is not None
+                self._tier.free_load_parts(parts)
+                self._t.ledger.release(slots)
+                self._p.device_pool.allocator.free(slots)
             else:
-                self.free_device(slots)
+                self._t.free(slots)
             return None
-        self._ledger.release(slots)  # the tree owns them from here on
+        self._t.ledger.release(slots)  # the tree owns them from here on
         handle: CopyHandle
         group = None
         if parts is None:
-            handle = self._engine.submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
+            handle = self._copier().submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
             indices = np.concatenate([match.device_indices, ticket.device_slots])
         else:
-            assert self.hybrid is not None and self.hybrid.tier is not None
-            tier = self.hybrid.tier
+            tier = self._tier
+            assert tier is not None
             tier.pair(ticket)
             copies = tier.submit_h2d(ticket)
             if len(ticket.device_slots):
-                copies.insert(0, self._engine.submit_h2d_layerwise(ticket.host_slots,
+                copies.insert(0, self._copier().submit_h2d_layerwise(ticket.host_slots,
                                                                    ticket.device_slots))
             group = GroupHandle(copies)
             handle = copies[0]
@@ -205,53 +205,50 @@ class LoadBackMixin:
         )
         if group is not None:
             handle = group
-        self._inflight[ticket.op_id] = handle
-        if self._agree is not None:  # multi-rank: commit at the tick all ranks agree on
-            self._agree.defer_copy(handle, lambda err: self._load_done(ticket, lb, handle, err))
-            lb.committed = lambda: self._settle([handle])
-            return lb
-        handle.add_done_callback(lambda h: self._load_done(ticket, lb, h))
+        self._t.copies.add(ticket.op_id, handle)
+        final = handle
+        self._t.commits.on_done(final, lambda err: self._load_done(ticket, lb, final, err))
+        lb.committed = self._t.commits.committed(final)
         return lb
 
-    def _load_done(self: HierarchicalCache, ticket: LoadBackTicket, lb: LoadBack,
+    def _load_done(self, ticket: LoadBackTicket, lb: LoadBack,
                    handle: CopyHandle, peer_error: BaseException | None = None) -> None:
         """Commit (or abort) a finished load-back; ``peer_error``: multi-rank, the copy failed
         on another rank, so it is aborted here as well."""
-        self._inflight.pop(ticket.op_id, None)
+        self._t.copies.discard(ticket.op_id)
         error = copy_error(handle) or peer_error
         if error is not None:
             lb.error = error
             frees = self.tree.abort_load_back(ticket.op_id)
-            if self.hybrid is not None and self.hybrid.tier is not None:
-                self.hybrid.tier.abort_load(ticket, frees)
+            if self._tier is not None:
+                self._tier.abort_load(ticket, frees)
             else:
                 for slots in frees:
-                    self.device_pool.allocator.free(slots)
+                    self._p.device_pool.allocator.free(slots)
             _log.warning("load_back_failed", node=lb.node_id, error=repr(error))
             return
         self.tree.commit_load_back(ticket.op_id)
         if not lb.abandoned:
             lb.receipt = self.tree.lock(lb.node_id)
         result = handle.result()
-        self.metrics.load_back_tokens.inc(result.num_tokens)
-        self.metrics.load_back_bytes.inc(result.num_bytes)
-        self.metrics.load_back_duration.observe(result.duration_s)
+        self._p.metrics.load_back_tokens.inc(result.num_tokens)
+        self._p.metrics.load_back_bytes.inc(result.num_bytes)
+        self._p.metrics.load_back_duration.observe(result.duration_s)
 
-    async def load_back(self: HierarchicalCache, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
+    async def load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
         """Load ``match``'s host hit and wait for it; the result holds a lock on the prefix.
 
         Cancelling the caller leaves no lock behind: the copy still completes and commits.
         """
-        self._check_open()
-        n = self._load_size(match, mem_quota)
+        n = self.load_size(match, mem_quota)
         if not n:
             return None
-        if self.hybrid is not None:
+        if self._p.hybrid is not None:
             lb = self._begin_hybrid_load(match)
         else:
             pins = self._pin(match)
             try:
-                slots = await self.alloc_device(n)
+                slots = await self._t.alloc(self._t.round_up(n))
             except PoolExhaustedError:
                 return None
             finally:
@@ -266,18 +263,13 @@ class LoadBackMixin:
             raise
         return lb
 
-    def release_load(self: HierarchicalCache, lb: LoadBack) -> None:
+    def release_load(self, lb: LoadBack) -> None:
         """Release the lock a load-back took for its caller (or renounce it if still copying)."""
         if lb.receipt is not None:
             self.tree.unlock(lb.receipt)
             lb.receipt = None
         lb.abandoned = True
 
-    async def wait_loads(self: HierarchicalCache, op_ids: Sequence[int]) -> None:
+    async def wait_loads(self, op_ids: Sequence[int]) -> None:
         """Wait for the load-backs named by a match's ``pending_loads``."""
-        handles = [self._inflight[i] for i in op_ids if i in self._inflight]
-        if self._agree is not None:
-            await self._agree.settle(handles)
-        elif handles:
-            await asyncio.gather(*(h.done() for h in handles),
-                                 return_exceptions=True)
+        await self._t.commits.settle(self._t.copies.of(op_ids))

@@ -4,20 +4,20 @@ With ``CacheConfig(host_mode="buffer_only")`` and a storage backend attached, th
 holds host copies. Host slots belong to operations only:
 
 * **Writes.** A node reaching the write threshold becomes an *intent* (its id, length and page
-  keys; nothing pinned while it waits) in a FIFO. Once per loop turn (and at every
-  :meth:`~asynccache.HierarchicalCache.flush`) the queued intents that still exist and are not
+  keys; nothing pinned while it waits; the engine's ``write_intents`` port) in a FIFO. Once per
+  loop turn (and at every ``flush`` of the cache) the queued intents that still exist and are not
   already believed stored get host staging inside the write window, their device pages are
   pinned and copied to host as **one** D->H copy; when it lands the pins are released and the
   pages are written to storage; the staging is freed when the storage write returns. An
   intent whose node was evicted meanwhile is dropped (eviction always wins); one whose node
   was split is gathered from the fragments.
-* **Reads** (:mod:`asynccache.buffer_reads`). A request's prefetch fetches its stored pages
+* **Reads** (:mod:`asynccache.buffer.reads`). A request's prefetch fetches its stored pages
   into an operation-owned host bounce that is *parked* for the request. Its load-back allocates
   device slots, copies the bounce to device layer by layer, inserts the loaded prefix into the
   tree like computed KV and frees the bounce when the copy lands. A fetch that cannot get
   staging waits in FIFO order.
 
-FULL+SWA caches (:mod:`asynccache.buffer_swa`): an intent also writes the SWA pages of its
+FULL+SWA caches (:mod:`asynccache.buffer.swa`): an intent also writes the SWA pages of its
 node that are still SWA-live, staged in the host SWA pool and stored as ``<page key>.swa``;
 a prefetch also reads the ``.swa`` pages of the trailing window of what it loads, all or
 nothing (a missing one falls back to a shorter prefix whose window is whole). Mamba is not
@@ -32,33 +32,39 @@ staging.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
-from asynccache.buffer_reads import StagedReads
-from asynccache.buffer_swa import EMPTY, SWABuffer
+from asynccache.buffer.reads import StagedReads
+from asynccache.buffer.swa import EMPTY, SWABuffer
+from asynccache.engine import StoragePorts, TaskOwner, Tiering
 from asynccache.errors import ConfigError
-from asynccache.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache, listen, unlisten
-from asynccache.hostpages import page_buffers
-from asynccache.l3 import BATCH_PAGES, StoragePolicy
+from asynccache.l3 import (
+    BATCH_PAGES,
+    DEFAULT_MAX_ENTRIES,
+    StorageExistenceCache,
+    StoragePolicy,
+    page_buffers,
+)
+from asynccache.l3.existence import listen, unlisten
 from asynccache.logs import get_logger
+from asynccache.request import CacheRequest
 from asynccache.transfers.handles import CopyHandle
 from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LockReceipt
-
-if TYPE_CHECKING:
-    from asynccache.cache import HierarchicalCache
-    from asynccache.requests import CacheRequest
 
 _log = get_logger("buffer_mode")
 
 WRITE_MARGIN: Final = 0.1  # writes leave this share free besides the read bounces...
 WRITE_FLOOR: Final = 0.2  # ...but may always hold this share
+
+_SERIAL = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -79,36 +85,54 @@ class _Batch:
 
 
 class BufferModePipeline:
-    """Storage writes and prefetches of a buffer-only host (one per attached backend)."""
+    """Storage writes and prefetches of a buffer-only host (one per attached backend).
 
-    def __init__(self, cache: HierarchicalCache, backend: Any, policy: StoragePolicy, *,
-                 existence_entries: int = DEFAULT_MAX_ENTRIES) -> None:
-        host = cache.host_pool
+    ``tasks`` owns its storage writes (a group named after this pipeline)."""
+
+    def __init__(self, tiering: Tiering, backend: Any, policy: StoragePolicy, *,
+                 tasks: TaskOwner, existence_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        parts = tiering.parts
+        host = parts.host_pool
         if host is None:
             raise ConfigError("buffer_only host mode needs host staging: set host_tokens")
-        self.cache = cache
+        self._t = tiering
+        self._parts = parts
+        self._tasks = tasks
+        self._write_group = f"buffer_writes#{next(_SERIAL)}"
         self.backend = backend
         self.policy = policy
         self.existence = StorageExistenceCache(existence_entries)
         listen(backend, self.existence)
         self.host = host
-        hy = cache.hybrid
         # FULL+SWA: the SWA pages go with the KV pages (None: a FULL-only cache).
-        self.swa = SWABuffer(cache, backend, existence_entries) if hy is not None else None
-        self._ps = cache.page_size
+        self.swa = (SWABuffer(tiering, backend, existence_entries)
+                    if parts.hybrid is not None else None)
+        self._ps = tiering.page_size
         pool = host.num_slots
         self._write_margin = int(pool * WRITE_MARGIN)
         self._write_floor = int(pool * WRITE_FLOOR)
-        self.backlog_cap = 2 * cache.device_pool.num_slots  # tokens of queued intents
+        self.backlog_cap = 2 * parts.device_pool.num_slots  # tokens of queued intents
         self._intents: OrderedDict[int, _Intent] = OrderedDict()
         self._queued_tokens = 0
         self.write_staged = 0  # host tokens staged for writes (D->H or storage write running)
         self._copies: set[CopyHandle] = set()  # D->H copies of write batches
-        self._writes: set[asyncio.Task[None]] = set()
         self._launch_pending = False
         self._closed = False
-        self.reads = StagedReads(self)
-        cache.tree.set_storage_intents(True)
+        self.reads = StagedReads(self, tiering)
+        tiering.tree.set_storage_intents(True)
+
+    def ports(self) -> StoragePorts:
+        """What the engine calls up into this pipeline."""
+        return StoragePorts(write_intents=self.enqueue, writes_pending=self._writes_in_flight,
+                            drain=self.drain)
+
+    @property
+    def _writes(self) -> list[asyncio.Task[Any]]:
+        """Storage writes of landed batches not yet returned."""
+        return self._tasks.tasks(self._write_group)
+
+    def _writes_in_flight(self) -> bool:
+        return bool(self._copies) or self._tasks.count(self._write_group) > 0
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -132,21 +156,23 @@ class BufferModePipeline:
     def write_window(self) -> int:
         """Host tokens writes may hold now: the pool minus read bounces minus the margin,
         floored."""
-        return max(self.host.num_slots - self.reads.occupied - self._write_margin,
-                   self._write_floor)
+        room: int = max(self.host.num_slots - self.reads.occupied - self._write_margin,
+                        self._write_floor)
+        return room
 
     def _metric_intent(self, outcome: str, tokens: int = 0) -> None:
-        self.cache.metrics.buffer_intents.labels(outcome=outcome).inc()
+        metrics = self._parts.metrics
+        metrics.buffer_intents.labels(outcome=outcome).inc()
         if tokens and outcome in ("covered", "stale", "backlog"):
             reason = "exists" if outcome == "covered" else outcome
-            self.cache.metrics.storage_backup_skipped_tokens.labels(reason=reason).inc(tokens)
+            metrics.storage_backup_skipped_tokens.labels(reason=reason).inc(tokens)
 
     # ------------------------------------------------------------------ write path
     def enqueue(self, node_ids: Sequence[int]) -> None:
         """Record write intents for nodes that reached the write threshold (root first)."""
         if self._closed:
             return
-        tree = self.cache.tree
+        tree = self._t.tree
         for nid in node_ids:
             if nid in self._intents:
                 continue
@@ -173,7 +199,7 @@ class BufferModePipeline:
         """Pages of the span whose SWA is live, pinnable and not believed stored."""
         if self.swa is None:
             return []
-        slots = self.cache.tree.tail_slots(nid, num_tokens)
+        slots = self._t.tree.tail_slots(nid, num_tokens)
         if slots is None:
             return []
         return self.swa.write_pages(nid, slots, keys)
@@ -184,14 +210,14 @@ class BufferModePipeline:
         return intent
 
     def _sweep_stale(self) -> None:
-        tree = self.cache.tree
+        tree = self._t.tree
         for nid in [i.node_id for i in self._intents.values()
                     if tree.tail_slots(i.node_id, i.num_tokens) is None]:
             self._metric_intent("stale", self._drop(nid).num_tokens)
 
     def _launch_soon(self) -> None:
         self._launch_pending = False
-        if not self._closed and self.cache._state == "running":
+        if not self._closed and self._parts.life.running:
             self.launch_writes()
 
     def launch_writes(self) -> int:
@@ -199,8 +225,8 @@ class BufferModePipeline:
         one batch; returns the tokens staged."""
         if self._closed or not self._intents:
             return 0
-        cache = self.cache
-        tree = cache.tree
+        t = self._t
+        tree = t.tree
         ps = self._ps
         room = self.write_window() - self.write_staged
         dev_parts: list[np.ndarray] = []
@@ -257,13 +283,13 @@ class BufferModePipeline:
         if not keys and not swa_keys:
             return 0
         n = len(keys) * ps
-        host = cache.take_host(n, evict=False) if n else EMPTY
+        host = t.take_host(n, evict=False) if n else EMPTY
         swa_host: np.ndarray | None = EMPTY
         if host is not None and swa_keys:
             assert self.swa is not None
             swa_host = self.swa.take(len(swa_keys) * ps, read=False)  # fits: swa_room
             if swa_host is None:
-                cache.free_host(host)
+                t.free_host(host)
         if host is None or swa_host is None:  # the pools are held by reads: later
             self.existence.end_write(keys, [False] * len(keys))
             if self.swa is not None:
@@ -275,7 +301,7 @@ class BufferModePipeline:
         batch = _Batch(keys, host, swa_keys, swa_host)
         handles: list[CopyHandle] = []
         if n:
-            handles.append(cache.engine_submit_d2h(np.concatenate(dev_parts), host))
+            handles.append(t.submit_d2h(np.concatenate(dev_parts), host))
         if swa_keys:
             assert self.swa is not None
             swa_dev = self.swa.device_slots(np.concatenate(swa_parts))
@@ -287,7 +313,7 @@ class BufferModePipeline:
 
     def _requeue_front(self, nodes: list[int]) -> None:
         """Intents taken off the queue for a batch that could not get staging go back first."""
-        tree = self.cache.tree
+        tree = self._t.tree
         for nid in reversed(nodes):
             if nid not in self._intents:
                 keys = tree.node_page_keys(nid)
@@ -297,9 +323,8 @@ class BufferModePipeline:
 
     def _copied(self, handle: CopyHandle, batch: _Batch, receipts: list[LockReceipt]) -> None:
         self._copies.discard(handle)
-        cache = self.cache
         for r in receipts:
-            cache.tree.unlock(r)
+            self._t.tree.unlock(r)
         try:
             result = handle.result()
         except Exception as exc:
@@ -307,20 +332,18 @@ class BufferModePipeline:
                          swa_pages=len(batch.swa_keys), error=repr(exc))
             self._write_done(batch, [False] * len(batch.keys), [False] * len(batch.swa_keys))
             return
-        m = cache.metrics
+        m = self._parts.metrics
         m.backup_tokens.inc(len(batch.host))
         m.backup_bytes.inc(result.num_bytes)
         m.backup_duration.observe(result.duration_s)
-        task = asyncio.get_running_loop().create_task(self._store(batch))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._tasks.spawn(self._write_group, self._store(batch))
 
     async def _store(self, batch: _Batch) -> None:
         ps = self._ps
         keys, host = batch.keys, batch.host
         ok: list[bool] = []
         swa_ok: list[bool] = []
-        metrics = self.cache.metrics
+        metrics = self._parts.metrics
         try:
             for i in range(0, len(keys), BATCH_PAGES):
                 part = keys[i : i + BATCH_PAGES]
@@ -348,14 +371,14 @@ class BufferModePipeline:
         keys, host = batch.keys, batch.host
         written = sum(ok)
         self.existence.end_write(keys, ok)
-        self.cache.free_host(host)
+        self._t.free_host(host)
         self.write_staged -= len(host)
         if self.swa is not None:
             self.swa.existence.end_write(batch.swa_keys, swa_ok)
             self.swa.give(batch.swa_host, read=False)
             if not all(swa_ok):
                 _log.warning("buffer_swa_write_failed", pages=len(swa_ok) - sum(swa_ok))
-        m = self.cache.metrics
+        m = self._parts.metrics
         m.storage_backup_tokens.inc(written * ps)
         if written < len(keys):
             m.storage_backup_skipped_tokens.labels(reason="failed").inc((len(keys) - written) * ps)
@@ -378,7 +401,6 @@ class BufferModePipeline:
         await asyncio.gather(*(h.done() for h in self._copies),
                              *(asyncio.shield(t) for t in self._writes), return_exceptions=True)
 
-    # ------------------------------------------------------------------ lifecycle
     # ------------------------------------------------------------------ reads (delegated)
     async def prefetch_request(self, req: CacheRequest, policy: str | None) -> int:
         """Fetch ``req``'s stored pages into a bounce parked for it; returns the tokens."""
@@ -412,7 +434,7 @@ class BufferModePipeline:
                 self._metric_intent("dropped", self._drop(nid).num_tokens)
             if self._copies or self._writes:
                 await self._wait_in_flight()
-            self.cache.tree.set_storage_intents(False)
+            self._t.tree.set_storage_intents(False)
             unlisten(self.backend, self.existence)
 
     def check(self) -> None:

@@ -5,10 +5,10 @@ slots owned by the operation (a *bounce*), waiting in FIFO order when the read b
 pool has no room. The bounce is parked for the request; its load-back copies it to the device
 layer by layer, inserts the loaded prefix into the tree like computed KV, and frees the bounce
 when the copy lands. Read bounces may hold up to 90 % of the host pool minus the staging of
-writes in flight (:mod:`asynccache.buffer_mode`).
+writes in flight (:mod:`asynccache.buffer.pipeline`).
 
 FULL+SWA caches: the bounce also holds, in the host SWA pool, the ``.swa`` pages of the
-trailing window of what was fetched (:mod:`asynccache.buffer_swa`). The prefetch is all or
+trailing window of what was fetched (:mod:`asynccache.buffer.swa`). The prefetch is all or
 nothing per window: when a window page is missing it falls back to the longest shorter prefix
 whose window is whole (if still above the prefetch threshold, else a miss). The load-back
 gives the whole prefix FULL slots and only the window fresh SWA slots, copies both, and
@@ -21,22 +21,30 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
-from asynccache.errors import ConfigError, PoolExhaustedError
-from asynccache.hostpages import read_pages
-from asynccache.l3 import BATCH_PAGES, PREFETCH_POLICIES
+from asynccache.buffer.swa import SWABuffer
+from asynccache.engine import Tiering, stop_and_wait
+from asynccache.errors import PoolExhaustedError
+from asynccache.l3 import (
+    StorageExistenceCache,
+    StoragePolicy,
+    admission,
+    await_stop,
+    floor_pages,
+    pages_to_read,
+    prefetch_span,
+    read_run,
+    stop_policy,
+    stored_prefix,
+)
 from asynccache.logs import get_logger
-from asynccache.tasks import stop_and_wait
+from asynccache.request import CacheRequest
 from asynccache.transfers.handles import CopyHandle
 from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LockReceipt, RadixKey
-
-if TYPE_CHECKING:
-    from asynccache.buffer_mode import BufferModePipeline
-    from asynccache.requests import CacheRequest
 
 _log = get_logger("buffer_reads")
 
@@ -74,14 +82,29 @@ class _Staged:
     swa_slots: np.ndarray | None = None  # the SWA of the last len(swa_slots) tokens
 
 
+class Pipeline(Protocol):
+    """What the reads share with their pipeline (:mod:`asynccache.buffer.pipeline`): the
+    policy (replaced when the backend is attached again), the backend and the beliefs of what
+    it stores, the write staging (it shares the host budget) and the SWA side."""
+
+    policy: StoragePolicy
+    backend: Any
+    existence: StorageExistenceCache
+    write_staged: int
+    swa: SWABuffer | None
+
+
 class StagedReads:
     """Prefetches into parked host bounces and their load-backs, for one pipeline."""
 
-    def __init__(self, pipeline: BufferModePipeline) -> None:
+    def __init__(self, pipeline: Pipeline, tiering: Tiering) -> None:
         self.pipeline = pipeline
-        self.cache = pipeline.cache
-        self._host = pipeline.host
-        self._ps = self.cache.page_size
+        self._t = tiering
+        self._parts = tiering.parts
+        host = tiering.parts.host_pool
+        assert host is not None
+        self._host = host
+        self._ps = tiering.page_size
         self.load_limit = int(self._host.num_slots * LOAD_SHARE)
         self.occupied = 0  # host tokens held by read bounces (fetching, parked, loading)
         self.closed = False
@@ -112,10 +135,7 @@ class StagedReads:
         """Fetch ``req``'s stored pages past its device prefix into a bounce parked for it.
 
         Returns the tokens fetched (parked until :meth:`load_staged`)."""
-        policy = policy or self.pipeline.policy.prefetch_policy
-        if policy not in PREFETCH_POLICIES:
-            raise ConfigError(f"unknown prefetch policy {policy!r}; choose one of "
-                              f"{list(PREFETCH_POLICIES)}")
+        stop = stop_policy(policy, self.pipeline.policy)
         if req in self._staged or self.closed:
             return 0
         op = self._start_fetch(req)
@@ -124,31 +144,23 @@ class StagedReads:
         task = op.task
         assert task is not None
         try:
-            if policy == "wait_complete":
-                await asyncio.wait({task})
-            elif policy == "timeout":
-                left = self.pipeline.policy.timeout_s(op.requested_tokens) - (
-                    time.perf_counter() - op.started)
-                if left > 0:
-                    await asyncio.wait({task}, timeout=left)
+            await await_stop(task, stop, self.pipeline.policy, op.requested_tokens, op.started)
         except BaseException:
             await self._end_fetch(op, None)
             raise
         return await self._end_fetch(op, req)
 
     def _start_fetch(self, req: CacheRequest) -> BufferFetch | None:
-        cache = self.cache
         ps = self._ps
-        outcomes = cache.metrics.prefetch_outcomes
+        outcomes = self._parts.metrics.prefetch_outcomes
         start = req.prefix_len
-        n = len(req.key) - len(req.key) % ps - start
-        if n <= 0 or n < max(self.pipeline.policy.prefetch_threshold, ps):
-            outcomes.labels(outcome="declined_too_short").inc()
+        n = prefetch_span(len(req.key), start, ps)
+        declined = admission(self.pipeline.policy, ps, n, self.occupied,
+                             self.load_limit - self.pipeline.write_staged)
+        if declined is not None:
+            outcomes.labels(outcome=declined).inc()
             return None
-        if self.occupied >= self.load_limit - self.pipeline.write_staged:
-            outcomes.labels(outcome="declined_rate_limited").inc()
-            return None
-        keys = cache.tree.chain_keys(req.last_node, req.key, start)
+        keys = self._t.tree.chain_keys(req.last_node, req.key, start)
         op = BufferFetch(key=req.key, start=start, requested_tokens=n, keys=keys,
                          started=time.perf_counter())
         self._fetches.add(op)
@@ -158,45 +170,39 @@ class StagedReads:
 
     async def _fetch(self, op: BufferFetch) -> None:
         ps = self._ps
-        metrics = self.cache.metrics
-        hit = 0
-        for i in range(0, len(op.keys), BATCH_PAGES):
-            batch = op.keys[i : i + BATCH_PAGES]
-            found = await self.pipeline.backend.exists_prefix(batch)
-            hit += found
-            if found < len(batch):
-                break
+        metrics = self._parts.metrics
+        policy = self.pipeline.policy
+        backend = self.pipeline.backend
+        existence = self.pipeline.existence
+        hit = await stored_prefix(backend, op.keys)
         # The backend's answer is evidence: believe the found pages, forget the rest.
         if hit < len(op.keys):
-            self.pipeline.existence.invalidate_beyond(op.keys, hit)
-        self.pipeline.existence.add(op.keys[:hit])
+            existence.invalidate_beyond(op.keys, hit)
+        existence.add(op.keys[:hit])
         op.hit_tokens = hit * ps
         metrics.storage_hit_tokens.inc(hit * ps)
         metrics.storage_miss_tokens.inc(op.requested_tokens - hit * ps)
-        want = min(hit, self.load_limit // ps)
-        min_pages = -(-max(self.pipeline.policy.prefetch_threshold, ps) // ps)
-        if self.swa is not None and want >= min_pages:
-            want = await self.swa.usable_pages(op.keys, want, min_pages)
-        if want < min_pages:
-            op.outcome = "revoked_insufficient"
+        # (A hit the read budget cuts below the threshold is insufficient here.)
+        want, revoked = pages_to_read(policy, ps, min(hit, self.load_limit // ps))
+        min_pages = floor_pages(policy, ps)
+        if revoked is None and self.swa is not None:
+            want, revoked = pages_to_read(
+                policy, ps, await self.swa.usable_pages(op.keys, want, min_pages))
+        if revoked is not None:
+            op.outcome = revoked
             return
         op.want_pages = want
         await self._staging_for(op)
         host = op.host_slots
         assert host is not None
-        t0 = time.perf_counter()
-        for i in range(0, want, BATCH_PAGES):
-            keys = op.keys[i : min(want, i + BATCH_PAGES)]
-            slots = host[i * ps : (i + len(keys)) * ps]
-            good = await read_pages(self.pipeline.backend, self._host, keys, slots)
+
+        def landed(_first: int, good: int) -> None:
             op.completed_tokens += good * ps
-            if good < len(keys):
-                self.pipeline.existence.invalidate_beyond(op.keys, i + good)
-                break
-        dt = time.perf_counter() - t0
-        if op.completed_tokens and dt > 0:
-            metrics.prefetch_bandwidth.observe(
-                op.completed_tokens // ps * self._host.page_bytes / dt)
+
+        got = await read_run(backend, self._host, op.keys[:want], host, landed=landed,
+                             bandwidth=metrics.prefetch_bandwidth)
+        if got < want:  # missing, corrupt or unreadable from there on
+            existence.invalidate_beyond(op.keys, got)
         if self.swa is not None and op.completed_tokens:
             assert op.swa_slots is not None
             pages = await self.swa.fetch_window(op.keys, op.completed_tokens // ps, min_pages,
@@ -216,7 +222,7 @@ class StagedReads:
             swa = self.swa.take(min(num_tokens, self.swa.window_span), read=True)
             if swa is None:
                 return False
-        slots = self.cache.take_host(num_tokens, evict=False)
+        slots = self._t.take_host(num_tokens, evict=False)
         if slots is None:
             if self.swa is not None:
                 self.swa.give(swa, read=True)
@@ -232,7 +238,7 @@ class StagedReads:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         op.parked = fut
         self._parked.append(op)
-        self.cache.metrics.buffer_parked_prefetches.inc()
+        self._parts.metrics.buffer_parked_prefetches.inc()
         _log.debug("prefetch_parked", tokens=op.want_pages * self._ps, queue=len(self._parked))
         try:
             await fut
@@ -257,7 +263,7 @@ class StagedReads:
 
     def _free_bounce(self, slots: np.ndarray) -> None:
         if len(slots):
-            self.cache.free_host(slots)
+            self._t.free_host(slots)
             self.occupied -= len(slots)
             self.wake_parked()
 
@@ -292,7 +298,8 @@ class StagedReads:
                     op.key, op.start, host[:done],
                     swa[:keep_swa] if swa is not None else None)
                 req.host_hit_length += done  # type: ignore[union-attr]
-        outcomes = self.cache.metrics.prefetch_outcomes
+        metrics = self._parts.metrics
+        outcomes = metrics.prefetch_outcomes
         if req is None or cancelled:
             outcomes.labels(outcome="aborted").inc()
         elif op.outcome == "issued":
@@ -300,7 +307,7 @@ class StagedReads:
             outcomes.labels(outcome=op.outcome).inc()
         else:
             outcomes.labels(outcome=op.outcome).inc()
-        self.cache.metrics.prefetched_tokens.inc(done)
+        metrics.prefetched_tokens.inc(done)
         if cancelled:
             raise asyncio.CancelledError
         return done
@@ -325,12 +332,12 @@ class StagedReads:
             return 0
         bounce: np.ndarray | None = None
         swa: np.ndarray | None = staged.swa_slots
-        cache = self.cache
+        t = self._t
         try:
             bounce = staged.host_slots
             skip = req.prefix_len - staged.start  # grown meanwhile: those pages are cached
             n = len(bounce) - skip
-            if skip < 0 or n <= 0 or n < cache.config.load_back_threshold or (
+            if skip < 0 or n <= 0 or n < self._parts.config.load_back_threshold or (
                     mem_quota is not None and n > mem_quota):
                 return 0
             self._free_bounce(bounce[:skip])
@@ -342,19 +349,18 @@ class StagedReads:
                 self._free_swa(swa[: len(swa) - w])
                 swa = swa[len(swa) - w :]
             prefix = req.slots[: req.prefix_len]
-            pin = cache.tree.lock(req.last_node)
+            pin = t.tree.lock(req.last_node)
             try:
-                if self.swa is not None:
-                    slots = await self.swa.alloc_device(n, w)
-                else:
-                    slots = await cache.alloc_device(n)
+                self._parts.life.check_open()
+                # FULL slots for all; FULL+SWA: fresh SWA pairs for the window only
+                slots = await t.alloc(n, w if self.swa is not None else None)
             except PoolExhaustedError:
-                cache.tree.unlock(pin)
+                t.tree.unlock(pin)
                 return 0
             except BaseException:
-                cache.tree.unlock(pin)
+                t.tree.unlock(pin)
                 raise
-            handle: CopyHandle = cache.engine_submit_h2d(bounce, slots)
+            handle: CopyHandle = t.submit_h2d(bounce, slots)
             if self.swa is not None and w:
                 assert swa is not None
                 swa_dev = self.swa.device_slots(slots[n - w :])
@@ -378,29 +384,29 @@ class StagedReads:
     def _loaded(self, handle: CopyHandle, key: RadixKey, prefix: np.ndarray, slots: np.ndarray,
                 bounce: np.ndarray, swa: np.ndarray | None, floor: int, pin: LockReceipt,
                 outcome: list[int]) -> None:
-        cache = self.cache
+        t = self._t
         self._loads.discard(handle)
         try:
             result = handle.result()
         except Exception as exc:
             _log.warning("buffer_load_failed", tokens=len(slots), error=repr(exc))
-            cache.free_device(slots)
+            t.free(slots)
             outcome.append(0)
         else:
-            if cache._state == "running":
-                extra = {"swa_evicted_seqlen": floor} if self.swa is not None else {}
-                cache.insert(key, np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
-                             **extra)
+            if self._parts.life.running:
+                # (FULL-only caches: no SWA floor, the engine ignores it)
+                t.insert(key, np.concatenate([prefix, slots]), prev_prefix_len=len(prefix),
+                         swa_evicted_seqlen=floor if self.swa is not None else 0)
                 outcome.append(len(slots))
             else:  # closing: nothing may join the tree any more
-                cache.free_device(slots)
+                t.free(slots)
                 outcome.append(0)
-            m = cache.metrics
+            m = self._parts.metrics
             m.load_back_tokens.inc(result.num_tokens)
             m.load_back_bytes.inc(result.num_bytes)
             m.load_back_duration.observe(result.duration_s)
         finally:
-            cache.tree.unlock(pin)
+            t.tree.unlock(pin)
             self._free_bounce(bounce)
             self._free_swa(swa)
 
