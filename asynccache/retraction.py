@@ -58,13 +58,7 @@ class Retraction:
         self._tier = tiering.parts.hybrid_tier
 
     async def retract(self, req: CacheRequest) -> RetractedKV:
-        """Copy ``req``'s KV to host and free its device slots and locks.
-
-        Hybrid caches also copy the SWA KV of its last window and its own Mamba state, and free
-        them on the device. Raises :class:`PoolExhaustedError` naming every host pool that
-        cannot hold its part even after evicting host-only leaves (the request is then
-        unchanged: all or nothing).
-        """
+        """Copy ``req``'s KV to host and free its device slots and locks."""
         self._check_retraction(req)
         if req.retracted is not None:
             raise InvalidInputError(f"request {req.rid} is already retracted")
@@ -115,14 +109,7 @@ class Retraction:
         return backup
 
     async def restore(self, req: CacheRequest) -> None:
-        """Copy ``req``'s retracted KV into fresh device slots; the request continues from there.
-
-        The restored slots all belong to the request (a later ``cache_finished_req`` inserts
-        them and frees duplicates of what the tree meanwhile holds). Hybrid caches: the tokens
-        from the backup's ``swa_from`` get FULL+SWA pairs with their SWA KV, those below it
-        FULL slots only (``req.swa_evicted`` becomes ``swa_from``), and the request gets a fresh
-        Mamba state holding its backed-up one.
-        """
+        """Copy ``req``'s retracted KV into fresh device slots; the request continues from there."""
         self._check_retraction(req)
         backup = req.retracted
         if backup is None or backup.state != "held":

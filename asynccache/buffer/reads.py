@@ -33,6 +33,7 @@ from asynccache.l3 import (
     StoragePolicy,
     admission,
     await_stop,
+    final_outcome,
     floor_pages,
     pages_to_read,
     prefetch_span,
@@ -300,13 +301,12 @@ class StagedReads:
                 req.host_hit_length += done  # type: ignore[union-attr]
         metrics = self._parts.metrics
         outcomes = metrics.prefetch_outcomes
-        if req is None or cancelled:
-            outcomes.labels(outcome="aborted").inc()
-        elif op.outcome == "issued":
-            op.outcome = "completed" if host is not None and done == len(host) else "partial"
-            outcomes.labels(outcome=op.outcome).inc()
-        else:
-            outcomes.labels(outcome=op.outcome).inc()
+        kept = req is not None and not cancelled
+        label = final_outcome(op.outcome, inserted=kept,
+                              complete=host is not None and done == len(host))
+        if kept:
+            op.outcome = label
+        outcomes.labels(outcome=label).inc()
         metrics.prefetched_tokens.inc(done)
         if cancelled:
             raise asyncio.CancelledError

@@ -108,13 +108,7 @@ class LoadBacks:
         self.tree.unlock_host(pins[1])
 
     def begin_load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
-        """Start loading ``match``'s host hit into device memory; returns None when skipped.
-
-        Skipped when there is no host hit, when it is shorter than ``load_back_threshold``, when
-        it exceeds ``mem_quota`` tokens, when it is already being loaded (``pending_loads``) or
-        when the device cannot make room without waiting. The copy runs layer by layer:
-        ``await lb.layer(i)`` before reading layer ``i``.
-        """
+        """Start loading ``match``'s host hit into device memory; returns None when skipped."""
         n = self.load_size(match, mem_quota)
         if not n:
             return None
@@ -236,10 +230,7 @@ class LoadBacks:
         self._p.metrics.load_back_duration.observe(result.duration_s)
 
     async def load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
-        """Load ``match``'s host hit and wait for it; the result holds a lock on the prefix.
-
-        Cancelling the caller leaves no lock behind: the copy still completes and commits.
-        """
+        """Load ``match``'s host hit and wait for it; the result holds a lock on the prefix."""
         n = self.load_size(match, mem_quota)
         if not n:
             return None

@@ -156,3 +156,14 @@ def may_stop(stop: str, policy: StoragePolicy, requested_tokens: int, elapsed_s:
         return True
     after = stop_after_s(stop, policy, requested_tokens)
     return after is not None and not elapsed_s < after
+
+
+def final_outcome(outcome: str, *, inserted: bool, complete: bool) -> str:
+    """The outcome a finished prefetch is counted under: ``aborted`` when nothing of it is
+    kept, the one it already has when it ended early (revoked, failed...), else ``completed``
+    (every requested page arrived) or ``partial``."""
+    if not inserted:
+        return "aborted"
+    if outcome == "issued":
+        return "completed" if complete else "partial"
+    return outcome

@@ -34,6 +34,7 @@ from asynccache.l3.pages import BATCH_PAGES, page_buffers, read_run, stored_pref
 from asynccache.l3.policy import (
     StoragePolicy,
     admission,
+    final_outcome,
     floor_pages,
     may_stop,
     pages_to_read,
@@ -527,14 +528,11 @@ class StorageTier:
         t.tree.unlock_host(op.pin)
         metrics = self._parts.metrics
         outcomes = metrics.prefetch_outcomes
-        if not insert:
-            outcomes.labels(outcome="aborted").inc()
-        elif op.outcome == "issued":
-            full = host is not None and done == len(host)
-            op.outcome = "completed" if full else "partial"
-            outcomes.labels(outcome=op.outcome).inc()
-        else:
-            outcomes.labels(outcome=op.outcome).inc()
+        label = final_outcome(op.outcome, inserted=insert,
+                              complete=host is not None and done == len(host))
+        if insert:
+            op.outcome = label
+        outcomes.labels(outcome=label).inc()
         metrics.prefetched_tokens.inc(taken)
         if cancelled:
             raise asyncio.CancelledError
