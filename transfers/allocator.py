@@ -51,6 +51,11 @@ def _count(value: object, name: str) -> int:
     return n
 
 
+# pages_of at page_size 1: up to this many slots, a table gather and a byte comparison check
+# the range faster than a reduction (measured: 0.6 vs 0.9 us at 256 slots, 4.0 vs 1.2 at 4096).
+_GATHER_MAX = 512
+
+
 class PageAllocator:
     """Allocates whole pages of ``page_size`` slots out of ``num_slots`` slots.
 
@@ -170,7 +175,8 @@ class PageAllocator:
         arr = as_slot_array(pages, name="pages")
         if arr.shape[0] == 0:
             return
-        if int(arr.min()) < 0 or int(arr.max()) >= self._num_pages:
+        # One reduction checks both ends: a negative id is a huge unsigned one.
+        if int(arr.view(np.uint64).max()) >= self._num_pages:
             bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
             raise InvalidInputError(f"page {bad} out of range [0, {self._num_pages})")
         self._free_pages(arr)
@@ -184,15 +190,16 @@ class PageAllocator:
             raise DoubleFreeError(
                 f"slot {bad * ps} (page {bad}) is not currently allocated; nothing was freed"
             )
-        order = self._arange[:n]
-        stamp = self._stamp
-        stamp[pages] = order
-        seen = stamp[pages]
-        if seen.tobytes() != order.tobytes():
-            bad = int(pages[int(np.flatnonzero(seen != order)[0])])
-            raise DoubleFreeError(
-                f"slot {bad * ps} (page {bad}) appears twice in one free; nothing was freed"
-            )
+        if n > 1:  # a page twice in one request: the later position wins the stamp
+            order = self._arange[:n]
+            stamp = self._stamp
+            stamp[pages] = order
+            seen = stamp[pages]
+            if seen.tobytes() != order.tobytes():
+                bad = int(pages[int(np.flatnonzero(seen != order)[0])])
+                raise DoubleFreeError(
+                    f"slot {bad * ps} (page {bad}) appears twice in one free; nothing was freed"
+                )
         self._allocated[pages] = 0
         top = self._top
         self._stack[top : top + n] = pages[::-1]
@@ -213,6 +220,13 @@ class PageAllocator:
         if n % ps:
             raise InvalidInputError(f"{name} has {n} slots, not a multiple of page_size={ps}")
         if ps == 1:
+            # Every int64 is a whole page of one slot: only the range needs checking. Large
+            # requests check it with one reduction (a negative slot is a huge unsigned one);
+            # small ones with the gather below, cheaper than a reduction's fixed cost.
+            if n > _GATHER_MAX:
+                if int(slots.view(np.uint64).max()) >= self._num_pages:
+                    self._raise_bad_slots(slots, name)
+                return slots
             pages = slots
         elif self._shift >= 0:
             pages = slots[::ps] >> self._shift
