@@ -139,6 +139,23 @@ def test_pages_of_and_page_size_one() -> None:
     assert b.pages_of(np.array([6, 7, 8, 0, 1, 2])).tolist() == [2, 0]
 
 
+@pytest.mark.parametrize("bad", [-1, 4096, -(1 << 62)])
+@pytest.mark.parametrize("n", [8, 2048])  # both sides of the page-size-1 range check's switch
+def test_page_size_one_range_check_large_and_small(bad: int, n: int) -> None:
+    a = PageAllocator(4096, 1)
+    x = a.alloc(n)
+    assert x is not None
+    slots = x.copy()
+    slots[n // 2] = bad
+    with pytest.raises(InvalidInputError, match=f"slot {bad}, out of range"):
+        a.free(slots)
+    with pytest.raises(InvalidInputError, match="out of range"):
+        a.free_pages(slots)
+    assert a.used_size == n
+    a.free(x)
+    a.check_invariants()
+
+
 def test_reset() -> None:
     a = PageAllocator(16, 4)
     a.alloc(12)
