@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
 
@@ -46,7 +57,7 @@ class CacheMetrics:
         self.prefetch_component_fallback_tokens = Counter(
             "asynccache_prefetch_component_fallback_tokens",
             "KV tokens a hybrid prefetch gave up because the SWA pages / Mamba state to restore "
-            "them were not stored, did not arrive or had no host memory (asynccache/l3_hybrid.py)",
+            "them were not stored, did not arrive or had no host memory (asynccache/l3/hybrid.py)",
             ["reason"], registry=r,
         )
         for reason in ("not_stored", "host_memory", "stopped", "fault"):
@@ -102,3 +113,53 @@ class CacheMetrics:
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class _Labelled(Collector):
+    """Several caches' registries as one, each sample labelled ``cache=<name>``."""
+
+    def __init__(self, named: dict[str, CollectorRegistry]) -> None:
+        self._named = named
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for name, registry in self._named.items():
+            for metric in registry.collect():
+                out = merged.get(metric.name)
+                if out is None:
+                    out = merged[metric.name] = Metric(metric.name, metric.documentation,
+                                                       metric.type, metric.unit)
+                for sample in metric.samples:
+                    out.samples.append(sample._replace(labels={**sample.labels, "cache": name}))
+        yield from merged.values()
+
+
+class MetricsServer:
+    """Prometheus metrics served over HTTP (``GET /metrics``) from a background thread; see
+    :func:`serve_metrics`."""
+
+    def __init__(self, registry: Collector, port: int, addr: str) -> None:
+        self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        self.addr = addr
+        self.port: int = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def serve_metrics(metrics: CacheMetrics | Iterable[CacheMetrics], *, port: int = 0,
+                  addr: str = "127.0.0.1") -> MetricsServer:
+    """Serve one cache's metrics (or several caches', each sample labelled ``cache="<i>"``)
+    at ``http://addr:port/metrics`` until ``close()``; ``port=0`` picks a free port
+    (``server.port``). Binds loopback unless told otherwise."""
+    if isinstance(metrics, CacheMetrics):
+        return MetricsServer(metrics.registry, port, addr)
+    registry = CollectorRegistry()
+    registry.register(_Labelled({str(i): m.registry for i, m in enumerate(metrics)}))
+    return MetricsServer(registry, port, addr)

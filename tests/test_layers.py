@@ -23,10 +23,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("asynccache.engine",),
     ("asynccache.ranks",),
     ("asynccache.tree", "asynccache.transfers", "asynccache.storage", "asynccache.config",
-     "asynccache.errors", "asynccache.logs", "asynccache.metrics", "asynccache.kvevents"),
+     "asynccache.errors", "asynccache.logs", "asynccache.metrics", "asynccache.kvevents",
+     "asynccache.eventpub"),
 ]
 # Clients of the cache, not part of its layers.
-CLIENTS = ("asynccache.replay", "asynccache.testing", "asynccache.cli", "asynccache.__main__")
+CLIENTS = ("asynccache.replay", "asynccache.testing", "asynccache.cli", "asynccache.__main__",
+           "asynccache.integrations")
 # Synchronous modules: no event loop in them (their callers never await them).
 SYNC = ("asynccache.tree", "asynccache.engine.ledger", "asynccache.engine.slots",
         "asynccache.engine.effects", "asynccache.engine.parts", "asynccache.engine.hybrid_slots",

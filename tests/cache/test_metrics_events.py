@@ -163,16 +163,19 @@ async def test_kv_events_msgpack_round_trip(make_cache, kit):
         assert type(a) is type(b)
         if hasattr(b, "medium"):
             assert a.medium is b.medium
-    # The documented wire shape: [ts, [[tag, ...fields], ...], rank].
+    # The documented wire shape: [ts, [tagged map, ...], rank]; None optionals left out.
     raw = msgpack.unpackb(data, raw=False)
     assert raw[0] == 1234.5 and raw[2] == 3
     stored = next(e for e in events if isinstance(e, BlockStored) and e.cache_salt == "s1")
-    wire = next(w for w in raw[1] if w[0] == "BlockStored" and w[7] == "s1")
-    assert wire == ["BlockStored", stored.block_hashes, stored.parent_block_hash,
-                    stored.token_ids, 2, None, "GPU", "s1", None, "lora-a"]
-    assert ["AllBlocksCleared"] in raw[1]
-    removed = next(w for w in raw[1] if w[0] == "BlockRemoved")
-    assert len(removed) == 3 and removed[2] in ("GPU", "CPU_PINNED")
+    wire = next(w for w in raw[1] if w["type"] == "BlockStored" and w.get("cache_salt") == "s1")
+    assert wire == {"type": "BlockStored", "block_hashes": stored.block_hashes,
+                    "parent_block_hash": stored.parent_block_hash,
+                    "token_ids": stored.token_ids, "block_size": 2, "lora_id": None,
+                    "medium": "GPU", "cache_salt": "s1", "lora_name": "lora-a"}
+    assert {"type": "AllBlocksCleared"} in raw[1]
+    removed = next(w for w in raw[1] if w["type"] == "BlockRemoved")
+    assert set(removed) == {"type", "block_hashes", "medium"}
+    assert removed["medium"] in ("GPU", "CPU_PINNED")
 
 
 def test_encode_batch_edge_cases():
@@ -187,4 +190,39 @@ def test_encode_batch_edge_cases():
     with pytest.raises(TypeError):
         event_to_wire("BlockStored")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Bogus"):
-        event_from_wire(["Bogus"])
+        event_from_wire({"type": "Bogus"})
+    with pytest.raises(ValueError, match="tagged map"):
+        event_from_wire(["BlockRemoved", [5], "GPU"])  # type: ignore[arg-type]
+
+
+def _sglang_kv_events():
+    """SGLang's own event classes (the real package, installed CPU-only by
+    scripts/install_sglang_cpu.sh); skipped with the reason when it cannot be imported."""
+    try:
+        from sglang.srt.disaggregation import kv_events
+    except Exception as exc:  # not installed, or a dependency of its import chain is missing
+        pytest.skip(f"SGLang's kv_events does not import here ({exc!r}); "
+                    "run scripts/install_sglang_cpu.sh")
+    return kv_events
+
+
+async def test_sglang_decodes_our_events_field_by_field(make_cache, kit):
+    sg = _sglang_kv_events()
+    import msgspec
+
+    events = await _event_flow(make_cache, kit)
+    data = encode_batch(events, ts=99.5, attn_dp_rank=2)
+    batch = msgspec.msgpack.decode(data, type=sg.KVEventBatch)
+    assert (batch.ts, batch.attn_dp_rank, len(batch.events)) == (99.5, 2, len(events))
+    fields = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                              "lora_id", "cache_salt", "session_id", "lora_name"),
+              "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
+    for theirs, ours in zip(batch.events, events, strict=True):
+        name = type(ours).__name__
+        assert type(theirs).__name__ == name
+        for f in fields[name]:
+            assert getattr(theirs, f) == getattr(ours, f), (name, f)
+        if name != "AllBlocksCleared":
+            assert theirs.medium == ours.medium.value
+    # and back: SGLang's encoder's bytes decode to the same events here
+    assert decode_batch(msgspec.msgpack.encode(batch)) == (99.5, events, 2)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install the real SGLang package (the reference system) CPU-only, for the integration tests
+# that decode our KV events with SGLang's own classes. Its wheel pins a CUDA torch and GPU-only
+# kernels, so it goes in without its dependencies, followed by the ones its imported modules
+# need (all from PyPI; torch stays this machine's build, pinned by constraints.txt).
+# Exits non-zero when the import still fails afterwards; .ci/run runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --quiet --no-deps "sglang==0.5.23"
+python3 -m pip install --quiet -c constraints.txt \
+    msgspec pyzmq psutil pybase64 triton starlette aiohttp pydantic 2>&1 \
+    | grep -v "requires torch==" || true
+python3 -c "from sglang.srt.disaggregation.kv_events import KVEventBatch" \
+    || { echo "install_sglang_cpu: SGLang's kv_events still does not import" >&2; exit 1; }
+echo "install_sglang_cpu: sglang 0.5.23 imports (CPU)"

@@ -1,0 +1,111 @@
+"""KV events over ZMQ (SGLang's / vLLM's PUB + replay protocol) and metrics over HTTP, with
+real sockets on 127.0.0.1 and a real scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+
+from asynccache.errors import ConfigError
+from asynccache.eventpub import END_SEQ, KVEventPublisher
+from asynccache.kvevents import decode_batch
+from asynccache.metrics import serve_metrics
+from asynccache.tree import BlockStored, Medium
+
+pytest.importorskip("zmq", reason="pyzmq (asynccache[events]) is not installed")
+import zmq
+import zmq.asyncio
+
+
+async def _serve_some(cache, kit, prompts):
+    model = kit.KVModel.of(cache)
+    for tokens in prompts:
+        await kit.serve(cache, model, tokens)
+
+
+async def test_subscriber_gets_live_batches_and_a_late_one_replays_them(make_cache, kit):
+    cache = await make_cache(page_size=2, enable_kv_events=True)
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+                                    topic="kv", attn_dp_rank=1) as pub:
+            sub.connect(pub.endpoint)
+            # A PUB drops what it sends before the subscription arrives (ZMQ's slow joiner):
+            # publish until the subscriber sees a batch, then every later one arrives in order.
+            got = None
+            for step in range(200):
+                await _serve_some(cache, kit, [[step * 10 + 1, step * 10 + 2, 7, 8]])
+                pub.publish_from(cache)
+                if await sub.poll(50):
+                    got = await sub.recv_multipart()
+                    break
+            assert got is not None, "the subscriber never received a batch"
+            topic, seq_bytes, payload = got
+            first = int.from_bytes(seq_bytes, "big")
+            assert topic == b"kv" and first == step
+            _ts, events, rank = decode_batch(payload)
+            assert rank == 1 and all(isinstance(e, BlockStored) for e in events)
+            assert events[0].token_ids == [step * 10 + 1, step * 10 + 2, 7, 8]
+            for more in range(3):
+                await _serve_some(cache, kit, [[900 + more, 2, 3, 4]])
+                assert pub.publish_from(cache) == first + 1 + more
+                _topic, s, p = await asyncio.wait_for(sub.recv_multipart(), kit.TIMEOUT)
+                assert int.from_bytes(s, "big") == first + 1 + more
+                assert decode_batch(p)[1][0].token_ids == [900 + more, 2, 3, 4]
+            assert pub.publish_from(cache) is None  # nothing new: nothing sent
+
+            # A subscriber that joined late asks the replay socket for everything from seq 0.
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(pub.replay_endpoint)
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), kit.TIMEOUT)
+                assert frames[0] == b""
+                if frames[2] == END_SEQ:
+                    break
+                assert frames[1] == b"kv"
+                seqs.append(int.from_bytes(frames[2], "big"))
+                decode_batch(frames[3])
+            assert seqs == list(range(first + 4))
+            dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+async def test_publisher_needs_start_and_a_sane_buffer():
+    with pytest.raises(ConfigError, match="buffer_steps"):
+        KVEventPublisher("tcp://127.0.0.1:0", buffer_steps=0)
+    pub = KVEventPublisher("tcp://127.0.0.1:0")
+    with pytest.raises(ConfigError, match="not started"):
+        pub.publish([BlockStored([1], None, [1], 1, medium=Medium.GPU)])
+
+
+async def test_metrics_are_scraped_over_http(make_cache, kit):
+    a = await make_cache()
+    b = await make_cache()
+    await _serve_some(a, kit, [[1, 2, 3, 4], [1, 2, 3, 4]])
+    await _serve_some(b, kit, [[5, 6, 7, 8]])
+    want_a = a.metrics.registry.get_sample_value("asynccache_hit_tokens_total")
+    assert want_a == 4.0
+    server = serve_metrics(a.metrics)
+    try:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(server.url, timeout=10)
+                                       .read().decode())
+    finally:
+        server.close()
+    assert "asynccache_hit_tokens_total 4.0" in text.splitlines()
+    server = serve_metrics([a.metrics, b.metrics])
+    try:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(server.url, timeout=10)
+                                       .read().decode())
+    finally:
+        server.close()
+    lines = text.splitlines()
+    assert 'asynccache_hit_tokens_total{cache="0"} 4.0' in lines
+    assert 'asynccache_hit_tokens_total{cache="1"} 0.0' in lines
