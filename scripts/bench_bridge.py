@@ -18,6 +18,12 @@ the whole engine path, a one-page ``submit_h2d`` awaited (submit -> issuer -> co
 event -> completer -> bridge -> coroutine). Both as medians against the bare round trip
 (target: the event path <= 2x).
 
+Hand-off (``--handoff``): bursts of 1, 8 and 32 one-page copies submitted in one loop
+iteration and awaited together, through the engine as it is (the iteration's first copy handed
+to the worker at once, the rest as one batch at the iteration's end) and with a hand-off per
+submit (the engine's flush called after each submit, as before batching); per copy wall time,
+the loop's time per submit call and the batched / per-submit ratio, interleaved.
+
 Prints one JSON object (``--jsonl PATH`` also appends each section as one JSON line as it is
 measured). ``--quick`` runs a few seconds.
 """
@@ -233,6 +239,66 @@ async def event_latency(samples: int, device: str) -> dict[str, Any]:
     }
 
 
+async def handoff(samples: int, bursts: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+    """The copy engine's hand-off: ``k`` one-page ``submit_h2d`` calls made back to back in one
+    loop iteration, then awaited together. ``batched``: as the engine does it (the iteration's
+    copies reach the worker as one batch, one wake-up); ``per_submit``: each copy handed over
+    as it is submitted (the engine's flush called after every submit: the hand-off before
+    batching). Reports the median wall time per copy and the submitting loop's own time per
+    submit, per burst size and way, all interleaved so every case sees the same machine."""
+    import numpy as np
+
+    from asynccache.transfers.engine import CopyEngine
+    from asynccache.transfers.pools import DevicePool, HostPool, KVShape
+
+    shape = KVShape(2, 2, 64, "fp16")
+    kmax = max(bursts)
+    pool_dev = DevicePool(shape, 16 * kmax, 16, device="cpu")
+    pool_host = HostPool(shape, 16 * kmax, 16)
+    pages = [np.arange(16 * i, 16 * (i + 1)) for i in range(kmax)]
+    ways = ("batched", "per_submit")
+    per_copy: dict[tuple[str, int], list[float]] = {(w, k): [] for w in ways for k in bursts}
+    submit: dict[tuple[str, int], list[float]] = {(w, k): [] for w in ways for k in bursts}
+    async with CopyEngine(pool_dev, pool_host) as engine:
+
+        async def one(way: str, k: int) -> None:
+            t = time.perf_counter()
+            futs = []
+            for i in range(k):
+                futs.append(engine.submit_h2d(pages[i], pages[i]))
+                if way == "per_submit":
+                    engine._flush()
+            t_sub = time.perf_counter() - t
+            for f in futs:
+                await f
+            per_copy[way, k].append((time.perf_counter() - t) / k)
+            submit[way, k].append(t_sub / k)
+
+        cases = [(w, k) for k in bursts for w in ways]
+        for _ in range(20):  # warm-up
+            for c in cases:
+                await one(*c)
+        for v in (*per_copy.values(), *submit.values()):
+            v.clear()
+        for i in range(samples):
+            for c in (cases if i % 2 else cases[::-1]):
+                await one(*c)
+
+    def med(d: dict[tuple[str, int], list[float]], way: str) -> dict[str, float]:
+        return {str(k): round(statistics.median(d[way, k]) * 1e6, 1) for k in bursts}
+
+    return {
+        "samples": samples,
+        "per_copy_us": {w: med(per_copy, w) for w in ways},
+        "submit_call_us": {w: med(submit, w) for w in ways},
+        "per_copy_ratio_batched_vs_per_submit": {
+            str(k): round(statistics.median(per_copy["batched", k])
+                          / statistics.median(per_copy["per_submit", k]), 3)
+            for k in bursts
+        },
+    }
+
+
 async def run(quick: bool) -> dict[str, Any]:
     tasks = 500 if quick else 1000
     rounds = 20 if quick else 100
@@ -265,6 +331,8 @@ def main() -> None:
     parser.add_argument("--events", action="store_true",
                         help="only the event-to-coroutine latency (see the module docstring)")
     parser.add_argument("--device", default="auto", help="--events: auto, cpu, cuda[:N]")
+    parser.add_argument("--handoff", action="store_true",
+                        help="only the copy engine's hand-off cost (one-page copies in bursts)")
     parser.add_argument("--jsonl", default=None, help="append each section to this file")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -276,6 +344,8 @@ def main() -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         result = {"events": asyncio.run(event_latency(300 if args.quick else 2000, device))}
+    elif args.handoff:
+        result = {"handoff": asyncio.run(handoff(300 if args.quick else 2000))}
     else:
         result = asyncio.run(run(args.quick))
     if args.jsonl:

@@ -148,6 +148,9 @@ class CopyEngine:
         self._in_flight = 0
         self._seq = 0
         self._pending: dict[int, Job] = {}  # in flight, oldest first
+        # Copies submitted in this loop iteration after its first, not handed over yet.
+        self._outbox: list[Job] = []
+        self._batching = False  # a flush is scheduled at the end of this iteration
         self._hazards = HostHazards(host_pool.num_pages)
         self._fence_pool: list[Any] = []  # CUDA events of retired fences, for reuse
         self._dead: TransferError | None = None
@@ -186,6 +189,7 @@ class CopyEngine:
         if self._state == "running":
             assert self._bridge is not None and self._worker is not None
             self._state = "closing"
+            self._flush()  # copies submitted in this iteration go before the stop
             self._drained = self._bridge.create_future()
             self._drained.add_done_callback(self._finish_close)
             if self._dead is not None:
@@ -435,8 +439,25 @@ class CopyEngine:
         fut.add_done_callback(_mark_retrieved)
         self._in_flight += 1
         self._pending[seq] = job
-        self._worker.submit(job)
+        if self._batching:
+            # A copy was handed over earlier in this loop iteration: this one waits for the
+            # iteration's end and goes with the others, one wake-up of the worker for all.
+            self._outbox.append(job)
+        else:
+            # The iteration's first copy starts at once (a lone copy waits for nothing, and
+            # a caller that runs other work before it awaits still overlaps with it).
+            self._batching = True
+            self._worker.submit_many([job])
+            bridge.loop.call_soon(self._flush)
         return job, src_slots, dst_slots
+
+    def _flush(self) -> None:
+        """End of the loop iteration: hand the copies submitted after its first one to the
+        worker as one batch."""
+        self._batching = False
+        jobs, self._outbox = self._outbox, []
+        if jobs and self._worker is not None:
+            self._worker.submit_many(jobs)
 
     def _job_done(self, op: str, seq: int, res: CopyResult | None,
                   err: BaseException | None) -> None:

@@ -182,7 +182,7 @@ class StagedWorker(WorkerBase):
     # ---------------------------------------------------------------- issuer
     def _issue_loop(self) -> None:
         while True:
-            item = self.jobs.get()
+            item = self.next_job()
             if isinstance(item, Stop):
                 self.issued.put(item)
                 return

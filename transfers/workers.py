@@ -20,6 +20,7 @@ it waits for the job's ``fences`` (the caller's ``after=``, or the compute strea
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
@@ -107,7 +108,11 @@ class WorkerBase:
         self.bridge = bridge
         self.name = name
         self.num_layers = device.shape.num_layers
-        self.jobs: queue.SimpleQueue[Job | Stop] = queue.SimpleQueue()
+        # Jobs arrive in batches (one list per loop iteration, see CopyEngine._flush): one
+        # wake-up of the consuming thread per batch. ``_backlog`` (that thread's alone) holds
+        # the rest of the batch being worked through.
+        self.jobs: queue.SimpleQueue[list[Job] | Stop] = queue.SimpleQueue()
+        self._backlog: collections.deque[Job] = collections.deque()
         self.threads: list[threading.Thread] = []
         self.on_death = on_death
         # Guards host_done flags, staging slots and ``dead``; notified when any changes.
@@ -221,7 +226,22 @@ class WorkerBase:
             raise shared.error
 
     def submit(self, job: Job) -> None:
-        self.jobs.put(job)
+        self.jobs.put([job])
+
+    def submit_many(self, jobs: list[Job]) -> None:
+        """Hand ``jobs`` over in submission order, with one wake-up of the consuming thread."""
+        self.jobs.put(jobs)
+
+    def next_job(self) -> Job | Stop:
+        """The next job in submission order (blocks); only the consuming thread calls it."""
+        backlog = self._backlog
+        if backlog:
+            return backlog.popleft()
+        item = self.jobs.get()
+        if isinstance(item, Stop):
+            return item
+        backlog.extend(item)
+        return backlog.popleft()
 
     def stop(self, drained: Any) -> None:
         self.jobs.put(Stop(drained))
@@ -298,7 +318,7 @@ class DirectWorker(WorkerBase):
     def _run(self) -> None:
         try:
             while True:
-                item = self.jobs.get()
+                item = self.next_job()
                 if isinstance(item, Stop):
                     if item.fut is not None:
                         self.bridge.set_result(item.fut, None)
