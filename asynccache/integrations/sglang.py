@@ -1,0 +1,166 @@
+"""asynccache's storage backends as SGLang's HiCache L3 (``--hicache-storage-backend dynamic``).
+
+SGLang loads third-party L3 backends at run time::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "asynccache",
+        "module_path": "asynccache.integrations.sglang", "class_name": "AsyncCacheStorage",
+        "url": "file:///mnt/kv", "page_size": 64, "kv_dtype": "bfloat16"}'
+
+``url`` is any :func:`asynccache.storage.open_backend` URL (``file:///dir``,
+``s3://bucket/prefix?endpoint=...``); ``page_size`` / ``kv_dtype`` name the pages' format in the
+object names (with the model, the TP / PP rank and size and the host layout from SGLang's
+storage config: MLA models share one object per page across TP ranks). Pages get asynccache's
+checksummed page format and crash-safe index, so a torn or corrupt object is a miss, never
+wrong KV. Keys are SGLang's page hashes (64 hex digits, optionally ``.<pool>``).
+
+SGLang calls the backend from its own threads and has no event loop to offer: the adapter runs
+one private loop in a daemon thread, and every call is a coroutine submitted to it and waited
+for (``timeout_s``). SGLang's controller uses the generic calls (``batch_set`` of host pool
+pages, ``batch_get`` into page tensors, ``batch_exists``); the zero-copy ``*_v1`` calls are not
+implemented yet (leave ``interface_v1`` unset).
+
+Needs the ``sglang`` package (its ``HiCacheStorage`` base class); see
+``scripts/install_sglang_cpu.sh`` for a CPU-only install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from asynccache.errors import ConfigError
+from asynccache.storage.base import StorageLayout
+from asynccache.storage.factory import open_backend
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except Exception as exc:  # pragma: no cover - only without sglang
+    raise ImportError(
+        "asynccache.integrations.sglang needs the sglang package (scripts/install_sglang_cpu.sh "
+        f"installs it CPU-only): {exc!r}"
+    ) from exc
+
+T = TypeVar("T")
+
+_DEFAULT_TIMEOUT_S = 60.0
+
+
+def layout_for(storage_config: Any, *, page_size: int, kv_dtype: str = "bfloat16",
+               extra: str = "") -> StorageLayout:
+    """The :class:`StorageLayout` of SGLang's pages for a ``HiCacheStorageConfig``."""
+    return StorageLayout(
+        model=storage_config.model_name or "sglang", page_size=page_size, kv_dtype=kv_dtype,
+        kv_layout="page_first" if storage_config.is_page_first_layout else "layer_first",
+        tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
+        kv_replicated=bool(storage_config.is_mla_model),
+        pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size, extra=extra)
+
+
+class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships no type hints)
+    """An SGLang ``HiCacheStorage`` over one asynccache storage backend (see the module
+    docstring). ``storage_config``: SGLang's ``HiCacheStorageConfig``; its ``extra_config``
+    holds ``url`` (required), ``page_size`` (required), ``kv_dtype``, ``layout_extra``,
+    ``timeout_s`` and ``backend_kwargs`` (passed to ``open_backend``: S3 credentials...)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        url = extra.get("url")
+        if not isinstance(url, str):
+            raise ConfigError(f"extra_config needs 'url' (a storage URL), got {url!r}")
+        page_size = extra.get("page_size")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ConfigError(f"extra_config needs 'page_size' (an int >= 1), got {page_size!r}")
+        self.page_size = page_size
+        self.timeout_s = float(extra.get("timeout_s", _DEFAULT_TIMEOUT_S))
+        self.layout = layout_for(storage_config, page_size=page_size,
+                                 kv_dtype=str(extra.get("kv_dtype", "bfloat16")),
+                                 extra=str(extra.get("layout_extra", "")))
+        self.mem_pool_host: Any = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="asynccache-sglang-storage")
+        self._thread.start()
+        try:
+            self.backend = self._run(open_backend(url, self.layout,
+                                                  **dict(extra.get("backend_kwargs") or {})))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout_s)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.timeout_s)
+        self._loop.close()
+
+    def close(self) -> None:
+        """Close the backend and stop the adapter's loop (SGLang calls it on detach)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.backend.aclose())
+        finally:
+            self._stop_loop()
+
+    # ------------------------------------------------------------------ SGLang's interface
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        if getattr(mem_pool_host, "page_size", self.page_size) != self.page_size:
+            raise ConfigError(f"host pool page_size {mem_pool_host.page_size} != the "
+                              f"storage's page_size {self.page_size} (extra_config)")
+        self.mem_pool_host = mem_pool_host
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if target_locations is None:
+            raise ConfigError("batch_get needs target_locations (one tensor per key)")
+        bufs = [t.contiguous() for t in target_locations]
+        ok = self._run(self.backend.get_batch(list(keys), bufs))
+        out: list[torch.Tensor | None] = []
+        for hit, buf, target in zip(ok, bufs, target_locations, strict=True):
+            if hit and buf is not target:
+                target.copy_(buf)
+            out.append(target if hit else None)
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value if value is not None else target_location])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        data = values if values is not None else target_locations
+        if data is None:
+            raise ConfigError("batch_set needs values (one tensor per key)")
+        return all(self._run(self.backend.set_batch(list(keys), [v.contiguous() for v in data])))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading ``keys`` are stored (SGLang's consecutive-prefix count)."""
+        return int(self._run(self.backend.exists_prefix(list(keys))))
+
+    def clear(self) -> None:
+        self._run(self.backend.clear())
+
+    def get_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self.backend.stats()
+        return stats
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return int(self._run(self.backend.delete(list(keys))))
