@@ -3,8 +3,11 @@
 
 For several model shapes and page sizes (16..256 tokens), both directions and both host
 layouts, it times whole-batch copies through the real engine (submit -> worker -> bridge ->
-awaiting coroutine) and divides by a plain contiguous ``copy_`` of the same number of bytes,
-measured right before in the same run (on CUDA: a pinned host <-> device copy).
+awaiting coroutine) and divides by a plain contiguous ``copy_`` of the same number of bytes
+(on CUDA: a pinned host <-> device copy). Engine and yardstick run interleaved in rounds
+(A B, then B A): each case reports the ratio of every round (``ratio_per_round``, yardstick
+time over engine time of the same round) and their median (``ratio``, the figure the summary
+uses); ``ratio_best`` is the best engine round over the best yardstick round.
 
 Page patterns: ``contiguous`` (source and destination are ascending runs, what fresh
 allocators hand out), ``gather`` (random source pages into a destination run: a backup into
@@ -158,8 +161,11 @@ async def measure_case(
     base: Baseline,
     reps: int,
     helper: ThreadPoolExecutor | None,
-) -> dict[str, float]:
-    """Best-of-``reps`` GB/s of the engine and of the baselines, measured interleaved."""
+) -> dict[str, Any]:
+    """The engine and the baselines interleaved in ``reps`` rounds (A B in even rounds, B A in
+    odd ones): best GB/s of each, and per round the ratio engine / baseline of that round's
+    two times (``rounds``) with its median (``ratio``): a load spike moves one pair, not the
+    comparison."""
     submit = {
         "d2h": engine.submit_d2h,
         "h2d": engine.submit_h2d,
@@ -167,17 +173,35 @@ async def measure_case(
     }[op]
     loop = asyncio.get_running_loop()
     await submit(src, dst)  # warm-up
-    best = {"engine": 1e9, "copy_": 1e9, "one_thread": 1e9}
-    for _ in range(reps):
+    times: dict[str, list[float]] = {"engine": [], "copy_": [], "one_thread": []}
+
+    async def engine_once() -> None:
         t = time.perf_counter()
         await submit(src, dst)
-        best["engine"] = min(best["engine"], time.perf_counter() - t)
-        best["copy_"] = min(best["copy_"], base.copy_time(nbytes, op))
+        times["engine"].append(time.perf_counter() - t)
+
+    async def baselines_once() -> None:
+        times["copy_"].append(base.copy_time(nbytes, op))
         settle()  # the engine's next copy must not share the cores with spinning OpenMP threads
         if helper is not None:
-            dt = await loop.run_in_executor(helper, base.one_thread_copy, nbytes)
-            best["one_thread"] = min(best["one_thread"], dt)
-    return {k: nbytes / v / 1e9 for k, v in best.items() if v < 1e9}
+            times["one_thread"].append(
+                await loop.run_in_executor(helper, base.one_thread_copy, nbytes))
+
+    for i in range(reps):
+        if i % 2:
+            await baselines_once()
+            await engine_once()
+        else:
+            await engine_once()
+            await baselines_once()
+    out: dict[str, Any] = {k: nbytes / min(v) / 1e9 for k, v in times.items() if v}
+    eng = times["engine"]
+    for k in ("copy_", "one_thread"):
+        if times[k]:
+            rounds = [b / e for b, e in zip(times[k], eng, strict=True)]
+            out[f"rounds_{k}"] = [round(r, 3) for r in rounds]
+            out[f"ratio_{k}"] = statistics.median(rounds)
+    return out
 
 
 async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -242,13 +266,16 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     "op": op,
                                     "GBps": round(g["engine"], 2),
                                     "copy_GBps": round(g["copy_"], 2),
-                                    "ratio": round(g["engine"] / g["copy_"], 3),
+                                    # median of the per-round ratios (the headline)
+                                    "ratio": round(g["ratio_copy_"], 3),
+                                    "ratio_per_round": g["rounds_copy_"],
+                                    # best engine round over best copy_ (the old figure)
+                                    "ratio_best": round(g["engine"] / g["copy_"], 3),
                                 }
                                 if "one_thread" in g:
                                     case["one_thread_GBps"] = round(g["one_thread"], 2)
-                                    case["ratio_one_thread"] = round(
-                                        g["engine"] / g["one_thread"], 3
-                                    )
+                                    case["ratio_one_thread"] = round(g["ratio_one_thread"], 3)
+                                    case["ratio_one_thread_per_round"] = g["rounds_one_thread"]
                                 cases.append(case)
                                 out.write({"case": case})
                     del host
