@@ -174,7 +174,6 @@ class Tiering:
         store must not stall the scheduler. Raises :class:`PoolExhaustedError` when nothing is
         left to wait for."""
         deadline: float | None = None
-        ports = self.effects.ports
         for _ in range(_MAX_ALLOC_ROUNDS):
             got = await self._attempt(num_tokens, swa_tokens)
             if got is not None:
@@ -208,12 +207,13 @@ class Tiering:
         raise PoolExhaustedError(self._alloc_error(num_tokens, swa_tokens))
 
     async def _attempt(self, num_tokens: int, swa_tokens: int | None) -> np.ndarray | None:
+        """:meth:`try_alloc`, but a FULL-only cache's eviction waits for its write-backs."""
         if not self.slots.evicts_async:
             return self.try_alloc(num_tokens, swa_tokens)
-        slots = self.slots.alloc(num_tokens, swa_tokens)
+        slots = self.slots.alloc(num_tokens)
         if slots is None:
-            await self.evict_async(self.slots.shortfall(num_tokens, swa_tokens)[0])
-            slots = self.slots.alloc(num_tokens, swa_tokens)
+            await self.evict_async(self.slots.shortfall(num_tokens)[0])
+            slots = self.slots.alloc(num_tokens)
         if slots is not None:
             self.ledger.hand_out(slots)
         return slots
