@@ -10,9 +10,12 @@ import asyncio
 import hashlib
 import json
 import os
+import secrets
 import struct
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,7 @@ async def test_l1_hits_and_l2_load_backs_match_a_full_recompute(
         assert cache.outstanding_device_tokens == 0
     assert any(r.device_hit > 0 for r in results), "no L1 hit"
     assert any(r.loaded > 0 for r in results), "no L2 load-back"
+    assert any(r.layerwise for r in results) == layerwise
     assert sum(r.computed for r in results) < sum(r.tokens for r in results)
 
 
@@ -100,59 +104,142 @@ def page_keys(toks: list[int], page_size: int) -> list[str]:
     return out
 
 
-async def _write_then_fetch(tmp_path: Path, runner: hf.ModelRunner, page_size: int,
-                            corrupt: bool) -> list[hf.TurnResult]:
+async def _write_then_fetch(runner: hf.ModelRunner, page_size: int,
+                            make_backend: Callable[[Any], Any],
+                            corrupt: Callable[[list[int]], None] | None = None,
+                            ) -> tuple[list[hf.TurnResult], float]:
+    """Cache A serves two prompts with storage attached (written through to L3); after an
+    optional ``corrupt(prompt)``, a restarted cache B (empty L1 and L2) serves them again from
+    storage. Returns B's turns and the corrupt pages its backend counted."""
     cfg = hf.cache_config(runner.model, page_size=page_size, device_tokens=512, host_tokens=1024,
                           write_policy="write_through", load_back_threshold=1, device="cpu")
     convs = conversations(100 + page_size, 2, runner.vocab_size)
     prompts = [c[0] + c[1] for c in convs]
-    root = tmp_path / "kv"
     a = HierarchicalCache(cfg)
-    async with FileBackend(root, a.storage_layout()) as backend, a:
+    async with make_backend(a.storage_layout()) as backend, a:
         a.attach_storage(backend, StoragePolicy())
         for p in prompts:
             check_turn(runner, p, await hf.serve_turn(a, runner, p, new_tokens=NEW))
         await a.flush()
         await a.storage.drain()  # type: ignore[union-attr]
-    files = sorted(f for f in root.rglob("*") if f.is_file() and f.parent != root)
-    assert files, "nothing was written to storage"
-    if corrupt:  # flip payload bytes of the first prompt's second page
-        key = page_keys(prompts[0], page_size)[1]
-        (f,) = root.rglob(f"{key}*")
-        data = bytearray(f.read_bytes())
-        data[-8:] = bytes(x ^ 0xFF for x in data[-8:])
-        f.write_bytes(bytes(data))
-    b = HierarchicalCache(cfg)  # a restarted engine: empty device and host tiers
-    async with FileBackend(root, b.storage_layout()) as backend, b:
-        b.attach_storage(backend, StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=1))
+    if corrupt is not None:
+        corrupt(prompts[0])
+    b = HierarchicalCache(cfg)
+    async with make_backend(b.storage_layout()) as backend, b:
+        b.attach_storage(backend, StoragePolicy(prefetch_policy="wait_complete",
+                                                prefetch_threshold=1))
         out = []
         for p in prompts:
             r = await hf.serve_turn(b, runner, p, new_tokens=NEW)
             check_turn(runner, p, r)
             out.append(r)
+        await b.flush()
+        b.sanity_check()
         faults = sum(s.value for m in backend.metrics.registry.collect() for s in m.samples
                      if s.name == "asynccache_storage_faults_total"
                      and s.labels.get("reason") == "corrupt")
-    return [*out, faults]  # type: ignore[list-item]
+    return out, faults
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 async def test_l3_prefetch_from_a_file_backend_matches(tmp_path: Path, runner: hf.ModelRunner,
                                                        page_size: int) -> None:
-    *results, faults = await _write_then_fetch(tmp_path, runner, page_size, corrupt=False)
+    results, faults = await _write_then_fetch(
+        runner, page_size, lambda layout: FileBackend(tmp_path / "kv", layout))
     assert faults == 0
     assert all(r.fetched > 0 and r.loaded == r.fetched for r in results), results
     assert all(r.computed < r.tokens for r in results)
 
 
+@pytest.mark.seaweedfs
+async def test_l3_prefetch_from_s3_matches(asynccache_s3: Any, runner: hf.ModelRunner) -> None:
+    prefix = f"hf-{secrets.token_hex(6)}"
+    results, faults = await _write_then_fetch(
+        runner, 16, lambda layout: asynccache_s3.backend(layout, prefix=prefix))
+    assert faults == 0
+    assert all(r.fetched > 0 and r.loaded == r.fetched for r in results), results
+
+
 async def test_a_corrupt_stored_page_is_recomputed_not_served(tmp_path: Path,
                                                               runner: hf.ModelRunner) -> None:
-    *results, faults = await _write_then_fetch(tmp_path, runner, 16, corrupt=True)
+    root = tmp_path / "kv"
+
+    def flip_second_page(prompt: list[int]) -> None:
+        key = page_keys(prompt, 16)[1]
+        (f,) = root.rglob(f"{key}*")
+        data = bytearray(f.read_bytes())
+        data[-8:] = bytes(x ^ 0xFF for x in data[-8:])
+        f.write_bytes(bytes(data))
+
+    results, faults = await _write_then_fetch(
+        runner, 16, lambda layout: FileBackend(root, layout), flip_second_page)
     assert faults == 1, "the checksum did not catch the corrupted page"
     # The first page came from storage; the corrupted second one and every page after it were
     # recomputed (and the logits matched a full recompute: no corrupted KV reached the model).
     first = results[0]
     assert (first.fetched, first.model_prefix, first.computed) == (16, 16, first.tokens - 16)
+
+
+async def test_a_fully_cached_prompt_recomputes_only_its_last_token(
+        runner: hf.ModelRunner) -> None:
+    cfg = hf.cache_config(runner.model, page_size=1, device_tokens=256, host_tokens=0,
+                          device="cpu")
+    toks = list(range(7, 47))
+    async with HierarchicalCache(cfg) as cache:
+        await hf.serve_turn(cache, runner, toks, new_tokens=NEW)
+        r = await hf.serve_turn(cache, runner, toks, new_tokens=NEW)
+        check_turn(runner, toks, r)
+        assert (r.device_hit, r.model_prefix, r.computed) == (40, 39, 1)
+        cache.sanity_check()
+        assert cache.outstanding_device_tokens == 0
+
+
+@pytest.mark.parametrize("at", ["prefill", "decode"])
+async def test_cancelling_a_turn_during_a_layerwise_load_leaves_nothing(
+        runner: hf.ModelRunner, at: str) -> None:
+    cfg = hf.cache_config(runner.model, page_size=16, device_tokens=96, host_tokens=1024,
+                          write_policy="write_through", load_back_threshold=1, device="cpu")
+    a, b = list(range(1, 65)), list(range(100, 164))
+    q = [*a, 5]
+    async with HierarchicalCache(cfg) as cache:
+        await hf.serve_turn(cache, runner, a, new_tokens=1)
+        await cache.flush()
+        await hf.serve_turn(cache, runner, b, new_tokens=1)  # evicts a's KV to host
+        await cache.flush()
+        req = cache.admit(q)
+        assert req.host_hit_length > 0
+        cache.abort_req(req)
+        gate = asyncio.Event()
+        real = runner.prefill if at == "prefill" else runner.decode
+
+        async def slow_prefill(*args: Any, **kw: Any) -> Any:
+            gate.set()
+            await asyncio.sleep(10)
+            return await real(*args, **kw)  # type: ignore[misc]
+
+        loop = asyncio.get_running_loop()
+
+        def slow_decode(*args: Any, **kw: Any) -> Any:  # (runs in a worker thread)
+            loop.call_soon_threadsafe(gate.set)
+            time.sleep(0.5)
+            return real(*args, **kw)
+
+        patched = hf.ModelRunner(runner.model)
+        if at == "prefill":
+            patched.prefill = slow_prefill  # type: ignore[method-assign]
+        else:
+            patched.decode = slow_decode  # type: ignore[method-assign]
+        task = asyncio.create_task(hf.serve_turn(cache, patched, q, new_tokens=2))
+        await asyncio.wait_for(gate.wait(), TIMEOUT)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await cache.flush()
+        cache.sanity_check()
+        assert cache.outstanding_device_tokens == 0
+        assert cache.tree.held_locks == 0
+        r = await hf.serve_turn(cache, runner, q, new_tokens=NEW)  # still served right
+        check_turn(runner, q, r)
 
 
 async def test_layer_i_waits_only_for_its_own_load() -> None:
