@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -122,7 +123,6 @@ async def baseline(runner: hf.ModelRunner, prompts: list[list[int]], args: argpa
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
     tiny = hf.tiny_llama_config(num_layers=args.layers, hidden_size=args.hidden,
                                 num_heads=args.heads, num_kv_heads=args.kv_heads)
     model = hf.load_model(args.model, seed=args.seed, config=None if args.model else tiny)
@@ -196,7 +196,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=128, help="tiny model: hidden size")
     ap.add_argument("--heads", type=int, default=4, help="tiny model: attention heads")
     ap.add_argument("--kv-heads", type=int, default=2, help="tiny model: KV heads")
-    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=256)
     ap.add_argument("--user-min", type=int, default=16)
@@ -206,12 +206,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="cut trace prompts to this")
     ap.add_argument("--new-tokens", type=int, default=4, help="greedy tokens per turn")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--device-tokens", type=int, default=768,
+    ap.add_argument("--device-tokens", type=int, default=640,
                     help="device (L1) pool; small, so chats are evicted to host between turns")
     ap.add_argument("--host-tokens", type=int, default=16384)
     ap.add_argument("--storage", help="a directory as the L3 tier")
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=4, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
+                    help="torch CPU threads")
     ap.add_argument("--no-layerwise", action="store_true",
                     help="wait for the whole load-back before the prefill")
     ap.add_argument("--verify", action="store_true",
@@ -240,6 +241,7 @@ def show(r: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     a = parse()
+    torch.set_num_threads(a.threads)
     rep = asyncio.run(main(a))
     print(json.dumps(rep, indent=2) if a.json else show(rep))
     sys.exit(0 if rep.get("verified", True) else 1)

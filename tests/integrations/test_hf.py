@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -30,6 +31,7 @@ from asynccache.integrations import hf
 from asynccache.storage.file import FileBackend
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_chat.py"
 TOL = 1e-5
 TIMEOUT = 60.0
 NEW = 3  # greedy tokens per turn
@@ -289,13 +291,43 @@ def test_a_checkpoint_directory_loads_through_the_same_path(tmp_path: Path,
     assert torch.equal(again.full_logits(toks), runner.full_logits(toks))
 
 
-def test_the_example_reports_with_and_without_the_cache() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_chat.py"), "--json",
-                          "--conversations", "3", "--turns", "3", "--verify"],
-                         capture_output=True, text=True, timeout=120, env=env, check=True)
-    rep = json.loads(out.stdout)
+def example() -> Any:
+    """examples/hf_chat.py as a module (run in-process: no second torch import)."""
+    spec = importlib.util.spec_from_file_location("hf_chat_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def test_the_example_reports_with_and_without_the_cache() -> None:
+    ex = example()
+    rep = await ex.main(ex.parse(["--conversations", "3", "--turns", "3", "--verify",
+                                  "--layers", "2", "--hidden", "64"]))
+    json.dumps(rep)  # the --json report is plain JSON
     assert rep["verified"] is True
     assert rep["with_cache"]["prefill_tokens"] < rep["without_cache"]["prefill_tokens"]
     assert rep["with_cache"]["requests"] == rep["without_cache"]["requests"] == 9
     assert rep["with_cache"]["ttft_s"] > 0 and rep["without_cache"]["ttft_s"] > 0
+    assert "with cache" in ex.show(rep)
+
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"no shared trace at {TRACE}")
+async def test_the_example_serves_a_trace_slice_folded_into_the_vocabulary() -> None:
+    ex = example()
+    rep = await ex.main(ex.parse(["--verify", "--trace", str(TRACE), "--requests", "6",
+                                  "--max-tokens", "256", "--layers", "2", "--hidden", "64"]))
+    assert rep["verified"] is True
+    assert rep["with_cache"]["requests"] == 6
+    assert rep["with_cache"]["prefill_tokens"] < rep["without_cache"]["prefill_tokens"]
+
+
+def test_the_example_runs_as_a_script_with_json() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--json", "--conversations", "2",
+                          "--turns", "2", "--layers", "2", "--hidden", "64", "--verify"],
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert json.loads(out.stdout)["verified"] is True
