@@ -10,7 +10,9 @@ Prints one JSON object. For each page size:
   and an aiofiles-per-page implementation for comparison; and what a MAC key (``mac_key``)
   costs: writes without fsync and warm reads, plain and keyed (``mac``). A second raw write reference
   writes the same bytes page by page with an fsync per batch (the backend's durability
-  points); the JSON's ``file.raw`` says what each reference is;
+  points); the JSON's ``file.raw`` says what each reference is. ``write_ratio_vs_fastest_raw``
+  divides each repetition's write by the fastest of the three raw durable writes of the same
+  repetition (``ratio_per_rep_vs_fastest_raw`` lists them, with the cold read ratios);
 * S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
   plain obstore puts / gets of same-sized objects on the same server, same concurrency and
   batching.
@@ -314,8 +316,25 @@ async def bench_file(
             for p in files_under(a):
                 os.unlink(p)
     med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    # Per repetition, each mode's write against the fastest durable raw write of that same
+    # repetition (whichever of the three references the machine favoured then), and its cold
+    # read against the raw cold read measured next to it: the strictest same-run comparison.
+    fastest = [max(vals) for vals in zip(*(rows[k] for k in ("raw_write", "raw_write_batch_sync",
+                                                             "raw_write_direct") if k in rows),
+                                         strict=False)]
+    per_rep: dict[str, list[float]] = {}
+    for mode in ("", "_seg", "_segd"):
+        per_rep["write" + mode] = [round(w / f, 3) for w, f in
+                                   zip(rows["write" + mode], fastest, strict=False)]
+        per_rep["read" + mode] = [round(r / b, 3) for r, b in
+                                  zip(rows["read" + mode], rows["raw_read" + mode], strict=False)]
     out: dict[str, Any] = {
         "pages": n,
+        "ratio_per_rep_vs_fastest_raw": per_rep,
+        "write_ratio_vs_fastest_raw": {
+            (m or "single"): round(statistics.median(per_rep["write" + m]), 3)
+            for m in ("", "_seg", "_segd")
+        },
         "page_bytes": size,
         "segment_bytes": segment,
         "GBps": med,
