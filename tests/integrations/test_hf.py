@@ -291,6 +291,20 @@ def test_a_checkpoint_directory_loads_through_the_same_path(tmp_path: Path,
     assert torch.equal(again.full_logits(toks), runner.full_logits(toks))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_device", ["cpu", "cuda"])
+async def test_cuda_pools(model_device: str) -> None:
+    """The cache's pools on CUDA (staged copies, pinned host), the model on either device."""
+    cuda = hf.ModelRunner(hf.load_model(seed=0).to(model_device))
+    cfg = hf.cache_config(cuda.model, page_size=16, device_tokens=112, host_tokens=4096,
+                          write_policy="write_through", load_back_threshold=1, device="cuda")
+    async with HierarchicalCache(cfg) as cache:
+        results = await chat(cache, cuda, conversations(7, 4, cuda.vocab_size))
+    assert any(r.loaded > 0 for r in results), "no L2 load-back"
+    assert any(r.layerwise for r in results)
+
+
 def example() -> Any:
     """examples/hf_chat.py as a module (run in-process: no second torch import)."""
     spec = importlib.util.spec_from_file_location("hf_chat_example", EXAMPLE)
