@@ -10,6 +10,7 @@ trace's distinct content, not with its length, and never holds token arrays.
 
 from __future__ import annotations
 
+import heapq
 import zlib
 
 import numpy as np
@@ -171,3 +172,110 @@ class InfiniteBound:
     @property
     def nbytes(self) -> int:
         return self._set.nbytes
+
+
+_NEVER = np.iinfo(np.int64).max
+
+
+def belady_hits(seq: np.ndarray, depth: np.ndarray, capacity: int) -> int:
+    """Hits of the offline optimum (Belady, with bypass) on the page sequence ``seq`` (ints,
+    one per page access) with room for ``capacity`` pages.
+
+    On a miss the page is admitted only when some cached page is next used later than it (that
+    page is evicted); a page never used again is not admitted. Ties go to the deeper page
+    (``depth``), so a page leaves before its prefix. For prefix pages (a prompt accesses its
+    pages root first) this keeps the cache prefix-closed: a page's prefix is next used no later
+    than the page itself, so every cached page's prefix is cached and a hit is a prefix hit.
+    O(n log capacity): a max-heap of (next use, depth) with lazy deletion.
+    """
+    n = len(seq)
+    if n == 0 or capacity <= 0:
+        return 0
+    ids = np.unique(np.asarray(seq), return_inverse=True)[1].astype(np.int64)
+    order = np.argsort(ids, kind="stable")
+    nxt = np.full(n, _NEVER, dtype=np.int64)
+    same = ids[order[1:]] == ids[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    cached = np.zeros(int(ids.max()) + 1, dtype=bool)
+    live = np.full(len(cached), -1, dtype=np.int64)  # the cached page's next use (heap key)
+    dep = np.zeros(len(cached), dtype=np.int64)
+    dep[ids] = depth
+    heap: list[tuple[int, int, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    size = hits = 0
+    ids_l, nxt_l, dep_l = ids.tolist(), nxt.tolist(), np.asarray(depth).tolist()
+    for i in range(n):
+        u, nu = ids_l[i], nxt_l[i]
+        if cached[u]:
+            hits += 1
+            if nu == _NEVER:  # never used again: free its room now
+                cached[u] = False
+                size -= 1
+            else:
+                live[u] = nu
+                push(heap, (-nu, -dep_l[i], u))
+            continue
+        if nu == _NEVER:
+            continue
+        if size >= capacity:
+            while True:  # the cached page used last (skipping stale entries)
+                k, _, v = heap[0]
+                if cached[v] and live[v] == -k:
+                    break
+                pop(heap)
+            if -k <= nu:
+                continue  # bypass: every cached page is needed sooner
+            pop(heap)
+            cached[v] = False
+            size -= 1
+        cached[u] = True
+        live[u] = nu
+        size += 1
+        push(heap, (-nu, -dep_l[i], u))
+        if len(heap) > 4 * capacity + 1024:
+            heap = [(-int(live[v]), -int(dep[v]), v) for v in np.flatnonzero(cached).tolist()]
+            heapq.heapify(heap)
+    return hits
+
+
+class BeladyBound:
+    """The offline optimum of a cache of ``capacity_pages`` pages: records each prompt's whole
+    prefix pages (64-bit chain hashes, 8 bytes a page) and computes, at the end, the hits of
+    Belady's algorithm over them (:func:`belady_hits`). An upper bound for every eviction
+    policy of the tree at that capacity: no online policy can hit more pages.
+
+    It relaxes the engine's constraints (a prompt need not fit its uncached pages at once, and
+    a missed page may bypass the cache), so it is an upper bound, not always attainable.
+    """
+
+    def __init__(self, page_size: int, capacity_pages: int) -> None:
+        self.page_size = page_size
+        self.capacity_pages = capacity_pages
+        self._hasher = PrefixHasher(page_size)
+        self._chunks: list[np.ndarray] = []
+        self._result: int | None = None
+
+    def access(self, tokens: np.ndarray, namespace: str | None = None) -> None:
+        """Record a prompt (its whole pages; a partial last page never hits)."""
+        h = self._hasher.hashes(tokens, namespace)
+        if len(h):
+            self._chunks.append(h)
+            self._result = None
+
+    def hit_pages(self) -> int:
+        """Pages the optimum hits over every prompt recorded so far."""
+        if self._result is None:
+            if not self._chunks:
+                self._result = 0
+            else:
+                seq = np.concatenate(self._chunks)
+                depth = np.concatenate([np.arange(len(c)) for c in self._chunks])
+                self._result = belady_hits(seq, depth, self.capacity_pages)
+        return self._result
+
+    def hit_tokens(self) -> int:
+        return self.hit_pages() * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks)

@@ -41,7 +41,7 @@ from asynccache.config import CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
 from asynccache.logs import get_logger
-from asynccache.replay.bound import InfiniteBound
+from asynccache.replay.bound import BeladyBound, InfiniteBound
 from asynccache.replay.formats import TraceFormatError, TraceRequest
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
 from asynccache.replay.storemodel import TraceTimeStore
@@ -77,6 +77,9 @@ class ReplayStats:
     host_hit_pages: int = 0
     storage_hit_pages: int = 0
     bound_hit_pages: int = 0
+    optimum_capacity_pages: int = 0  # the device pool's pages: the optimum's capacity
+    optimum_hit_tokens: int = 0  # offline optimum (Belady over prefix pages) at L1 capacity
+    optimum_hit_pages: int = 0
     verified_tokens: int = 0
     max_in_flight: int = 0  # most requests admitted and unfinished at once (trace time)
     overlapped: int = 0  # requests admitted while another one of the instance was running
@@ -147,6 +150,7 @@ class _Instance:
     waiting: deque[TraceRequest] = field(default_factory=deque)
     running: int = 0
     blocked: bool = False  # the head of ``waiting`` needs memory a running request holds
+    optimum: BeladyBound | None = None  # the offline optimum at this instance's L1 capacity
 
 
 @dataclass
@@ -200,16 +204,21 @@ class TraceDriver:
             for c in caches:
                 await c.start()
             ps = self.config.page_size
-            self.instances = [_Instance(i, c, ReplayStats(), InfiniteBound(ps))
-                              for i, c in enumerate(caches)]
+            self.instances = [
+                _Instance(i, c, ReplayStats(), InfiniteBound(ps),
+                          optimum=BeladyBound(ps, c.device_pool.allocator.num_pages))
+                for i, c in enumerate(caches)]
             if self.options.storage_url:
                 backend = await self._open_storage(caches[0], self.options.storage_url)
                 policy = self.options.storage_policy or StoragePolicy(
                     prefetch_policy="wait_complete")
                 for c in caches:
                     c.attach_storage(self.store, policy)
-            await self._replay(trace)
-            await self._quiesce()
+            try:
+                await self._replay(trace)
+                await self._quiesce()
+            finally:
+                self._settle_optimum()
             for inst in self.instances:
                 inst.cache.sanity_check()
                 inst.stats.extra = engine_figures(inst.cache)
@@ -366,6 +375,8 @@ class TraceDriver:
         st.host_hit_pages += (loaded - from_l3) // ps
         st.storage_hit_pages += from_l3 // ps
         st.computed_tokens += computed
+        if inst.optimum is not None:
+            inst.optimum.access(tr.tokens, tr.namespace)
         hit = inst.bound.access(tr.tokens, tr.namespace)
         st.bound_hit_tokens += hit
         st.bound_hit_pages += hit // ps
@@ -388,6 +399,16 @@ class TraceDriver:
         heapq.heappush(self._finishes, (done_at, self._seq, flight))
         await self._quiesce()
         return True
+
+    def _settle_optimum(self) -> None:
+        """Each instance's offline optimum over the requests it served (computed once, at the
+        end: it needs the future)."""
+        for inst in self.instances:
+            if inst.optimum is not None:
+                st = inst.stats
+                st.optimum_capacity_pages = inst.optimum.capacity_pages
+                st.optimum_hit_pages = inst.optimum.hit_pages()
+                st.optimum_hit_tokens = inst.optimum.hit_tokens()
 
     async def _finish(self, flight: _Flight) -> None:
         await self._pace()

@@ -10,6 +10,10 @@ Definitions (the same in ``asynccache replay --help`` and the README):
 * **infinite-cache bound** — what a cache that never evicts would have served: for each
   prompt, its longest prefix of whole pages seen before (same namespace), in both units. Not
   applicable when storage held pages from before the replay (they can beat it);
+* **offline optimum at L1 capacity** — what the best possible eviction (Belady's, knowing the
+  future, over whole prefix pages; a page can only hit with its prefix) would have served from
+  a device pool of the same size: the headroom of the eviction policy. An upper bound of every
+  policy's L1 hits; not applicable with a warm store;
 * **rejected** requests (longer than the device pool) are left out of every rate and counted
   apart.
 """
@@ -64,6 +68,8 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
     warm = bool(source_storage) and out.warm_storage
     bound_tok = None if warm else ratio(s.bound_hit_tokens, tok)
     bound_blk = None if warm else ratio(s.bound_hit_pages, pages)
+    opt_tok = None if warm else ratio(s.optimum_hit_tokens, tok)
+    opt_blk = None if warm else ratio(s.optimum_hit_pages, pages)
     report: dict[str, Any] = {
         "trace": source,
         "status": run_status(out),
@@ -75,6 +81,7 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
             "storage": source_storage,
             "write_policy": config.write_policy,
             "eviction_policy": config.eviction_policy,
+            "optimum_capacity_blocks": s.optimum_capacity_pages,
             "kv_shape": [config.num_layers, config.num_heads, config.head_dim, config.dtype],
             "device": config.device,
         },
@@ -116,6 +123,8 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
             "infinite_cache_bound_tokens": bound_tok,
             "infinite_cache_bound_blocks": bound_blk,
             "fraction_of_bound": None if warm else ratio(s.reused_tokens, s.bound_hit_tokens),
+            "optimum_l1_tokens": opt_tok,
+            "optimum_l1_blocks": opt_blk,
         },
         "overlap": {
             "max_in_flight": s.max_in_flight,
@@ -234,6 +243,8 @@ def format_table(report: dict[str, Any]) -> str:
         ("infinite-cache bound (tokens / blocks)",
          f"{_pct(hr['infinite_cache_bound_tokens'])} / {_pct(hr['infinite_cache_bound_blocks'])}"),
         ("fraction of the bound reached", _pct(hr["fraction_of_bound"])),
+        ("L1 optimum, Belady (tokens / blocks)",
+         f"{_pct(hr.get('optimum_l1_tokens'))} / {_pct(hr.get('optimum_l1_blocks'))}"),
         ("requests in flight (max / overlapped)", f"{ov['max_in_flight']} / "
                                                   f"{ov['overlapped_requests']:,}"),
         ("bytes D->H / H->D", f"{report['moved']['device_to_host_bytes']:,} / "
@@ -253,10 +264,12 @@ def format_table(report: dict[str, Any]) -> str:
 
 def format_sweep(points: list[dict[str, Any]],
                  write_through: list[dict[str, Any]] | None = None) -> str:
-    """One line per device capacity: L1, L1+L2, all tiers, the bound (tokens / blocks)."""
+    """One line per device capacity: L1, L1+L2, all tiers, the bound and the offline optimum
+    at the L1 capacity (tokens / blocks)."""
     head = ["L1 capacity", "L1", "L1+L2", "all tiers", "bound"]
     if write_through:
         head.append("all tiers, write_through")
+    head.append("L1 optimum")
     rows = [head]
     for i, p in enumerate(points):
         hr, hits = p["hit_rate"], p["hits"]
@@ -271,6 +284,7 @@ def format_sweep(points: list[dict[str, Any]],
         if write_through:
             w = write_through[i]["hit_rate"]
             row.append(f"{_pct(w['total_tokens'])} / {_pct(w['total_blocks'])}")
+        row.append(f"{_pct(hr.get('optimum_l1_tokens'))} / {_pct(hr.get('optimum_l1_blocks'))}")
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()

@@ -25,7 +25,7 @@ REPORT_KEYS = {
 HIT_RATE_KEYS = {
     "device_tokens", "host_tokens", "storage_tokens", "total_tokens", "device_blocks",
     "host_blocks", "storage_blocks", "total_blocks", "infinite_cache_bound_tokens",
-    "infinite_cache_bound_blocks", "fraction_of_bound",
+    "infinite_cache_bound_blocks", "fraction_of_bound", "optimum_l1_tokens", "optimum_l1_blocks",
 }
 MOVED_KEYS = {"device_to_host_bytes", "host_to_device_bytes", "host_to_storage_bytes",
               "storage_to_host_bytes"}
@@ -34,6 +34,7 @@ TABLE_ROWS = ["trace", "status", "requests served / rejected", "prompt tokens / 
               "hit rate L1 device (tokens / blocks)", "hit rate L2 host (tokens / blocks)",
               "hit rate L3 storage (tokens / blocks)", "hit rate total (tokens / blocks)",
               "infinite-cache bound (tokens / blocks)", "fraction of the bound reached",
+              "L1 optimum, Belady (tokens / blocks)",
               "requests in flight (max / overlapped)", "bytes D->H / H->D",
               "bytes H->L3 / L3->H", "evicted device tokens", "verified KV tokens", "wall time",
               "throughput"]
@@ -67,11 +68,13 @@ def _check_report(rep: dict, *, requests: int, prompt_tokens: int, cold: bool = 
     for k in HIT_RATE_KEYS - {"fraction_of_bound"}:
         assert hr[k] is None or 0.0 <= hr[k] <= 1.0, (k, hr[k])
     if cold:  # the bound is the trace's own, from empty tiers
+        assert hr["device_blocks"] <= hr["optimum_l1_blocks"] <= hr["infinite_cache_bound_blocks"]
         assert hr["total_tokens"] <= hr["infinite_cache_bound_tokens"]
         assert hr["total_blocks"] <= hr["infinite_cache_bound_blocks"]
     else:  # a warm store can beat the trace's own bound: it is not applicable
         assert rep["storage_state"]["warm"]
         assert hr["infinite_cache_bound_tokens"] is hr["fraction_of_bound"] is None
+        assert hr["optimum_l1_blocks"] is None
     assert rep["verified_tokens"] >= 0 and rep["wall_s"] >= 0
 
 
@@ -93,8 +96,8 @@ def test_json_report_has_the_documented_keys(capsys) -> None:
     assert rep["config"] == {"page_size": 16, "device_tokens": 64000, "host_tokens": 0,
                              "host_mode": "cache",
                              "storage": None, "write_policy": "write_through_selective",
-                             "eviction_policy": "lru", "kv_shape": [2, 2, 16, "float16"],
-                             "device": "cpu"}
+                             "eviction_policy": "lru", "optimum_capacity_blocks": 4000,
+                             "kv_shape": [2, 2, 16, "float16"], "device": "cpu"}
     # L1 only: nothing from host or storage, nothing moved between tiers.
     assert rep["hit_rate"]["host_tokens"] == rep["hit_rate"]["storage_tokens"] == 0.0
     assert set(rep["moved"].values()) == {0}
