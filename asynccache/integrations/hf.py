@@ -290,13 +290,15 @@ class ModelRunner:
                     if load is not None:
                         await load.layer(i)
                     futs[i].set_result(self._read_layer(cache, idx, i))
-            out = await work
+            out = await asyncio.shield(work)  # (a cancel must not orphan the model's thread)
         except BaseException as exc:
             for f in futs:
                 if not f.done():
                     f.set_exception(RuntimeError(f"prefix KV not delivered: {exc!r}"))
-            if not work.done():
-                await asyncio.wait([work])  # never leave the model running over our tensors
+            if not work.done():  # the thread ends now that every layer has its KV or an error
+                await asyncio.wait([work])
+            if not work.cancelled():
+                work.exception()  # (retrieved: the error raised here is the one that counts)
             raise
         logits = out.logits[0].float().cpu()
         kv = torch.stack([self._layer_kv(model_cache, i, p) for i in range(L)])

@@ -283,6 +283,32 @@ async def test_layer_i_waits_only_for_its_own_load() -> None:
             cache.abort_req(req)
 
 
+async def test_a_failed_layer_load_fails_the_prefill_and_ends_the_model_thread(
+        runner: hf.ModelRunner) -> None:
+    cfg = hf.cache_config(runner.model, page_size=1, device_tokens=256, host_tokens=0,
+                          device="cpu")
+    tokens = list(range(3, 43))
+    async with HierarchicalCache(cfg) as cache:
+        await hf.serve_turn(cache, runner, tokens[:30], new_tokens=1)
+        req = cache.admit(tokens)
+        consumed: list[int] = []
+
+        class Broken:
+            async def layer(self, i: int) -> None:
+                if i == 1:
+                    raise RuntimeError("copy of layer 1 failed")
+
+        try:
+            with pytest.raises(RuntimeError, match="layer 1 failed"):
+                await asyncio.wait_for(runner.prefill(cache, req.slots[:30], tokens[30:],
+                                                      load=Broken(), on_layer=consumed.append),
+                                       TIMEOUT)
+            assert consumed == [0]  # layer 0 ran; layer 1 never saw KV
+        finally:
+            cache.abort_req(req)
+        cache.sanity_check()
+
+
 def test_a_checkpoint_directory_loads_through_the_same_path(tmp_path: Path,
                                                             runner: hf.ModelRunner) -> None:
     runner.model.save_pretrained(tmp_path / "ckpt")
