@@ -21,7 +21,7 @@ from asynccache.errors import AsyncCacheError, ConfigError
 # The engine's choices, repeated here so that --help needs no engine import
 # (tests/test_cli_help.py checks they stay equal).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "lru_credit")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_MODES = ("cache", "buffer_only")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -55,6 +55,9 @@ hit rates (over served requests; rejected ones are counted apart):
   bound    the infinite-cache bound: what a cache that never evicts would serve (whole
            pages seen before, same namespace), in both units; n/a when the storage held
            pages of an earlier run
+  optimum  the offline optimum at the L1 capacity: Belady's eviction (knowing the future)
+           over whole prefix pages, a page hitting only with its prefix; the headroom of
+           --eviction-policy (an upper bound of every policy's L1 hits)
 
 replay model (results depend on the trace and the options, never on this machine's speed):
   requests are admitted at their trace time, in trace order; each step (admit, finish) runs

@@ -29,11 +29,17 @@ POLICIES: Final[dict[str, PolicyKey]] = {
     "filo": lambda n: (-n.creation,),
     "lfu": lambda n: (n.hit_count, n.last_access),
     "priority": lambda n: (n.priority, n.last_access),
+    # LRU with a reuse credit: a node reused since its insert (hit_count >= 2) ranks as if last
+    # accessed half its lifetime so far (last access - creation) later (docs/eviction.md).
+    "lru_credit": lambda n: (
+        n.last_access + ((n.last_access - n.creation) >> 1 if n.hit_count >= 2 else 0),
+        n.last_access,
+    ),
 }
 
 # Policies whose order changes when a node is touched, hit or re-prioritised.
-USES_ACCESS: Final = frozenset({"lru", "mru", "lfu", "priority"})
-USES_HITS: Final = frozenset({"lfu"})
+USES_ACCESS: Final = frozenset({"lru", "mru", "lfu", "priority", "lru_credit"})
+USES_HITS: Final = frozenset({"lfu", "lru_credit"})
 USES_PRIORITY: Final = frozenset({"priority"})
 
 

@@ -21,6 +21,9 @@ EXPECTED_ORDER = {
     "filo": [4, 3, 2, 1],
     "lfu": [2, 1, 4, 3],
     "priority": [2, 4, 1, 3],
+    # keys (last access + half the lifetime of a reused node, last access): K1 (9, 9),
+    # K2 (8, 8), K3 (6 + (6 - 3) // 2, 6) = (7, 6), K4 (7 + (7 - 4) // 2, 7) = (8, 7)
+    "lru_credit": [3, 4, 2, 1],
 }
 
 
@@ -81,6 +84,35 @@ def test_lfu_victim_order_without_host(ps: int, alloc) -> None:
     tree = RadixTree(page_size=ps, eviction_policy="lfu")
     owner = _build_policy_tree(tree, alloc, ps)
     assert _victims(tree, owner, ps) == EXPECTED_ORDER["lfu"]
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("host", [False, True])
+def test_lru_credit_keeps_a_reused_node_longer(ps: int, host: bool, alloc) -> None:
+    """lru_credit: a reused node (hit_count >= 2) ranks as if last used half its lifetime
+    later. A (created at tick 1, reused at tick 5: key 5 + (5 - 1) // 2 = 7) outlives B (6),
+    used after it, but not C (7, used at 7: the tie goes to the older access)."""
+    tree = RadixTree(page_size=ps, eviction_policy="lru_credit", host_enabled=host)
+    owner = {}
+    for i in (1, 2, 3, 4, 1, 5, 6):  # A = 1, X1..X3 = 2..4, B = 5, C = 6
+        v = alloc.take(ps)
+        res = tree.insert(_page(i, ps), v)
+        for b in res.backups:
+            tree.abort_backup(b.op_id)
+        owner.setdefault(int(v[0]), i)
+    order = []
+    for _ in range(6):
+        res = tree.evict(1)
+        order.append(owner[int(res.device_frees[0][0])])
+        tree.sanity_check()
+    assert order == [2, 3, 4, 5, 1, 6]
+    lru = RadixTree(page_size=ps, eviction_policy="lru")
+    owner = {}
+    for i in (1, 2, 3, 4, 1, 5, 6):
+        v = alloc.take(ps)
+        lru.insert(_page(i, ps), v)
+        owner.setdefault(int(v[0]), i)
+    assert [owner[int(lru.evict(1).device_frees[0][0])] for _ in range(6)] == [2, 3, 4, 1, 5, 6]
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)

@@ -20,7 +20,7 @@ TREES: dict[str, dict[str, Any]] = {
     "swa-host": {"sliding_window": 4096, "host_enabled": True,
                  "write_policy": "write_through_selective"},
 }
-ACCESS_POLICIES = ("lru", "lfu", "priority")
+ACCESS_POLICIES = ("lru", "lfu", "priority", "lru_credit")
 
 
 def _key(tokens: list[int], ps: int) -> list[int]:

@@ -43,6 +43,8 @@ POLICY_KEY = {
     "filo": lambda n: (-n.creation,),
     "lfu": lambda n: (n.hits, n.access),
     "priority": lambda n: (n.prio, n.access),
+    "lru_credit": lambda n: (n.access + ((n.access - n.creation) // 2 if n.hits >= 2 else 0),
+                             n.access),
 }
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
@@ -63,9 +65,13 @@ class Model:
     """The naive reference tree (page symbols; ``ps`` slots per page)."""
 
     def __init__(self, ps: int, policy: str, host: bool, write_policy: str,
-                 mamba: bool = False) -> None:
+                 mamba: bool = False, swa: bool = False) -> None:
         self.ps = ps
         self.mamba = mamba
+        # SWA trees stamp each device node's SWA value from the tree's clock too (a match: the
+        # path's device nodes after their FULL stamps; an insert: each walked device node right
+        # after its FULL stamp). Only lru_credit's key reads stamp differences, not just order.
+        self.swa = swa
         self.key = POLICY_KEY[policy]
         self.host = host
         self.write_back = host and write_policy == "write_back"
@@ -145,6 +151,8 @@ class Model:
                 c.dev = span  # a host-only node takes the caller's slots
             else:
                 dups.extend(span.tolist())
+            if self.swa:
+                self.tick()
             if not self.write_back:
                 c.hits += 1
                 if self.threshold is not None and c.hits >= self.threshold:
@@ -173,6 +181,10 @@ class Model:
             path = path[:best]
         for c in path:
             c.access = self.tick()
+        if self.swa:
+            for c in path:
+                if c.dev is not None:
+                    self.tick()
         dev = sum(len(c.pages) for c in path if c.dev is not None)
         host = sum(len(c.pages) for c in path if c.dev is None)
         return dev * self.ps, host * self.ps
@@ -281,7 +293,8 @@ class VictimMachine(RuleBasedStateMachine):
         if self.MAMBA:
             kw["mamba"] = True
         self.tree = RadixTree(page_size=ps, eviction_policy=policy, **kw)
-        self.model = Model(ps, policy, self.HOST, self.WRITE_POLICY, self.MAMBA)
+        self.model = Model(ps, policy, self.HOST, self.WRITE_POLICY, self.MAMBA,
+                           swa=bool(self.WINDOW))
         self.next_state = 0
         self.next_slot = 0
         self.by_slot: dict[int, MNode] = {}
