@@ -159,3 +159,20 @@ def test_sweep_table_has_the_optimum_column() -> None:
     head, row = table.splitlines()[1:3]
     assert head.split()[-2:] == ["L1", "optimum"]
     assert row.endswith("37.50% / 37.50%")
+
+
+def test_lru_credit_through_every_tier(tmp_path, capsys) -> None:
+    """The new policy drives a replay with L2 and L3 (KV of loaded pages verified); its L1 hits
+    stay under the optimum the same run reports."""
+    import json
+
+    from asynccache.cli import main
+
+    argv = ["replay", "--json", "--progress", "off", "--limit", "100", "--eviction-policy",
+            "lru_credit", "--storage", f"file://{tmp_path}/l3", "--clear-storage"]
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["status"] == "complete" and rep["config"]["eviction_policy"] == "lru_credit"
+    hr = rep["hit_rate"]
+    assert hr["device_blocks"] <= hr["optimum_l1_blocks"] <= hr["infinite_cache_bound_blocks"]
+    assert rep["verified_tokens"] > 0
