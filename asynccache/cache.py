@@ -393,6 +393,27 @@ class HierarchicalCache:
         self._check_open()
         return await self._requests.load_back_request(req, mem_quota)
 
+    def begin_load_back_request(self, req: CacheRequest, *,
+                                mem_quota: int | None = None) -> LoadBack | None:
+        """Start loading ``req``'s host hit without waiting for it, so a forward can start
+        layer ``i`` once ``await lb.layer(i)`` returns while later layers still copy.
+
+        Returns None when nothing is loaded (no host hit, under ``load_back_threshold`` or
+        over ``mem_quota``, a load of the prefix already running, or no device room): compute
+        instead. Otherwise ``req.slots`` / ``req.prefix_len`` already cover the loaded prefix;
+        call :meth:`finish_load_back_request` before the request goes on (``extend`` first
+        raises :class:`InvalidInputError` there; keep the new KV until then)."""
+        self._check_open()
+        return self._requests.begin_load_back_request(req, mem_quota)
+
+    async def finish_load_back_request(self, req: CacheRequest, lb: LoadBack) -> None:
+        """Wait until ``lb`` (from :meth:`begin_load_back_request`) committed and pin the loaded
+        prefix for ``req``. If the load failed (:class:`TransferError`) or the wait is
+        cancelled, ``req`` goes back to the prefix the tree holds (``prefix_len`` may shrink;
+        the KV of the failed part must be computed) and the error propagates."""
+        self._check_open()
+        await self._requests.finish_load_back_request(req, lb)
+
     async def extend(self, req: CacheRequest, num_tokens: int) -> np.ndarray:
         """Reserve device slots for the next ``num_tokens`` tokens of ``req``; returns them.
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from asynccache.attachment import StorageAttachment
-from asynccache.engine import HybridOps, LoadBacks, Tiering
+from asynccache.engine import HybridOps, LoadBack, LoadBacks, Tiering
 from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError
 from asynccache.request import CacheRequest, check_active, check_request, release_pins, rematch
 from asynccache.retraction import Retraction
@@ -142,6 +142,47 @@ class RequestFlow:
                 self.tree.unlock_host(req.host_receipt)
                 req.host_receipt = None
         return req.prefix_len - before
+
+    def begin_load_back_request(self, req: CacheRequest,
+                                mem_quota: int | None) -> LoadBack | None:
+        self.check_active(req)
+        if req.computed != req.prefix_len:
+            raise InvalidInputError(
+                f"request {req.rid}: begin_load_back_request must come before it computes tokens"
+            )
+        if req.pending_loads or not self._loads.load_size(req.match(), mem_quota):
+            return None
+        lb = self._loads.begin_load_back(req.match(), mem_quota=mem_quota)
+        if lb is None:
+            return None
+        # The request's prefix is the load's device slots from now on: the tree owns them and
+        # the load protects them until it commits; finish_load_back_request moves the pins.
+        req.slots = lb.device_indices
+        req.prefix_len = len(lb.device_indices)
+        if req.host_receipt is not None:  # the load pins its host copy itself
+            self.tree.unlock_host(req.host_receipt)
+            req.host_receipt = None
+        return lb
+
+    async def finish_load_back_request(self, req: CacheRequest, lb: LoadBack) -> None:
+        self.check_active(req)
+        if req.computed != req.prefix_len or len(req.spare):
+            raise InvalidInputError(
+                f"request {req.rid}: finish_load_back_request must come before extend"
+            )
+        try:
+            await lb.wait()
+        except BaseException:
+            # Failed or cancelled: the load gives its lock up (a failed one its slots too);
+            # the request goes back to what the tree holds now.
+            self._loads.release_load(lb)
+            rematch(self.tree, req)
+            raise
+        old, req.receipt, lb.receipt = req.receipt, lb.receipt, None
+        if old is not None:
+            self.tree.unlock(old)
+        req.last_node = req.best_node = lb.node_id
+        req.host_hit_length = 0
 
     async def extend(self, req: CacheRequest, num_tokens: Any) -> np.ndarray:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) or (

@@ -337,7 +337,8 @@ async def serve_turn(cache: HierarchicalCache, runner: ModelRunner, tokens: Sequ
     suffix's KV into the request's slots -> greedy decode -> ``cache_finished_req``.
 
     ``layerwise``: start the host hit's load-back and let layer ``i`` of the prefill wait for
-    layer ``i`` of the copy only (``cache.begin_load_back``); otherwise wait for the whole load
+    layer ``i`` of the copy only (``cache.begin_load_back_request``, then
+    ``finish_load_back_request``); otherwise wait for the whole load
     (``cache.load_back_request``). A request whose whole prompt is cached recomputes its last
     token (the model needs its logits) without writing its KV again.
     """
@@ -351,30 +352,19 @@ async def serve_turn(cache: HierarchicalCache, runner: ModelRunner, tokens: Sequ
         if cache.storage is not None:
             fetched = await cache.prefetch_request(req, policy=prefetch_policy)
         before = req.prefix_len
-        if layerwise and req.host_hit_length and not req.pending_loads:
-            lb = cache.begin_load_back(req.match())
+        if layerwise:
+            lb = cache.begin_load_back_request(req)  # req.prefix_len covers the load now
         overlapped = lb is not None
-        if lb is not None:
-            # What load_back_request does once a load lands, done here before it lands: the
-            # request's prefix is the load's device slots (the tree owns them; the load is
-            # protected until it commits, then ``lb.receipt`` pins it for us).
-            req.slots = lb.device_indices
-            req.prefix_len = len(lb.device_indices)
-        else:
+        if lb is None:
             await cache.load_back_request(req)
         loaded = req.prefix_len - before
         prefix = req.prefix_len
         model_prefix = min(prefix, len(toks) - 1)
-        new = await cache.extend(req, len(toks) - prefix)
         res = await runner.prefill(cache, req.slots[:model_prefix], toks[model_prefix:], load=lb)
         if lb is not None:
-            await lb.wait()  # committed: the tree holds the loaded prefix; take its pin
-            old, req.receipt, lb.receipt = req.receipt, lb.receipt, None
-            if old is not None:
-                cache.unlock(old)
-            req.last_node = req.best_node = lb.node_id
-            req.host_hit_length = 0
+            await cache.finish_load_back_request(req, lb)  # committed: the prefix is pinned
             lb = None
+        new = await cache.extend(req, len(toks) - prefix)
         ttft = time.perf_counter() - t0
         if len(new):
             cache.write_kv(new, res.kv[:, :, prefix - model_prefix:])
