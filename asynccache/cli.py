@@ -245,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "matplotlib: pip install 'asynccache[plot]' (default: none)")
     o.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bars on stderr; auto: only on a terminal")
+    o.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve the caches' Prometheus metrics at "
+                        "http://127.0.0.1:PORT/metrics while replaying (0: a free port, "
+                        "logged as metrics_served); several instances: labelled cache=<i> "
+                        "(default: not served)")
     o.add_argument("--log-level", type=str.upper, default="WARNING",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="log events at this level and above go to stderr")
@@ -413,7 +418,8 @@ class _Run:
             storage_policy=StoragePolicy(prefetch_threshold=a.prefetch_threshold,
                                          prefetch_policy=a.prefetch_policy),
             prefill_rate=a.prefill_rate, decode_rate=a.decode_rate,
-            write_bandwidth=a.storage_write_bandwidth, clear_storage=a.clear_storage)
+            write_bandwidth=a.storage_write_bandwidth, clear_storage=a.clear_storage,
+            metrics_port=a.metrics_port)
 
     def replay(self, replayer: Any, desc: str) -> Any:
         """Run ``replayer`` over a fresh pass of the trace with a progress bar; Ctrl-C stops

@@ -41,11 +41,12 @@ from asynccache.config import CacheConfig
 from asynccache.errors import AsyncCacheError, ConfigError, PoolExhaustedError
 from asynccache.l3 import StoragePolicy
 from asynccache.logs import get_logger
+from asynccache.metrics import serve_metrics
 from asynccache.replay.bound import BeladyBound, InfiniteBound
 from asynccache.replay.formats import TraceFormatError, TraceRequest
 from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
 from asynccache.replay.storemodel import TraceTimeStore
-from asynccache.requests import CacheRequest
+from asynccache.request import CacheRequest
 from asynccache.tree import RadixKey
 
 _log = get_logger("replay")
@@ -110,6 +111,9 @@ class ReplayOptions:
     decode_rate: float = 0.0  # output tokens per second per request (0: no decode time)
     write_bandwidth: float | None = None  # storage write bytes/s (None: done by the next request)
     clear_storage: bool = False  # empty the store (this layout's pages) before replaying
+    # Serve the caches' Prometheus metrics at http://127.0.0.1:PORT/metrics while replaying
+    # (0: a free port, see TraceDriver.metrics_url; None: not served).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "prefill_rate", "decode_rate"):
@@ -123,6 +127,10 @@ class ReplayOptions:
             raise ConfigError(f"verify must be 'loaded', 'all' or 'none', got {self.verify!r}")
         if self.limit is not None and (isinstance(self.limit, bool) or self.limit < 0):
             raise ConfigError(f"limit must be an int >= 0, got {self.limit!r}")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be an int in [0, 65535], got {port!r}")
         bw = self.write_bandwidth
         if bw is not None and (isinstance(bw, bool) or not isinstance(bw, int | float)
                                or not 0 < bw < float("inf")):
@@ -194,15 +202,23 @@ class TraceDriver:
         self._warned_too_long = False
         self._stop = False
         self._stopped = asyncio.Event()
+        self.metrics_url: str | None = None  # while replaying with options.metrics_port
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, trace: Iterable[TraceRequest]) -> list[ReplayStats]:
         t0 = time.perf_counter()
         caches = [HierarchicalCache(self.config) for _ in range(self.n)]
         backend = None
+        server = None
         try:
             for c in caches:
                 await c.start()
+            if self.options.metrics_port is not None:
+                server = serve_metrics(caches[0].metrics if self.n == 1
+                                       else [c.metrics for c in caches],
+                                       port=self.options.metrics_port)
+                self.metrics_url = server.url
+                _log.info("metrics_served", url=server.url)
             ps = self.config.page_size
             self.instances = [
                 _Instance(i, c, ReplayStats(), InfiniteBound(ps),
@@ -226,6 +242,9 @@ class TraceDriver:
                 self.outcome.storage_foreign_pages = self.store.foreign_pages
                 self.outcome.storage_hidden_misses = self.store.hidden_misses
         finally:
+            if server is not None:
+                server.close()
+                self.metrics_url = None
             for c in caches:
                 if c.state == "running":
                     await c.detach_storage()

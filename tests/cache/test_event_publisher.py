@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+import numpy as np
 import pytest
 
 from asynccache.errors import ConfigError
@@ -109,3 +110,32 @@ async def test_metrics_are_scraped_over_http(make_cache, kit):
     lines = text.splitlines()
     assert 'asynccache_hit_tokens_total{cache="0"} 4.0' in lines
     assert 'asynccache_hit_tokens_total{cache="1"} 0.0' in lines
+
+
+async def test_replay_serves_its_metrics_while_it_runs(tmp_path):
+    """``ReplayOptions(metrics_port=0)`` (``asynccache replay --metrics-port 0``): a scrape in
+    the middle of a paced replay sees the cache's counters; the server is gone afterwards."""
+    from asynccache import CacheConfig
+    from asynccache.replay.driver import Replayer, ReplayOptions
+    from asynccache.replay.formats import TraceRequest
+
+    config = CacheConfig(page_size=4, num_layers=1, num_heads=1, head_dim=2,
+                         device_tokens=64, host_tokens=0, device="cpu")
+    prompt = np.arange(1, 17, dtype=np.uint32)
+    trace = [TraceRequest(f"r{i}", i * 0.05, prompt) for i in range(40)]
+    rp = Replayer(config, ReplayOptions(verify="none", time_scale=1.0, metrics_port=0))
+    run = asyncio.ensure_future(rp.run(trace))
+    while rp.driver.metrics_url is None:
+        assert not run.done()
+        await asyncio.sleep(0.01)
+    url = rp.driver.metrics_url
+    await asyncio.sleep(0.5)  # a few requests in
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    hits = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("asynccache_hit_tokens_total ")]
+    assert hits and hits[0] > 0
+    stats = await asyncio.wait_for(run, 60)
+    assert stats.requests == 40 and rp.driver.metrics_url is None
+    with pytest.raises(OSError):
+        await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=2))
