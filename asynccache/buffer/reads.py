@@ -33,7 +33,7 @@ from asynccache.l3 import (
     StoragePolicy,
     admission,
     await_stop,
-    final_outcome,
+    count_finished,
     floor_pages,
     pages_to_read,
     prefetch_span,
@@ -299,15 +299,8 @@ class StagedReads:
                     op.key, op.start, host[:done],
                     swa[:keep_swa] if swa is not None else None)
                 req.host_hit_length += done  # type: ignore[union-attr]
-        metrics = self._parts.metrics
-        outcomes = metrics.prefetch_outcomes
-        kept = req is not None and not cancelled
-        label = final_outcome(op.outcome, inserted=kept,
-                              complete=host is not None and done == len(host))
-        if kept:
-            op.outcome = label
-        outcomes.labels(outcome=label).inc()
-        metrics.prefetched_tokens.inc(done)
+        count_finished(self._parts.metrics, op, kept=req is not None and not cancelled,
+                       complete=host is not None and done == len(host), tokens=done)
         if cancelled:
             raise asyncio.CancelledError
         return done

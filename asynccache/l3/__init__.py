@@ -14,6 +14,7 @@ from asynccache.l3.policy import (
     PREFETCH_POLICIES,
     StoragePolicy,
     admission,
+    count_finished,
     final_outcome,
     floor_pages,
     may_stop,
@@ -26,5 +27,5 @@ from asynccache.l3.tier import PrefetchTasks, StorageTier, await_stop
 
 __all__ = ["BATCH_PAGES", "DEFAULT_MAX_ENTRIES", "PREFETCH_POLICIES", "HybridPrefetch",
            "PrefetchOp", "PrefetchTasks", "StorageExistenceCache", "StoragePolicy", "StorageTier",
-           "admission", "await_stop", "final_outcome", "floor_pages", "may_stop", "page_buffers", "pages_to_read",
+           "admission", "await_stop", "count_finished", "final_outcome", "floor_pages", "may_stop", "page_buffers", "pages_to_read",
            "prefetch_span", "read_run", "stop_policy", "stop_wait_s", "stored_prefix"]

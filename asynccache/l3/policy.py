@@ -17,7 +17,7 @@ Synchronous; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from asynccache.errors import ConfigError
 
@@ -167,3 +167,13 @@ def final_outcome(outcome: str, *, inserted: bool, complete: bool) -> str:
     if outcome == "issued":
         return "completed" if complete else "partial"
     return outcome
+
+
+def count_finished(metrics: Any, op: Any, *, kept: bool, complete: bool, tokens: int) -> None:
+    """Count a finished prefetch: its outcome (:func:`final_outcome`, also set on ``op`` when
+    it is kept) and the ``tokens`` it brought."""
+    label = final_outcome(op.outcome, inserted=kept, complete=complete)
+    if kept:
+        op.outcome = label
+    metrics.prefetch_outcomes.labels(outcome=label).inc()
+    metrics.prefetched_tokens.inc(tokens)

@@ -34,7 +34,7 @@ from asynccache.l3.pages import BATCH_PAGES, page_buffers, read_run, stored_pref
 from asynccache.l3.policy import (
     StoragePolicy,
     admission,
-    final_outcome,
+    count_finished,
     floor_pages,
     may_stop,
     pages_to_read,
@@ -526,14 +526,8 @@ class StorageTier:
         if hy is not None:
             hy.release(op, inserted=False)  # what was not inserted
         t.tree.unlock_host(op.pin)
-        metrics = self._parts.metrics
-        outcomes = metrics.prefetch_outcomes
-        label = final_outcome(op.outcome, inserted=insert,
-                              complete=host is not None and done == len(host))
-        if insert:
-            op.outcome = label
-        outcomes.labels(outcome=label).inc()
-        metrics.prefetched_tokens.inc(taken)
+        count_finished(self._parts.metrics, op, kept=insert,
+                       complete=host is not None and done == len(host), tokens=taken)
         if cancelled:
             raise asyncio.CancelledError
         return taken
