@@ -8,8 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --no-deps "sglang==0.5.23"
 python3 -m pip install --quiet -c constraints.txt \
-    msgspec pyzmq psutil pybase64 triton starlette aiohttp pydantic 2>&1 \
-    | grep -v "requires torch==" || true
-python3 -c "from sglang.srt.disaggregation.kv_events import KVEventBatch" \
-    || { echo "install_sglang_cpu: SGLang's kv_events still does not import" >&2; exit 1; }
+    msgspec pyzmq psutil pybase64 triton starlette aiohttp pydantic orjson requests ipython \
+    2>&1 | grep -v "^sglang .* requires " || true
+python3 -c "
+from sglang.srt.disaggregation.kv_events import KVEventBatch
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+" || { echo "install_sglang_cpu: SGLang's kv_events / storage factory still do not import" >&2
+       exit 1; }
 echo "install_sglang_cpu: sglang 0.5.23 imports (CPU)"
