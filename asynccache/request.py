@@ -104,12 +104,12 @@ def check_request(req: Any, owner: object) -> CacheRequest:
 
 def check_active(req: Any, owner: object) -> CacheRequest:
     """:func:`check_request`, and ``req`` is neither finished nor retracted."""
-    check_request(req, owner)
-    if req.finished:
-        raise InvalidInputError(f"request {req.rid} is already finished")
-    if req.retracted is not None:
-        raise InvalidInputError(f"request {req.rid} is retracted: restore it first")
-    return req  # type: ignore[no-any-return]
+    checked = check_request(req, owner)
+    if checked.finished:
+        raise InvalidInputError(f"request {checked.rid} is already finished")
+    if checked.retracted is not None:
+        raise InvalidInputError(f"request {checked.rid} is retracted: restore it first")
+    return checked
 
 
 def release_pins(tree: RadixTree, req: CacheRequest) -> None:

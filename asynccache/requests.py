@@ -125,14 +125,7 @@ class RequestFlow:
                 state = (req.prefix_len, req.host_hit_length)
                 lb = await loads.load_back(req.match(), mem_quota=mem_quota)
                 if lb is not None:
-                    old = req.receipt
-                    req.receipt, lb.receipt = lb.receipt, None
-                    if old is not None:
-                        self.tree.unlock(old)
-                    req.slots = lb.device_indices
-                    req.prefix_len = len(lb.device_indices)
-                    req.last_node = req.best_node = lb.node_id
-                    req.host_hit_length = 0
+                    self._take_load(req, lb)
                     break
                 rematch(self.tree, req)
                 if not req.pending_loads and (req.prefix_len, req.host_hit_length) == state:
@@ -178,9 +171,16 @@ class RequestFlow:
             self._loads.release_load(lb)
             rematch(self.tree, req)
             raise
+        self._take_load(req, lb)
+
+    def _take_load(self, req: CacheRequest, lb: LoadBack) -> None:
+        """A committed load-back of ``req``'s host hit: its prefix is the loaded one, pinned
+        by the load's lock (which replaces the request's)."""
         old, req.receipt, lb.receipt = req.receipt, lb.receipt, None
         if old is not None:
             self.tree.unlock(old)
+        req.slots = lb.device_indices
+        req.prefix_len = len(lb.device_indices)
         req.last_node = req.best_node = lb.node_id
         req.host_hit_length = 0
 

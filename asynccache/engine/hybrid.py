@@ -5,6 +5,7 @@ the hybrid insert is the engine's insert (:meth:`Tiering.insert`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from asynccache.engine.hybrid_slots import HybridSlots
@@ -33,20 +34,20 @@ class HybridOps:
         self.slots().free_swa(slots)
 
     def alloc_mamba_state(self) -> int | None:
-        hy = self.slots()
-        got = hy.alloc_mamba()
-        if got is None:
-            self._t.evict(0, mamba_num=1)
-            got = hy.alloc_mamba()
-        return got
+        return self._state_evicting(self.slots().alloc_mamba)
 
     def free_mamba_state(self, slot: int) -> None:
         self.slots().free_mamba(slot)
 
     def mamba_copy_on_write(self, slot: int) -> int | None:
         hy = self.slots()
-        got = hy.copy_on_write(slot)
+        return self._state_evicting(lambda: hy.copy_on_write(slot))
+
+    def _state_evicting(self, take: Callable[[], int | None]) -> int | None:
+        """A Mamba state from ``take``; when the pool is full, after evicting one unlocked
+        state (None if there is none)."""
+        got = take()
         if got is None:
             self._t.evict(0, mamba_num=1)
-            got = hy.copy_on_write(slot)
+            got = take()
         return got

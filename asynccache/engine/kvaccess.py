@@ -72,11 +72,11 @@ class KVAccess:
             view = pool.page_view()
             src = values[:, :, :covered].reshape(view.shape[0], 2, len(pages), view.shape[3])
             runs = _runs(pages)
-            if len(runs) <= _MAX_RUNS:  # few runs of consecutive pages: plain slice copies
+            if runs is None:  # fragmented (a scatter is several times slower than a copy)
+                view.index_copy_(2, torch.tensor(pages, device=pool.device), src)
+            else:  # a few runs of consecutive pages: plain slice copies
                 for at, first, n in runs:
                     view[:, :, first : first + n].copy_(src[:, :, at : at + n])
-            else:  # (a scatter is several times slower than a copy per element)
-                view.index_copy_(2, torch.tensor(pages, device=pool.device), src)
         if covered < len(arr):
             pool.kv.index_copy_(2, torch.tensor(arr[covered:], device=pool.device),
                                 values[:, :, covered:])
@@ -85,11 +85,12 @@ class KVAccess:
 _MAX_RUNS = 64
 
 
-def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """``pages`` as runs of consecutive ids: (position in ``pages``, first id, length)."""
+def _runs(pages: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """``pages`` as runs of consecutive ids: (position in ``pages``, first id, length); None
+    when there are more than ``_MAX_RUNS``."""
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     if len(breaks) >= _MAX_RUNS:
-        return [(0, 0, 0)] * (len(breaks) + 1)  # too fragmented: the caller scatters
+        return None
     starts = [0, *breaks.tolist()]
     ends = [*breaks.tolist(), len(pages)]
     return [(a, int(pages[a]), b - a) for a, b in zip(starts, ends, strict=True)]
