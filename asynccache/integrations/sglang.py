@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from asynccache.errors import ConfigError
+from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.storage.base import StorageLayout
 from asynccache.storage.factory import open_backend
 
@@ -59,6 +59,16 @@ def layout_for(storage_config: Any, *, page_size: int, kv_dtype: str = "bfloat16
         tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
         kv_replicated=bool(storage_config.is_mla_model),
         pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size, extra=extra)
+
+
+def _check_tensors(call: str, name: str, keys: Sequence[str], tensors: Any) -> None:
+    """One tensor per key, or an InvalidInputError naming the first that is not."""
+    if tensors is None or len(tensors) != len(keys):
+        raise InvalidInputError(f"{call} needs {name}: one tensor per key ({len(keys)} keys), "
+                                f"got {tensors!r}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{call}: {name}[{i}] is not a tensor: {t!r}")
 
 
 class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships no type hints)
@@ -121,13 +131,11 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
 
     def get(self, key: str, target_location: Any = None,
             target_sizes: Any = None) -> torch.Tensor | None:
-        got = self.batch_get([key], [target_location])
-        return got[0] if isinstance(got, list) else None
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        if target_locations is None:
-            raise ConfigError("batch_get needs target_locations (one tensor per key)")
+        _check_tensors("batch_get", "target_locations", keys, target_locations)
         bufs = [t.contiguous() for t in target_locations]
         ok = self._run(self.backend.get_batch(list(keys), bufs))
         out: list[torch.Tensor | None] = []
@@ -144,8 +152,7 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         data = values if values is not None else target_locations
-        if data is None:
-            raise ConfigError("batch_set needs values (one tensor per key)")
+        _check_tensors("batch_set", "values", keys, data)
         return all(self._run(self.backend.set_batch(list(keys), [v.contiguous() for v in data])))
 
     def exists(self, key: str) -> bool:

@@ -151,3 +151,20 @@ def test_bad_extra_config_names_the_field(tmp_path):
         AsyncCacheStorage(_config(None))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'page_size'"):
         AsyncCacheStorage(_config(f"file://{tmp_path}", page_size=0))
+
+
+def test_missing_page_tensors_are_named_before_any_io(tmp_path):
+    from asynccache.errors import InvalidInputError
+
+    storage = _create(f"file://{tmp_path}")
+    try:
+        keys = _keys(2)
+        with pytest.raises(InvalidInputError, match=r"batch_get: target_locations\[1\]"):
+            storage.batch_get(keys, [torch.zeros(PAGE_NUMEL, dtype=torch.float16), None])
+        with pytest.raises(InvalidInputError, match=r"batch_get: target_locations\[0\] is not a tensor: None"):
+            storage.get(keys[0])
+        with pytest.raises(InvalidInputError, match="batch_set needs values"):
+            storage.batch_set(keys, _pages(1, seed=0))
+        assert storage.batch_exists(keys) == 0  # nothing was written
+    finally:
+        storage.close()
