@@ -32,7 +32,6 @@ staging.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -63,8 +62,6 @@ _log = get_logger("buffer_mode")
 
 WRITE_MARGIN: Final = 0.1  # writes leave this share free besides the read bounces...
 WRITE_FLOOR: Final = 0.2  # ...but may always hold this share
-
-_SERIAL = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -98,7 +95,7 @@ class BufferModePipeline:
         self._t = tiering
         self._parts = parts
         self._tasks = tasks
-        self._write_group = f"buffer_writes#{next(_SERIAL)}"
+        self._write_group = tasks.new_group("buffer_writes")
         self.backend = backend
         self.policy = policy
         self.existence = StorageExistenceCache(existence_entries)

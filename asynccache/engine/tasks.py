@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -38,6 +39,12 @@ class TaskOwner:
 
     def __init__(self) -> None:
         self._groups: dict[str, set[asyncio.Task[Any]]] = {}
+        self._serial = itertools.count(1)
+
+    def new_group(self, name: str) -> str:
+        """A group name no other caller gets (``name#N``): one component instance's tasks,
+        told apart from a sibling's (a detached storage tier still closing, the next one)."""
+        return f"{name}#{next(self._serial)}"
 
     def spawn(self, group: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -15,7 +15,6 @@ counted and logged) and the engine goes on. Nothing here blocks the loop.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -47,8 +46,6 @@ from asynccache.ranks import Agreement
 from asynccache.tree import LockReceipt, MatchResult, RadixKey
 
 _log = get_logger("l3")
-
-_SERIAL = itertools.count(1)
 
 
 async def await_stop(task: asyncio.Task[Any], stop: str, policy: StoragePolicy,
@@ -106,9 +103,8 @@ class StorageTier:
         # Page keys believed stored (written or read by this tier): writes skip them. A prefetch
         # that finds a page missing, or fails to read it, forgets it (and the pages after it).
         self._known = StorageExistenceCache(max(1, policy.known_keys))
-        serial = next(_SERIAL)
-        self._write_group = f"storage_writes#{serial}"
-        self._abort_group = f"prefetch_aborts#{serial}"  # releases of prefetches nobody finished
+        self._write_group = tasks.new_group("storage_writes")
+        self._abort_group = tasks.new_group("prefetch_aborts")  # releases nobody finished
         self._prefetches: dict[PrefetchOp, PrefetchTasks] = {}
         self._agreeing: list[PrefetchOp] = []  # several ranks: prefetches in start order
         self._occupied = 0

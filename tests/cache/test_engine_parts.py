@@ -126,3 +126,10 @@ async def test_write_kv_reads_back_bit_exact_however_the_pages_lie(make_cache, k
     cache.write_kv(use, model.expected(tokens))
     kit.assert_bits_equal(cache.read_kv(use), model.expected(tokens), layout)
     cache.free_device(slots)
+
+
+def test_task_owner_group_names_are_never_shared() -> None:
+    owner = TaskOwner()
+    assert [owner.new_group("storage_writes"), owner.new_group("storage_writes"),
+            owner.new_group("buffer_writes")] == ["storage_writes#1", "storage_writes#2",
+                                                   "buffer_writes#3"]
