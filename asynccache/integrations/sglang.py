@@ -27,6 +27,7 @@ Needs the ``sglang`` package (its ``HiCacheStorage`` base class); see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -91,13 +92,14 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                                  kv_dtype=str(extra.get("kv_dtype", "bfloat16")),
                                  extra=str(extra.get("layout_extra", "")))
         self.mem_pool_host: Any = None
+        self._url = url
+        self._backend_kwargs = dict(extra.get("backend_kwargs") or {})
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="asynccache-sglang-storage")
         self._thread.start()
         try:
-            self.backend = self._run(open_backend(url, self.layout,
-                                                  **dict(extra.get("backend_kwargs") or {})))
+            self.backend = self._run(open_backend(url, self.layout, **self._backend_kwargs))
         except BaseException:
             self._stop_loop()
             raise
@@ -124,10 +126,73 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
 
     # ------------------------------------------------------------------ SGLang's interface
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host pool (for the v1 calls). A page's bytes are in the pool's own
+        layout (``page_first_direct`` and ``page_head`` order them differently from the
+        ``layer_first`` that SGLang's storage config reports for them), so a pool whose layout
+        differs from the storage layout's switches the adapter to objects named for it."""
         if getattr(mem_pool_host, "page_size", self.page_size) != self.page_size:
             raise ConfigError(f"host pool page_size {mem_pool_host.page_size} != the "
                               f"storage's page_size {self.page_size} (extra_config)")
+        host_layout = getattr(mem_pool_host, "layout", self.layout.kv_layout)
+        if host_layout != self.layout.kv_layout:
+            layout = dataclasses.replace(self.layout, kv_layout=str(host_layout))
+            backend = self._run(open_backend(self._url, layout, **self._backend_kwargs))
+            old, self.backend, self.layout = self.backend, backend, layout
+            self._run(old.aclose())
         self.mem_pool_host = mem_pool_host
+
+    def _host_pages(self, call: str, keys: Sequence[str], host_indices: Any) -> list[torch.Tensor]:
+        """The registered host pool's page views (``get_data_page(..., flat=False)``) for the
+        token indices of ``len(keys)`` pages, or an error naming what is wrong."""
+        host = self.mem_pool_host
+        if host is None:
+            raise ConfigError(f"{call} needs SGLang's host pool: call register_mem_pool_host first")
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidInputError(f"{call}: host_indices must be a 1-D tensor of token "
+                                    f"indices, got {host_indices!r}")
+        if host_indices.numel() != len(keys) * self.page_size:
+            raise InvalidInputError(
+                f"{call}: {len(keys)} keys need {len(keys) * self.page_size} host indices "
+                f"(page_size {self.page_size}), got {host_indices.numel()}")
+        starts = host_indices[:: self.page_size].tolist()
+        for i, start in enumerate(starts):
+            if start % self.page_size:
+                raise InvalidInputError(f"{call}: page {i} starts at host index {start}, "
+                                        f"not a multiple of page_size {self.page_size}")
+        return [host.get_data_page(start, flat=False) for start in starts]
+
+    @staticmethod
+    def _staged(pages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """One flat buffer per page: the page itself where it is contiguous, else a row of
+        one staging tensor (the indices of those pages are returned with them)."""
+        apart = [i for i, p in enumerate(pages) if not p.is_contiguous()]
+        bufs = [p.view(-1) if p.is_contiguous() else p for p in pages]
+        if apart:
+            staging = torch.empty((len(apart), pages[apart[0]].numel()),
+                                  dtype=pages[apart[0]].dtype)
+            for row, i in enumerate(apart):
+                bufs[i] = staging[row]
+        return bufs, apart
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the host pool pages at ``host_indices`` (``page_size`` token indices per key)."""
+        pages = self._host_pages("batch_set_v1", keys, host_indices)
+        bufs, apart = self._staged(pages)
+        for i in apart:
+            bufs[i].view(pages[i].shape).copy_(pages[i])
+        return list(self._run(self.backend.set_batch(list(keys), bufs)))
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: Any = None) -> list[bool]:
+        """Read pages into the host pool at ``host_indices``; True per page filled (verified)."""
+        pages = self._host_pages("batch_get_v1", keys, host_indices)
+        bufs, apart = self._staged(pages)
+        ok = list(self._run(self.backend.get_batch(list(keys), bufs)))
+        for i in apart:
+            if ok[i]:
+                pages[i].copy_(bufs[i].view(pages[i].shape))
+        return ok
 
     def get(self, key: str, target_location: Any = None,
             target_sizes: Any = None) -> torch.Tensor | None:
