@@ -33,6 +33,7 @@ from asynccache.engine import (
     TaskOwner,
     Tiering,
 )
+from asynccache.engine.sidecars import Sidecar
 from asynccache.engine.slots import agreed_state_names
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.l3 import PrefetchOp, StoragePolicy, StorageTier
@@ -43,6 +44,7 @@ from asynccache.requests import RequestFlow
 from asynccache.retraction import Retraction
 from asynccache.sessions import SessionTracker, StreamingSession
 from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.sidecars import SidecarSpec
 from asynccache.tree import (
     InsertResult,
     KVEvent,
@@ -589,3 +591,35 @@ class HierarchicalCache:
         """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
         self._kv.write_kv(slots, values)
 
+    # ------------------------------------------------------------------ sidecar pools
+    def register_sidecar_pool(self, spec: SidecarSpec) -> Sidecar:
+        """Add a sidecar pool (a draft model's KV, an indexer's keys, any per-token buffer)
+        whose slots are those of ``spec.source`` (docs/sidecars.md): its data rides every copy
+        of the source (backups, write-backs, load-backs, retraction, staging) and every storage
+        object (``<page key>.<name>``). Before ``start`` only. :class:`ConfigError`, with
+        nothing registered, for a bad spec, a duplicate name, a source pool this cache does not
+        have, or a host pool smaller than the source's host capacity."""
+        if self._parts.life.state != "new":
+            raise ConfigError(f"sidecar {getattr(spec, 'name', spec)!r}: register sidecar pools "
+                              f"before the cache starts (it is {self._parts.life.state})")
+        return self._parts.sidecars.register(spec)
+
+    def register_draft_pools(self, *, num_layers: int, num_heads: int, head_dim: int,
+                             dtype: Any = None, name: str = "draft",
+                             host_slots: int | None = None) -> Sidecar:
+        """A draft model's KV (speculative decoding) as a sidecar of the KV pool: per token and
+        layer ``(2, num_heads, head_dim)`` of ``dtype`` (None: the cache's), needed for every
+        page; its device pool's ``layer(i)[:, 0]`` / ``[:, 1]`` are layer ``i``'s K / V."""
+        spec = SidecarSpec(name=name, source="kv", token_shape=(2, num_heads, head_dim),
+                           dtype=self.shape.dtype if dtype is None else dtype,
+                           num_layers=num_layers, hit_policy="all_pages", host_slots=host_slots)
+        return self.register_sidecar_pool(spec)
+
+    def sidecar(self, name: str) -> Sidecar:
+        """The registered sidecar ``name`` (its spec and device / host pools)."""
+        return self._parts.sidecars.get(name)
+
+    @property
+    def sidecars(self) -> tuple[Sidecar, ...]:
+        """Every registered sidecar, in registration order."""
+        return tuple(self._parts.sidecars)

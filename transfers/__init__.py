@@ -8,6 +8,8 @@
   event loop in batches.
 * :mod:`asynccache.transfers.hybrid_pools` -- :class:`SWASlotMap` (FULL and SWA slots allocated in pairs,
   the full->SWA map) and :class:`MambaStatePool` (recurrent states, copy-on-write).
+* :mod:`asynccache.transfers.sidecars` -- :class:`SidecarSpec` and the sidecar pools (per-token
+  buffers sharing a source pool's slots; their copies ride the source's).
 
 Knows nothing of the tree; see ``docs/transfers.md``.
 """
@@ -18,6 +20,7 @@ from asynccache.transfers.engine import CopyEngine, OpStats
 from asynccache.transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
 from asynccache.transfers.hybrid_pools import MambaStatePool, SWASlotMap
 from asynccache.transfers.pools import DevicePool, HostPool, KVShape
+from asynccache.transfers.sidecars import SidecarSpec
 
 __all__ = [
     "CopyEngine",
@@ -32,4 +35,5 @@ __all__ = [
     "OpStats",
     "PageAllocator",
     "SWASlotMap",
+    "SidecarSpec",
 ]

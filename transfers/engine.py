@@ -38,7 +38,13 @@ from asynccache.errors import (
 )
 from asynccache.logs import get_logger
 from asynccache.transfers.bridge import LoopBridge
-from asynccache.transfers.handles import CopyHandle, CopyResult, LayerwiseHandle
+from asynccache.transfers.handles import (
+    CopyHandle,
+    CopyResult,
+    GroupHandle,
+    LayerwiseGroup,
+    LayerwiseHandle,
+)
 from asynccache.transfers.hazards import HostHazards
 from asynccache.transfers.indices import SlotIndices, as_slot_array
 from asynccache.transfers.pools import DevicePool, HostPool, KVPool
@@ -155,6 +161,7 @@ class CopyEngine:
         self._fence_pool: list[Any] = []  # CUDA events of retired fences, for reuse
         self._dead: TransferError | None = None
         self._bytes_per_token = device_pool.shape.bytes_per_token
+        self._riders: list[CopyEngine] = []  # sidecar engines that copy the same slots
         self.stats: dict[str, OpStats] = {op: OpStats() for op in OPS}
 
     # ------------------------------------------------------------------ lifecycle
@@ -342,30 +349,72 @@ class CopyEngine:
         """Copy device slots ``device_idx`` to host slots ``host_idx`` (all layers).
 
         ``after``: what the copy's device reads wait for (see the fence contract)."""
+        self._check_riders()
         job, src, dst = self._job("d2h", device_idx, host_idx, layerwise=False, after=after)
-        return CopyHandle("d2h", job.fut, src, dst, job.num_bytes)
+        handle = CopyHandle("d2h", job.fut, src, dst, job.num_bytes)
+        if not self._riders:
+            return handle
+        return GroupHandle([handle, *(r.submit_d2h(src, dst, **_after(after))
+                                      for r in self._riders)])
 
     def submit_h2d(self, host_idx: SlotIndices, device_idx: SlotIndices, *,
                    after: Any = None) -> CopyHandle:
         """Copy host slots ``host_idx`` to device slots ``device_idx`` (all layers).
 
         ``after``: what the copy's device writes wait for (kernels still reading the slots)."""
+        self._check_riders()
         job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False, after=after)
-        return CopyHandle("h2d", job.fut, src, dst, job.num_bytes)
+        handle = CopyHandle("h2d", job.fut, src, dst, job.num_bytes)
+        if not self._riders:
+            return handle
+        return GroupHandle([handle, *(r.submit_h2d(src, dst, **_after(after))
+                                      for r in self._riders)])
 
     def submit_h2d_layerwise(
         self, host_idx: SlotIndices, device_idx: SlotIndices, *, after: Any = None
     ) -> LayerwiseHandle:
-        """Copy host -> device layer by layer; ``await handle.layer(i)`` waits for layer ``i``."""
+        """Copy host -> device layer by layer; ``await handle.layer(i)`` waits for layer ``i``
+        (with riders: a :class:`LayerwiseGroup`, each rider loaded layer by layer too)."""
+        self._check_riders()
         job, src, dst = self._job("h2d_layerwise", host_idx, device_idx, layerwise=True,
                                   after=after)
         assert job.layer_futs is not None
-        return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
+        handle = LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
+        if not self._riders:
+            return handle
+        return LayerwiseGroup([handle, *(r.submit_h2d_layerwise(src, dst, **_after(after))
+                                         for r in self._riders)])
 
-    def _job(
-        self, op: str, src_idx: SlotIndices, dst_idx: SlotIndices, *, layerwise: bool,
-        after: Any = None,
-    ) -> tuple[Job, Any, Any]:
+    # ------------------------------------------------------------------ riders (sidecars)
+    def add_rider(self, rider: CopyEngine) -> None:
+        """Make ``rider`` (an engine over a sidecar's device and host pools) copy the same
+        slots as every later submission here, in the same handle (a :class:`GroupHandle`, or a
+        :class:`LayerwiseGroup` for layer-wise loads). Its pools must have at least as many
+        slots as this engine's and the same page size; it is started and closed by its owner
+        (start it before the first copy, close it after this engine)."""
+        if not isinstance(rider, CopyEngine) or rider is self or rider in self._riders:
+            raise ConfigError(f"a rider must be another CopyEngine, got {rider!r}")
+        for mine, theirs, what in ((self.device_pool, rider.device_pool, "device"),
+                                   (self.host_pool, rider.host_pool, "host")):
+            if theirs.page_size != mine.page_size:
+                raise ConfigError(f"rider {rider.name!r}: {what} page_size {theirs.page_size} "
+                                  f"!= {mine.page_size}")
+            if theirs.num_slots < mine.num_slots:
+                raise ConfigError(f"rider {rider.name!r}: {theirs.num_slots} {what} slots < "
+                                  f"{mine.num_slots} of {self.name!r}")
+        self._riders.append(rider)
+
+    @property
+    def riders(self) -> tuple[CopyEngine, ...]:
+        return tuple(self._riders)
+
+    def _check_riders(self) -> None:
+        """Every rider can take a copy (checked before anything is queued: a submission is
+        queued on all of them, or on none)."""
+        for r in self._riders:
+            r._check_open()
+
+    def _check_open(self) -> None:
         if self._dead is not None:
             raise TransferError(f"CopyEngine {self.name!r} is dead: {self._dead}") \
                 from self._dead
@@ -374,6 +423,12 @@ class CopyEngine:
                 f"CopyEngine {self.name!r} is {self._state}; "
                 + ("call start() or use 'async with'" if self._state == "new" else "no new copies")
             )
+
+    def _job(
+        self, op: str, src_idx: SlotIndices, dst_idx: SlotIndices, *, layerwise: bool,
+        after: Any = None,
+    ) -> tuple[Job, Any, Any]:
+        self._check_open()
         if threading.get_ident() != self._loop_thread:
             raise OwnerError("CopyEngine.submit_* must be called on the engine's event loop thread")
         src_pool: KVPool
@@ -496,3 +551,8 @@ def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
     # must not make asyncio complain that the exception was never retrieved.
     if not fut.cancelled():
         fut.exception()
+
+
+def _after(after: Any) -> dict[str, Any]:
+    """``after=`` for a rider's submission (only when given: a wrapped submit may not take it)."""
+    return {} if after is None else {"after": after}

@@ -8,7 +8,7 @@ other awaiter (typically the owner of the slots, which frees them when it is saf
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,3 +135,69 @@ class LayerwiseHandle(CopyHandle):
 
     def layer_finished(self, i: int) -> bool:
         return self._layers[i].done()
+
+
+class GroupHandle(CopyHandle):
+    """Several copies of one operation (over several pools: FULL KV, SWA KV, Mamba states,
+    sidecars) as one handle: it finishes when every part has, with the first part's error if
+    any failed. The first part's indices and the summed bytes describe it."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[CopyHandle]) -> None:
+        if not parts:
+            raise InvalidInputError("a GroupHandle needs at least one copy")
+        fut = _joined(parts)
+        first = parts[0]
+        super().__init__(first.op, fut, first.src_indices, first.dst_indices,
+                         sum(p.num_bytes for p in parts))
+        self.parts = tuple(parts)
+
+
+class LayerwiseGroup(LayerwiseHandle):
+    """A layer-wise load with the copies that ride it (sidecar pools, see
+    :mod:`asynccache.transfers.sidecars`): ``layer(i)`` is the first part's layer ``i``;
+    ``await`` waits for every part. ``parts[k].layer(j)`` waits for layer ``j`` of a rider."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[LayerwiseHandle]) -> None:
+        if not parts:
+            raise InvalidInputError("a LayerwiseGroup needs at least one copy")
+        first = parts[0]
+        super().__init__(_joined(parts), first._layers, first.src_indices, first.dst_indices,
+                         sum(p.num_bytes for p in parts))
+        self.parts = tuple(parts)
+
+
+def _joined(parts: Sequence[CopyHandle]) -> asyncio.Future[Any]:
+    """A future resolved once every part finished: the first failed part's error, else one
+    result for all (the first part's tokens, the summed bytes, the longest duration)."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.add_done_callback(_retrieve)
+    first = parts[0]
+    left = [len(parts)]
+
+    def one_done(_h: CopyHandle) -> None:
+        left[0] -= 1
+        if left[0] or fut.done():
+            return
+        for p in parts:
+            try:
+                p.result()
+            except BaseException as exc:  # the part's own error
+                fut.set_exception(exc)
+                return
+        results = [p.result() for p in parts]
+        fut.set_result(CopyResult(
+            first.op, first.num_tokens, sum(p.num_bytes for p in parts),
+            min(r.queued_s for r in results), max(r.duration_s for r in results)))
+
+    for p in parts:
+        p.add_done_callback(one_done)
+    return fut
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()

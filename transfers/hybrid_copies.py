@@ -7,9 +7,8 @@
   or the current stream), a copy stream, pinned ``non_blocking`` copies through the staging
   ring, blocking-sync events; on the CPU the direct worker. Host-slot ordering and dead-thread
   handling come with it.
-* :class:`GroupHandle` joins the copies of one operation over several pools (FULL KV, SWA KV,
-  Mamba states) into a single :class:`CopyHandle`: it finishes when every part has, with the
-  first part's error if any failed. The FULL part's indices and the summed bytes describe it.
+* :class:`~asynccache.transfers.handles.GroupHandle` (re-exported here) joins the copies of one
+  operation over several pools into a single :class:`CopyHandle`.
 
 SWA KV moves with a second :class:`~asynccache.transfers.engine.CopyEngine` over the SWA device
 and host pools (same page layout as FULL KV, fewer layers).
@@ -17,8 +16,6 @@ and host pools (same page layout as FULL KV, fewer layers).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -26,11 +23,13 @@ import torch
 
 from asynccache.errors import ClosedError, InvalidInputError
 from asynccache.transfers.engine import CopyEngine, Mode
-from asynccache.transfers.handles import CopyHandle, CopyResult
+from asynccache.transfers.handles import CopyHandle, GroupHandle
 from asynccache.transfers.hybrid_pools import DeviceStatePages, HostStatePages, MambaStatePool
 from asynccache.transfers.indices import as_slot_array
 from asynccache.transfers.pools import register_host_memory
 from asynccache.transfers.streams import Streams
+
+__all__ = ["GroupHandle", "StateCopier", "host_state_pool", "state_bytes"]
 
 #: The staging ring of a state copier (states are small next to KV).
 STATE_STAGING_BYTES = 16 << 20
@@ -106,51 +105,6 @@ class StateCopier:
         for arr, pool in ((s, src), (d, dst)):
             if arr.shape[0] and (int(arr.min()) < 0 or int(arr.max()) >= pool.states.shape[0]):
                 raise InvalidInputError(f"a state slot of {arr.tolist()[:8]} is out of range")
-
-
-class GroupHandle(CopyHandle):
-    """Several copies of one operation as one handle (see the module docstring)."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: Sequence[CopyHandle]) -> None:
-        if not parts:
-            raise InvalidInputError("a GroupHandle needs at least one copy")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        fut.add_done_callback(_retrieve)
-        first = parts[0]
-        super().__init__(first.op, fut, first.src_indices, first.dst_indices,
-                         sum(p.num_bytes for p in parts))
-        self.parts = tuple(parts)
-        left = [len(parts)]
-
-        def one_done(_h: CopyHandle) -> None:
-            left[0] -= 1
-            if left[0] or fut.done():
-                return
-            error = None
-            for p in self.parts:
-                try:
-                    p.result()
-                except BaseException as exc:  # the part's own error
-                    error = exc
-                    break
-            if error is not None:
-                fut.set_exception(error)
-                return
-            results = [p.result() for p in self.parts]
-            fut.set_result(CopyResult(
-                first.op, first.num_tokens, self.num_bytes,
-                min(r.queued_s for r in results), max(r.duration_s for r in results)))
-
-        for p in parts:
-            p.add_done_callback(one_done)
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def state_bytes(pool: MambaStatePool, slots: np.ndarray) -> bytes:

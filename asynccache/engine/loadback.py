@@ -9,7 +9,7 @@ forward pass start layer ``i`` while later layers are still copying.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from asynccache.engine.tiering import Tiering
 from asynccache.errors import InvalidInputError, PoolExhaustedError, TransferError
 from asynccache.logs import get_logger
 from asynccache.transfers.engine import CopyEngine
-from asynccache.transfers.handles import CopyHandle, LayerwiseHandle
+from asynccache.transfers.handles import CopyHandle, LayerwiseGroup, LayerwiseHandle
 from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LoadBackTicket, LockReceipt, MatchResult
 
@@ -47,11 +47,21 @@ class LoadBack:
     committed: Any = None  # multi-rank: a coroutine function that ticks until it is committed
     # Hybrid caches: the FULL, SWA and Mamba copies together; ``layer(i)`` then waits for all.
     group: CopyHandle | None = None
+    # The layer-wise loads of the KV pool's sidecars, by name (they ride the KV copy).
+    sidecars: dict[str, LayerwiseHandle] = field(default_factory=dict)
 
     def layer(self, i: int) -> Any:
         if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
             return (self.group or self.handle).done()
         return self.handle.layer(i)
+
+    def sidecar_layer(self, name: str, i: int) -> Any:
+        """An awaitable for layer ``i`` of sidecar ``name`` (a draft model's layer ``i``);
+        a sidecar of the SWA or Mamba pool (loaded whole, with its source): the whole load."""
+        h = self.sidecars.get(name)
+        if h is None:
+            return (self.group or self.handle).done()
+        return h.layer(i)
 
     async def wait(self) -> None:
         if self.committed is not None:
@@ -189,7 +199,13 @@ class LoadBacks:
             total = match.device_prefix_len + match.host_hit_length
             tail = self.tree.tail_slots(match.best_node, total) if total else None
             indices = tail if tail is not None else match.device_indices
+        kv_load = handle if parts is None else copies[0]
+        riders = {}
+        if isinstance(kv_load, LayerwiseGroup):
+            names = [s.name for s in self._p.sidecars.of("kv") if s.engine is not None]
+            riders = dict(zip(names, kv_load.parts[1:], strict=True))
         lb = LoadBack(
+            sidecars=riders,
             op_id=ticket.op_id,
             node_id=match.best_node,
             num_tokens=ticket.num_tokens,

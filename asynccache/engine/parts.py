@@ -9,6 +9,7 @@ import torch
 
 from asynccache.config import CacheConfig
 from asynccache.engine.hybrid_slots import HybridSlots, HybridTier
+from asynccache.engine.sidecars import Sidecars
 from asynccache.errors import ClosedError, ConfigError
 from asynccache.metrics import CacheMetrics
 from asynccache.transfers.pools import DevicePool, HostPool, KVShape
@@ -43,6 +44,7 @@ class Parts:
     hybrid: HybridSlots | None  # SWA / Mamba pools (None: FULL only)
     metrics: CacheMetrics
     life: Lifecycle
+    sidecars: Sidecars  # extra per-token pools on a source pool's slots (registered later)
 
     @property
     def hybrid_tier(self) -> HybridTier | None:
@@ -96,4 +98,24 @@ class Parts:
         if host_pool is not None:
             metrics.host_total_tokens.set(host_pool.num_slots)
         return cls(config, config.page_size, shape, device_pool, host_pool, tree, hybrid,
-                   metrics, Lifecycle())
+                   metrics, Lifecycle(), Sidecars(device_pool, host_pool,
+                                                  _sources(device_pool, host_pool, hybrid)))
+
+
+def _sources(device_pool: DevicePool, host_pool: HostPool | None,
+             hybrid: HybridSlots | None) -> dict[str, tuple[int, int | None, int]]:
+    """The pools a sidecar can ride: (device slots, host slots or None, page size) each."""
+    ps = device_pool.page_size
+    out: dict[str, tuple[int, int | None, int]] = {
+        "kv": (device_pool.num_slots, host_pool.num_slots if host_pool is not None else None, ps)}
+    if hybrid is None:
+        return out
+    tier = hybrid.tier
+    if hybrid.swa_pool is not None:
+        host = tier.swa_host if tier is not None else None
+        out["swa"] = (hybrid.swa_pool.num_slots, host.num_slots if host is not None else None, ps)
+    if hybrid.mamba_pool is not None:
+        states = tier.mamba_host if tier is not None else None
+        out["mamba"] = (hybrid.mamba_pool.allocator.total_size,
+                        states.allocator.total_size if states is not None else None, 1)
+    return out

@@ -390,8 +390,15 @@ class Tiering:
             return
         self.copier = CopyEngine(p.device_pool, p.host_pool, name="asynccache-copy")
         await self.copier.start()
-        if p.hybrid_tier is not None:
-            await p.hybrid_tier.start()
+        tier = p.hybrid_tier
+        if tier is not None:
+            await tier.start()
+        # Sidecars ride their source's engine: every copy of it copies their slots too.
+        await p.sidecars.start({
+            "kv": self.copier,
+            "swa": tier.swa_engine if tier is not None else None,
+            "mamba": tier.states.engine if tier is not None and tier.states is not None
+            else None})
 
     def copiers(self) -> list[Any]:
         """Every copier the cache starts copies on (KV, SWA KV, Mamba states)."""
@@ -399,6 +406,7 @@ class Tiering:
         tier = self.parts.hybrid_tier
         if tier is not None:
             out += [tier.swa_engine, tier.states.engine if tier.states is not None else None]
+        out += self.parts.sidecars.engines()
         return [c for c in out if c is not None]
 
     async def stop_copiers(self) -> None:
@@ -406,6 +414,7 @@ class Tiering:
             await self.copier.aclose()
         if self.parts.hybrid_tier is not None:
             await self.parts.hybrid_tier.aclose()
+        await self.parts.sidecars.aclose()  # after the engines they ride
 
     def agreed_state(self) -> list[int]:
         """What every rank's tree and pools must share at an agreement tick (names:
