@@ -3,7 +3,14 @@
 from asynccache.tree.config import WRITE_POLICIES, TreeConfig, as_slots
 from asynccache.tree.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from asynccache.tree.hashing import chain_digests, chain_seed, event_hash, storage_key
-from asynccache.tree.keys import DEFAULT_NAMESPACE, Namespace, RadixKey, as_key
+from asynccache.tree.keys import (
+    DEFAULT_NAMESPACE,
+    BigramKey,
+    Namespace,
+    RadixKey,
+    as_bigram_key,
+    as_key,
+)
 from asynccache.tree.queues import POLICIES
 from asynccache.tree.results import (
     BackupRequest,
@@ -23,6 +30,7 @@ __all__ = [
     "WRITE_POLICIES",
     "AllBlocksCleared",
     "BackupRequest",
+    "BigramKey",
     "BlockRemoved",
     "BlockStored",
     "EvictResult",
@@ -38,6 +46,7 @@ __all__ = [
     "RadixTree",
     "SessionRef",
     "TreeConfig",
+    "as_bigram_key",
     "as_key",
     "as_slots",
     "chain_digests",

@@ -29,8 +29,15 @@ from asynccache.tree.hashing import (
     event_hashes,
     storage_key,
 )
-from asynccache.tree.keys import DEFAULT_NAMESPACE, decode_tokens
-from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
+from asynccache.tree.keys import (
+    DEFAULT_NAMESPACE,
+    BigramKey,
+    RadixKey,
+    as_bigram_key,
+    decode_pairs,
+    decode_tokens,
+)
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, BigramNode, Node
 from asynccache.tree.queues import (
     USES_ACCESS,
     USES_HITS,
@@ -64,7 +71,12 @@ class TreeBase:
             raise ConfigError("pass either a TreeConfig or keyword settings, not both")
         self.config = config
         self.page_size = config.page_size
-        self._pb = 4 * config.page_size
+        # EAGLE trees key by bigrams (8 bytes a unit, BigramKey); others by tokens (4 bytes).
+        self._eagle = config.eagle
+        self._sh = 3 if config.eagle else 2  # log2 of the bytes of one key unit
+        self._pb = config.page_size << self._sh  # bytes of one page of key
+        self._node_cls: type[Node] = BigramNode if config.eagle else Node
+        self._key_type: type[RadixKey] = BigramKey if config.eagle else RadixKey
         self._host = config.host_enabled
         self._write_back = config.host_enabled and config.write_policy == "write_back"
         self._write_through = config.host_enabled and not self._write_back
@@ -124,7 +136,7 @@ class TreeBase:
         for c in self._aux:
             c.reset()
         self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
-        self._root = Node(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
+        self._root = self._node_cls(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
         self._root.lock_ref = 1  # the root is never evicted
         self._nodes[0] = self._root
         self._clock = 0
@@ -155,6 +167,21 @@ class TreeBase:
             raise OwnerError(
                 f"tree is owned by thread {self._owner}; called from {threading.get_ident()}"
             )
+
+    def key_of(self, key: Any) -> RadixKey:
+        """``key`` as this tree's kind of key: token ids or a RadixKey as a BigramKey in an
+        EAGLE tree (the bigram view, built once here; pass a BigramKey to skip it); a
+        BigramKey in any other tree is refused (it holds bigrams, not tokens)."""
+        if type(key) is self._key_type:
+            return key
+        if self._eagle:
+            return as_bigram_key(key)
+        if isinstance(key, BigramKey):
+            raise InvalidInputError(
+                f"{key!r} is an EAGLE bigram key; this tree keys by tokens "
+                "(TreeConfig(eagle=False))"
+            )
+        return key if isinstance(key, RadixKey) else RadixKey(key)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -400,7 +427,7 @@ class TreeBase:
         ev.stored(
             hashes,
             parent_hash,
-            decode_tokens(n.key),
+            decode_pairs(n.key) if self._eagle else decode_tokens(n.key),
             self.page_size,
             medium,
             ns.extra_key,
@@ -435,8 +462,8 @@ class TreeBase:
         newer still)."""
         parent = x.parent
         assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
-        m = nbytes >> 2
-        p = Node(next(self._ids), parent, x.key[:nbytes], x.ns, self._aux_empty[:])
+        m = nbytes >> self._sh
+        p = self._node_cls(next(self._ids), parent, x.key[:nbytes], x.ns, self._aux_empty[:])
         self._nodes[p.id] = p
         ck = self._child_key(parent, x.key[: self._pb], x.ns)
         x.key = x.key[nbytes:]

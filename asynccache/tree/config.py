@@ -22,6 +22,10 @@ class TreeConfig:
     (tokens); ``mamba`` adds the Mamba state component, whose branching seqlens lie on a grid
     of ``mamba_track_interval`` tokens (0: the page size). With ``host_enabled`` the components'
     values get host copies too (see :mod:`asynccache.tree.hybrid_host`).
+
+    ``eagle``: the tree serves an EAGLE draft model and keys its nodes by the bigram view of
+    the tokens (:class:`~asynccache.tree.keys.BigramKey`): a key of ``N + 1`` tokens names
+    ``N`` positions; lengths, pages, values and hashes count bigrams.
     """
 
     page_size: int = 1
@@ -34,13 +38,15 @@ class TreeConfig:
     sliding_window: int = 0
     mamba: bool = False
     mamba_track_interval: int = 0
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
             raise ConfigError(f"page_size must be an int, got {self.page_size!r}")
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
-        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes", "enable_sessions"):
+        for flag in ("host_enabled", "enable_kv_events", "enable_page_hashes", "enable_sessions",
+                     "eagle"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         policy_key(self.eviction_policy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Medium(StrEnum):
@@ -15,11 +16,13 @@ class Medium(StrEnum):
 
 @dataclass(slots=True)
 class BlockStored:
-    """Pages stored on a medium; ``parent_block_hash`` links the first page to its prefix."""
+    """Pages stored on a medium; ``parent_block_hash`` links the first page to its prefix.
+    ``token_ids``: the pages' tokens; in an EAGLE tree their bigrams, as ``(t_i, t_i+1)``
+    tuples (the reference's payload)."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[Any]
     block_size: int
     medium: Medium
     lora_id: int | None = None
@@ -52,7 +55,7 @@ class EventRecorder:
         self,
         hashes: list[int],
         parent: int | None,
-        token_ids: list[int],
+        token_ids: list[Any],
         block_size: int,
         medium: Medium,
         lora_name: str | None,

@@ -17,7 +17,7 @@ from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.hashing import chain_digests, storage_key
-from asynccache.tree.keys import RadixKey, as_key
+from asynccache.tree.keys import RadixKey
 from asynccache.tree.node import HDUP, HLEAF, Node, frozen
 from asynccache.tree.results import (
     BackupRequest,
@@ -61,7 +61,7 @@ class HostTier(TreeBase):
             raise InvalidInputError(
                 f"component host slots given, but the tree's components are {self.components}"
             )
-        key = as_key(key)
+        key = self.key_of(key)
         slots = as_slots(host_slots, "host_slots")
         start = _check_count("start", start)
         end_tok = start + len(slots)
@@ -72,7 +72,8 @@ class HostTier(TreeBase):
             )
         data = key.data
         pb = self._pb
-        end = end_tok * 4
+        sh = self._sh
+        end = end_tok << sh
         swa = None
         if swa_host_slots is not None:
             swa = as_slots(swa_host_slots, "swa_host_slots")
@@ -89,9 +90,9 @@ class HostTier(TreeBase):
             mamba_host_slot = _check_count("mamba_host_slot", mamba_host_slot)
             if not len(slots):
                 raise InvalidInputError("mamba_host_slot needs a non-empty span")
-        if self._cached_bytes(key, end) < start * 4:
+        if self._cached_bytes(key, end) < start << sh:
             raise InvalidInputError(
-                f"the tree holds only {self._cached_bytes(key, end) >> 2} tokens of the key; a "
+                f"the tree holds only {self._cached_bytes(key, end) >> sh} tokens of the key; a "
                 f"host span starting at {start} would leave a gap"
             )
         if self._aux:
@@ -107,8 +108,8 @@ class HostTier(TreeBase):
             if child is None:
                 break
             child, nb = self._match_child(child, data, off, end)
-            pos = off >> 2
-            m = nb >> 2
+            pos = off >> sh
+            m = nb >> sh
             if pos + m > start:
                 lo = max(pos, start)
                 span = slots[lo - start : pos + m - start]
@@ -121,11 +122,11 @@ class HostTier(TreeBase):
                     result.device_frees.append(span)
             node = child
             off += nb
-        result.prefix_len = off >> 2
+        result.prefix_len = off >> sh
         if off < end:
-            leaf = Node(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
+            leaf = self._node_cls(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
             self._nodes[leaf.id] = leaf
-            leaf.host_value = frozen(slots[(off >> 2) - start :])
+            leaf.host_value = frozen(slots[(off >> sh) - start :])
             leaf.creation = leaf.last_access = self._tick()
             leaf.hit_count = 1
             node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
@@ -175,10 +176,10 @@ class HostTier(TreeBase):
 
         ``node_id`` must end at token ``start`` of ``key`` (e.g. a match's ``best_node``).
         """
-        key = as_key(key)
+        key = self.key_of(key)
         n = self._node(node_id)
         prev = None if n is self._root else self._digests(n)[-1]
-        data = key.data[start * 4 :]
+        data = key.data[start << self._sh :]
         data = data[: len(data) - len(data) % self._pb]
         return [storage_key(d) for d in chain_digests(key.namespace, prev, data, self._pb)]
 

@@ -58,7 +58,7 @@ def touch_aux(tree: TreeBase, node: Node) -> None:
     swa = tree._swa
     if swa is not None:
         si = swa.at
-        limit = (swa.window + swa.page_size) * 4  # in key bytes
+        limit = (swa.window + swa.page_size) << tree._sh  # in key bytes
         span = 0
         hit: list[list[Any]] = []
         n = node
@@ -99,6 +99,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
     tokens since the last one reach the window; Mamba accepts a node holding a state."""
     data = key.data
     pb = tree._pb
+    sh = tree._sh
     end = len(data) - len(data) % pb
     ns = key.namespace
     swa = tree._swa
@@ -132,7 +133,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
                 live = 0
                 ok = False
             else:
-                live += nb >> 2
+                live += nb >> sh
                 if live >= window:
                     swa_bound = off
                 else:
@@ -159,7 +160,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         assert indices is not None
     else:
         indices = np.concatenate([n.value for n in path[:best_count]])
-    full_hit = off >> 2
+    full_hit = off >> sh
     res = MatchResult(
         device_indices=indices,
         device_prefix_len=len(indices),
@@ -177,13 +178,14 @@ def set_branching(tree: TreeBase, res: MatchResult, swa_bound: int, mamba_bound:
     """Fill ``res``'s branching seqlens (past each component's deepest valid boundary, in key
     bytes) and, for copy-on-write, the state slot of ``cow_node``."""
     full_hit = res.full_kv_hit_length
-    if tree._swa is not None and full_hit > swa_bound >> 2:
+    sh = tree._sh
+    if tree._swa is not None and full_hit > swa_bound >> sh:
         res.swa_branching_seqlen = full_hit
     mamba = tree._mamba
     if mamba is not None:
         grid = tree._mamba_interval
         b = full_hit // grid * grid
-        if b > mamba_bound >> 2:
+        if b > mamba_bound >> sh:
             res.mamba_branching_seqlen = b
         if cow_node is not None and cow_node is not tree._root:
             state = mamba.value(cow_node)
@@ -261,9 +263,10 @@ def insert(
     SWA-live node names its FULL slots."""
     data = key.data
     pb = tree._pb
+    sh = tree._sh
     ps = tree.page_size
     end = len(data) - len(data) % pb
-    n_tok = end >> 2
+    n_tok = end >> sh
     ns = key.namespace
     swa = tree._swa
     mamba = tree._mamba
@@ -281,7 +284,7 @@ def insert(
         si = swa.at
         recover_from = max(floor_a, n_tok - swa.window_span)
         res.component_frees["swa"] = swa_frees
-        near = end - (swa.window + ps) * 4
+        near = end - ((swa.window + ps) << sh)
     mamba_frees: list[np.ndarray] = []
     if mamba is not None:
         res.component_frees["mamba"] = mamba_frees
@@ -307,8 +310,8 @@ def insert(
             tree._clock = clock  # a split stamps the suffix with the next tick
             child, nb = tree._match_child(child, data, off, end)
             clock = tree._clock
-        pos = off >> 2
-        hi = pos + (nb >> 2)
+        pos = off >> sh
+        hi = pos + (nb >> sh)
         clock += 1
         child.last_access = clock
         requeue = touch_rq
@@ -353,11 +356,11 @@ def insert(
     tree._clock = clock
     if fb > fa:
         frees.append(slots[fa:fb])
-    res.prefix_len = off >> 2
+    res.prefix_len = off >> sh
     fresh = off < end
     if fresh:
         top = node
-        node = _commit_tail(tree, node, key, slots, off >> 2, n_tok, priority, floor, floor_a,
+        node = _commit_tail(tree, node, key, slots, off >> sh, n_tok, priority, floor, floor_a,
                             swa_frees, near)
         if intents and tree._threshold <= 1:  # every new node, root first
             new = res.intents
@@ -422,7 +425,7 @@ def _swa_tombstone(
     if s_lo < r:
         swa_frees.append(slots[s_lo:r])
     if r > pos:
-        tree._split(child, (r - pos) * 4)  # child keeps the recovered suffix
+        tree._split(child, (r - pos) << tree._sh)  # child keeps the recovered suffix
     own = child.value
     assert own is not None
     mine = slots[r:hi]
@@ -473,6 +476,8 @@ def _commit_tail(
     one = len(cuts) == 2  # a single new leaf holds the whole copy
     data = key.data
     pb = tree._pb
+    sh = tree._sh
+    new_node = tree._node_cls
     ns = key.namespace
     full = frozen(slots[start:n_tok])  # one copy; the segments are read-only views of it
     empty = tree._aux_empty
@@ -482,12 +487,12 @@ def _commit_tail(
     eager = tree._eager_hashes
     events = tree._events is not None
     node = parent
-    ck = data[start * 4 : start * 4 + pb]
+    ck = data[start << sh : (start << sh) + pb]
     if parent is tree._root:
         ck = tree._child_key(parent, ck, ns)
     a = start
     for b in cuts[1:]:
-        leaf = Node(next(ids), node, data[a * 4 : b * 4], ns, empty[:])
+        leaf = new_node(next(ids), node, data[a << sh : b << sh], ns, empty[:])
         nodes[leaf.id] = leaf
         leaf.value = v = full if one else full[a - start : b - start]
         tick += 1
@@ -507,12 +512,12 @@ def _commit_tail(
             aux[si] = v
             aux[si + ACCT] = 1  # counted and queued as evictable
             swa.evictable += b - a
-            if b * 4 > near:
+            if b << sh > near:
                 aux[si + STAMP] = tick
             swa.queue.push(leaf)
         node = leaf
         a = b
-        ck = data[a * 4 : a * 4 + pb]
+        ck = data[a << sh : (a << sh) + pb]
     tree._clock = tick
     if parent.dchildren == 1:
         # Its first device child: it may stop being an evictable leaf. (With device children
@@ -605,9 +610,9 @@ def _delete_leaf(tree: TreeBase, n: Node, res: EvictResult) -> None:
             acct = aux[at + ACCT]
             if acct:
                 if acct == 1:
-                    swa.evictable -= len(n.key) >> 2
+                    swa.evictable -= n.ntok
                 else:
-                    swa.protected -= len(n.key) >> 2
+                    swa.protected -= n.ntok
                 aux[at + ACCT] = 0
             swa.queue.discard(n)
         if mamba is not None:

@@ -71,6 +71,7 @@ def split_host(tree: TreeBase, x: Node, p: Node, m: int) -> None:
 def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
     data = key.data
     pb = tree._pb
+    sh = tree._sh
     end = len(data) - len(data) % pb
     ns = key.namespace
     swa = tree._swa
@@ -96,7 +97,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
         child, nb = tree._match_child(child, data, off, end)
         path.append(child)
         off += nb
-        ntok = nb >> 2
+        ntok = nb >> sh
         if _is_loading(tree, child):
             pending.append(child.pending)
             blocked = True
@@ -149,7 +150,7 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
             assert n.value is not None
             vals.append(n.value)
         indices = _concat(vals)
-    full_hit = off >> 2
+    full_hit = off >> sh
     res = MatchResult(
         device_indices=indices,
         device_prefix_len=len(indices),
@@ -171,6 +172,7 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     node still loading."""
     data = key.data
     pb = tree._pb
+    sh = tree._sh
     end = len(data) - len(data) % pb
     ns = key.namespace
     root = tree._root
@@ -182,14 +184,14 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
         if child is None:
             break
         if _is_loading(tree, child):
-            return off >> 2
+            return off >> sh
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
             child, nb = tree._match_child(child, data, off, end)
         if child.value is None:
-            pos = off >> 2
-            tree._unevict(child, slots[pos : pos + (nb >> 2)])
+            pos = off >> sh
+            tree._unevict(child, slots[pos : pos + (nb >> sh)])
             refresh_aux(tree, child)
         children = child.children
         off += nb

@@ -32,14 +32,16 @@ if TYPE_CHECKING:
 def _new_leaf(tree: HostTier, parent: Node, key: RadixKey, a: int, b: int, start: int,
               slots: np.ndarray, swa: np.ndarray | None) -> Node:
     data = key.data
-    leaf = Node(next(tree._ids), parent, data[a * 4 : b * 4], key.namespace, tree._aux_empty[:])
+    sh = tree._sh
+    leaf = tree._node_cls(next(tree._ids), parent, data[a << sh : b << sh], key.namespace,
+                          tree._aux_empty[:])
     tree._nodes[leaf.id] = leaf
     leaf.host_value = frozen(slots[a - start : b - start])
     leaf.creation = leaf.last_access = tree._tick()
     leaf.hit_count = 1
     if swa is not None and tree._swa is not None:
         leaf.aux[tree._swa.at + HOST] = frozen(swa[a - start : b - start])
-    parent.children[tree._child_key(parent, data[a * 4 : a * 4 + tree._pb],
+    parent.children[tree._child_key(parent, data[a << sh : (a << sh) + tree._pb],
                                     key.namespace)] = leaf
     tree._host_size += b - a
     if tree._eager_hashes:
@@ -55,8 +57,9 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
     """See the module docstring; the arguments are validated by the caller."""
     data = key.data
     pb = tree._pb
+    sh = tree._sh
     end_tok = start + len(slots)
-    end = end_tok * 4
+    end = end_tok << sh
     ns = key.namespace
     swa_c = tree._swa
     swa_from = end_tok
@@ -77,8 +80,8 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         if child is None:
             break
         child, nb = tree._match_child(child, data, off, end)
-        pos = off >> 2
-        hi = pos + (nb >> 2)
+        pos = off >> sh
+        hi = pos + (nb >> sh)
         if hi > start:
             lo = max(pos, start)
             span = slots[lo - start : hi - start]
@@ -99,9 +102,9 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
                     swa_dups.append(mine[mine >= 0])
         node = child
         off += nb
-    res.prefix_len = off >> 2
+    res.prefix_len = off >> sh
     if off < end:
-        a = off >> 2
+        a = off >> sh
         if a < swa_from < end_tok:
             node = _new_leaf(tree, node, key, a, swa_from, start, slots, None)
             a = swa_from

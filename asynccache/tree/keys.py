@@ -166,6 +166,10 @@ class RadixKey:
 
     data: bytes
     namespace: Namespace
+    #: bytes of one unit of ``data`` (a token here; a bigram in :class:`BigramKey`)
+    unit_bytes: int = TOKEN_BYTES
+    #: True for :class:`BigramKey` (the EAGLE view)
+    is_bigram: bool = False
 
     def __init__(
         self,
@@ -182,8 +186,10 @@ class RadixKey:
 
     @classmethod
     def from_bytes(cls, data: bytes, namespace: Namespace = DEFAULT_NAMESPACE) -> RadixKey:
-        if len(data) % TOKEN_BYTES:
-            raise InvalidInputError(f"token bytes length {len(data)} is not a multiple of 4")
+        if len(data) % cls.unit_bytes:
+            raise InvalidInputError(
+                f"{cls.__name__} bytes length {len(data)} is not a multiple of {cls.unit_bytes}"
+            )
         key = cls.__new__(cls)
         key.data = bytes(data)
         key.namespace = namespace
@@ -204,7 +210,7 @@ class RadixKey:
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, RadixKey)
+            type(other) is type(self)
             and self.namespace is other.namespace
             and self.data == other.data
         )
@@ -219,6 +225,120 @@ class RadixKey:
         return f"RadixKey({shown}, len={len(toks)}{ns})"
 
 
+class BigramKey(RadixKey):
+    """The EAGLE view of a key: ``N + 1`` raw tokens read as ``N`` bigrams ``(t_i, t_i+1)``.
+
+    A cache serving an EAGLE draft model keys its KV this way: the draft KV at position ``i``
+    depends on token ``i + 1`` too, so ``N + 1`` tokens name ``N`` positions. ``data`` holds
+    each bigram as ``u32le(t_i) || u32le(t_i+1)`` (8 bytes), built once when the key is made:
+    every tree operation then walks, compares, slices and splits whole bigrams with the same
+    C-speed bytes operations as token keys (no per-operation view), and a page of ``data`` is
+    exactly the bytes the reference's page hash reads for a bigram page. Lengths, slices and
+    positions count bigrams; :attr:`tokens` gives the raw tokens back.
+    """
+
+    __slots__ = ()
+    unit_bytes = 2 * TOKEN_BYTES
+    is_bigram = True
+
+    def __init__(
+        self,
+        tokens: Any,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        *,
+        namespace: Namespace | None = None,
+    ) -> None:
+        super().__init__(tokens, extra_key, cache_salt, namespace=namespace)
+        self.data = bigram_bytes(self.data)
+
+    @classmethod
+    def of(cls, key: RadixKey) -> BigramKey:
+        """The bigram view of the token key ``key`` (same namespace); a BigramKey as is."""
+        if isinstance(key, BigramKey):
+            return key
+        out = cls.__new__(cls)
+        out.data = bigram_bytes(key.data)
+        out.namespace = key.namespace
+        return out
+
+    def __len__(self) -> int:
+        return len(self.data) >> 3
+
+    @property
+    def tokens(self) -> list[int]:
+        """The raw tokens (``len(self) + 1`` of them; none for an empty key)."""
+        words = np.frombuffer(self.data, dtype="<u4")
+        if not len(words):
+            return []
+        out: list[int] = words[::2].tolist()
+        out.append(int(words[-1]))
+        return out
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The bigrams, as ``(t_i, t_i+1)`` tuples."""
+        return decode_pairs(self.data)
+
+    def __getitem__(self, item: slice) -> BigramKey:
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            raise InvalidInputError("BigramKey supports only contiguous slices")
+        start, stop, _ = item.indices(len(self))
+        out = BigramKey.__new__(BigramKey)
+        out.data = self.data[start * 8 : stop * 8]
+        out.namespace = self.namespace
+        return out
+
+    def extended(self, tokens: Any) -> BigramKey:
+        """This key followed by the raw ``tokens`` (the bigram across the seam included)."""
+        new = encode_tokens(tokens)
+        if not new:
+            return self
+        if not self.data:
+            raise InvalidInputError(
+                "an empty BigramKey has no last token to extend from; build the key from "
+                "all raw tokens instead"
+            )
+        out = BigramKey.__new__(BigramKey)
+        out.data = self.data + bigram_bytes(self.data[-4:] + new)
+        out.namespace = self.namespace
+        return out
+
+    def __repr__(self) -> str:
+        toks = self.tokens
+        shown = toks if len(toks) <= 8 else [*toks[:8], "..."]
+        ns = "" if self.namespace.is_default else f", {self.namespace!r}"
+        return f"BigramKey(tokens={shown}, bigrams={len(self)}{ns})"
+
+
+def decode_pairs(data: bytes) -> list[tuple[int, int]]:
+    """The bigrams stored in ``data`` (BigramKey bytes), as ``(t_i, t_i+1)`` tuples."""
+    words: list[int] = np.frombuffer(data, dtype="<u4").tolist()
+    return list(zip(words[::2], words[1::2], strict=True))
+
+
+def bigram_bytes(raw: bytes) -> bytes:
+    """The bigram bytes of raw token bytes: ``u32le(t_i) || u32le(t_i+1)`` for each ``i``
+    (empty for fewer than two tokens)."""
+    n = len(raw) >> 2
+    if n < 2:
+        return b""
+    words = np.frombuffer(raw, dtype="<u4")
+    out = np.empty((n - 1, 2), dtype="<u4")
+    out[:, 0] = words[:-1]
+    out[:, 1] = words[1:]
+    return out.tobytes()
+
+
 def as_key(key: Any) -> RadixKey:
     """Return ``key`` as a :class:`RadixKey` (token sequences get the default namespace)."""
     return key if isinstance(key, RadixKey) else RadixKey(key)
+
+
+def as_bigram_key(key: Any) -> BigramKey:
+    """``key`` (a BigramKey, a RadixKey of raw tokens, or raw token ids) as a BigramKey."""
+    if isinstance(key, BigramKey):
+        return key
+    if isinstance(key, RadixKey):
+        return BigramKey.of(key)
+    return BigramKey(key)

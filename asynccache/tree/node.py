@@ -80,9 +80,13 @@ class Node:
         self.sref = 0
         self.aux = aux
 
+    # log2 of the bytes of one key unit: a token here, a bigram in a BigramNode
+    UNIT_SHIFT = 2
+
     @property
     def ntok(self) -> int:
-        return len(self.key) >> 2
+        """Positions (tokens; bigrams in an EAGLE tree) this node holds."""
+        return len(self.key) >> self.UNIT_SHIFT
 
     def __repr__(self) -> str:
         where = ("D" if self.value is not None else "") + ("H" if self.host_value is not None else "")
@@ -90,6 +94,14 @@ class Node:
             f"Node(id={self.id}, tokens={self.ntok}, {where or '-'}, lock={self.lock_ref}, "
             f"host_lock={self.host_lock_ref}, pending={self.pending})"
         )
+
+
+class BigramNode(Node):
+    """A node of an EAGLE tree: ``key`` holds whole pages of bigrams, 8 bytes each (see
+    :class:`~asynccache.tree.keys.BigramKey`)."""
+
+    __slots__ = ()
+    UNIT_SHIFT = 3
 
 
 def frozen(slots: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from asynccache.tree.config import WRITE_POLICIES as WRITE_POLICIES
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.host_tier import HostTier
-from asynccache.tree.keys import RadixKey, as_key
+from asynccache.tree.keys import BigramKey, RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen, state_slot
 from asynccache.tree.results import (
     EMPTY_SLOTS,
@@ -48,7 +48,7 @@ class RadixTree(HostTier):
         to copy.
         """
         self._check_owner()
-        key = as_key(key)
+        key = self.key_of(key)
         if self._aux:
             if self._host:
                 return hybrid_host.match(self, key, cow_mamba)
@@ -60,6 +60,7 @@ class RadixTree(HostTier):
         off = 0
         values: list[np.ndarray] = []
         path: list[Node] = []
+        sh = self._sh
         last_device = root
         host_len = 0
         pending: list[int] = []
@@ -78,12 +79,12 @@ class RadixTree(HostTier):
             if child.pending and self._pending[child.pending].kind == "load":
                 # Still copying in: a host hit until the load commits.
                 pending.append(child.pending)
-                host_len += nb >> 2
+                host_len += nb >> sh
             elif child.value is not None and not pending:
                 values.append(child.value)
                 last_device = child
             else:
-                host_len += nb >> 2
+                host_len += nb >> sh
             path.append(child)
             node = child
             children = child.children
@@ -103,7 +104,7 @@ class RadixTree(HostTier):
             best_node=node.id,
             host_hit_length=host_len,
             pending_loads=tuple(dict.fromkeys(pending)),
-            full_kv_hit_length=off >> 2,
+            full_kv_hit_length=off >> sh,
         )
 
     # ------------------------------------------------------------------ insert
@@ -137,9 +138,14 @@ class RadixTree(HostTier):
         tombstone), ``component_frees["mamba"]`` a state it does not take.
         """
         self._check_owner()
-        key = as_key(key)
+        raw = self._eagle and type(key) is not BigramKey
+        key = self.key_of(key)
         slots = as_slots(value)
         total = len(key)
+        if raw and len(slots) == total + 1:
+            # EAGLE, raw tokens given: N + 1 tokens (and slots) cache N bigram positions; the
+            # last slot stays the caller's, as an unaligned tail does.
+            slots = slots[:total]
         if len(slots) != total:
             raise InvalidInputError(
                 f"value has {len(slots)} slots but the key has {total} tokens"
@@ -168,8 +174,9 @@ class RadixTree(HostTier):
             )
         data = key.data
         pb = self._pb
+        sh = self._sh
         end = len(data) - len(data) % pb
-        n_tok = end >> 2
+        n_tok = end >> sh
         ns = key.namespace
         root = self._root
         node = root
@@ -184,14 +191,14 @@ class RadixTree(HostTier):
                 break
             if child.pending and self._pending[child.pending].kind == "load":
                 # Its KV is still being copied in: the caller keeps its own slots from here on.
-                result.cached_len = off >> 2
+                result.cached_len = off >> sh
                 break
             ckey = child.key
             nb = len(ckey)
             if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
                 child, nb = self._match_child(child, data, off, end)
-            pos = off >> 2
-            m = nb >> 2
+            pos = off >> sh
+            m = nb >> sh
             child.last_access = self._tick()
             requeue = self._touch_requeues
             if priority > child.priority:
@@ -221,11 +228,11 @@ class RadixTree(HostTier):
             children = child.children
             off += nb
             ck = data[off : off + pb]
-        result.prefix_len = off >> 2
+        result.prefix_len = off >> sh
         if off < end and result.cached_len == n_tok:
-            leaf = Node(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
+            leaf = self._node_cls(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
             self._nodes[leaf.id] = leaf
-            leaf.value = frozen(slots[off >> 2 : n_tok])
+            leaf.value = frozen(slots[off >> sh : n_tok])
             leaf.creation = leaf.last_access = self._tick()
             leaf.hit_count = 1
             leaf.priority = int(priority)
@@ -260,7 +267,7 @@ class RadixTree(HostTier):
         limit = hybrid_host.prepare_insert(self, key, slots)
         cut = limit < len(key)
         if cut:
-            key = RadixKey.from_bytes(key.data[: limit * 4], key.namespace)
+            key = key[:limit]
             slots = slots[:limit]
             floor = min(floor, limit)
         res = hybrid.insert(
@@ -466,7 +473,7 @@ class RadixTree(HostTier):
             parts.append(n.key)
             assert n.parent is not None
             n = n.parent
-        return RadixKey.from_bytes(b"".join(reversed(parts)), ns)
+        return self._key_type.from_bytes(b"".join(reversed(parts)), ns)
 
     def sanity_check(self) -> None:
         """Verify every invariant; raises AssertionError naming the first violation."""

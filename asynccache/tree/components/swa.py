@@ -30,7 +30,7 @@ class SWAComponent(Component):
         self.window_span = math.ceil(window / page_size) * page_size
 
     def units(self, node: Node) -> int:
-        return len(node.key) >> 2
+        return node.ntok
 
     def accepts(self, node: Node, live: int) -> bool:
         return self.value(node) is not None and live >= self.window
@@ -58,7 +58,7 @@ class SWAComponent(Component):
             aux = n.aux
             aux[lock] += 1
             pinned.append(n)
-            span += len(n.key) >> 2
+            span += n.ntok
             n = n.parent
         return span, pinned
 
@@ -73,7 +73,7 @@ class SWAComponent(Component):
             assert aux[lock] > 0, f"node {n.id} is not SWA-locked"
             aux[lock] -= 1
             changed.append(n)
-            left -= len(n.key) >> 2
+            left -= n.ntok
             n = n.parent
         assert left == 0, "SWA lock span does not end at a node boundary"
         return changed
