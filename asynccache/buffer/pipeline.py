@@ -49,7 +49,7 @@ from asynccache.l3 import (
     DEFAULT_MAX_ENTRIES,
     StorageExistenceCache,
     StoragePolicy,
-    page_buffers,
+    write_pages,
 )
 from asynccache.l3.existence import listen, unlisten
 from asynccache.logs import get_logger
@@ -101,6 +101,8 @@ class BufferModePipeline:
         self.existence = StorageExistenceCache(existence_entries)
         listen(backend, self.existence)
         self.host = host
+        # Sidecars of the KV pool: their objects go with each page (asynccache/l3/pages.py).
+        self._sidecars = parts.sidecars.stored_with("kv")
         # FULL+SWA: the SWA pages go with the KV pages (None: a FULL-only cache).
         self.swa = (SWABuffer(tiering, backend, existence_entries)
                     if parts.hybrid is not None else None)
@@ -344,9 +346,9 @@ class BufferModePipeline:
         try:
             for i in range(0, len(keys), BATCH_PAGES):
                 part = keys[i : i + BATCH_PAGES]
-                bufs = page_buffers(self.host, host[i * ps : (i + len(part)) * ps], fill=True)
                 t0 = time.perf_counter()
-                got = await self.backend.set_batch(part, bufs)
+                got = await write_pages(self.backend, self.host, part,
+                                        host[i * ps : (i + len(part)) * ps], self._sidecars)
                 dt = time.perf_counter() - t0
                 ok.extend(bool(g) for g in got)
                 written = sum(got)

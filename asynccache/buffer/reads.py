@@ -114,6 +114,8 @@ class StagedReads:
         self._staged: dict[CacheRequest, _Staged] = {}
         self._loads: set[CopyHandle] = set()  # H->D copies of parked bounces
         self.swa = pipeline.swa
+        self._sidecars = tiering.parts.sidecars.stored_with("kv")  # read with each page
+        self._all_or_nothing = tiering.parts.sidecars.all_or_nothing("kv")
 
     @property
     def staged_requests(self) -> int:
@@ -201,7 +203,7 @@ class StagedReads:
             op.completed_tokens += good * ps
 
         got = await read_run(backend, self._host, op.keys[:want], host, landed=landed,
-                             bandwidth=metrics.prefetch_bandwidth)
+                             bandwidth=metrics.prefetch_bandwidth, sidecars=self._sidecars)
         if got < want:  # missing, corrupt or unreadable from there on
             existence.invalidate_beyond(op.keys, got)
         if self.swa is not None and op.completed_tokens:
@@ -288,6 +290,8 @@ class StagedReads:
         if self.swa is not None and not op.swa_ready:
             done = 0  # stopped before its window's SWA arrived: all or nothing
         host, swa = op.host_slots, op.swa_slots
+        if host is not None and done < len(host) and self._all_or_nothing:
+            done = 0  # a sidecar that cannot be cut short: the whole prefix or nothing
         op.host_slots = op.swa_slots = None
         keep_swa = min(done, self.swa.window_span) if self.swa is not None else 0
         if swa is not None:

@@ -78,6 +78,15 @@ class Sidecars:
         """The sidecars of ``source`` (``"kv"``, ``"swa"``, ``"mamba"``), in rider order."""
         return [s for s in self._all if s.spec.source == source]
 
+    def stored_with(self, source: str) -> list[Sidecar]:
+        """The sidecars of ``source`` with a host pool: their objects ride its storage pages."""
+        return [s for s in self.of(source) if s.host is not None]
+
+    def all_or_nothing(self, source: str) -> bool:
+        """A prefetch of ``source``'s pages is all or nothing: one of its sidecars cannot be
+        cut short (not a KV-derived ``all_pages`` one)."""
+        return any(not s.spec.clamps for s in self.stored_with(source))
+
     def get(self, name: str) -> Sidecar:
         for s in self._all:
             if s.spec.name == name:

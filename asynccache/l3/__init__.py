@@ -9,7 +9,7 @@ hit query and the one batched read loop), ``existence`` (what is believed stored
 
 from asynccache.l3.existence import DEFAULT_MAX_ENTRIES, StorageExistenceCache
 from asynccache.l3.op import HybridPrefetch, PrefetchOp
-from asynccache.l3.pages import BATCH_PAGES, page_buffers, read_run, stored_prefix
+from asynccache.l3.pages import BATCH_PAGES, page_buffers, read_run, stored_prefix, write_pages
 from asynccache.l3.policy import (
     PREFETCH_POLICIES,
     StoragePolicy,
@@ -28,4 +28,4 @@ from asynccache.l3.tier import PrefetchTasks, StorageTier, await_stop
 __all__ = ["BATCH_PAGES", "DEFAULT_MAX_ENTRIES", "PREFETCH_POLICIES", "HybridPrefetch",
            "PrefetchOp", "PrefetchTasks", "StorageExistenceCache", "StoragePolicy", "StorageTier",
            "admission", "await_stop", "count_finished", "final_outcome", "floor_pages", "may_stop", "page_buffers", "pages_to_read",
-           "prefetch_span", "read_run", "stop_policy", "stop_wait_s", "stored_prefix"]
+           "prefetch_span", "read_run", "stop_policy", "stop_wait_s", "stored_prefix", "write_pages"]

@@ -29,7 +29,7 @@ from asynccache.l3.existence import StorageExistenceCache, listen, unlisten
 from asynccache.l3.hybrid import HybridStorage
 from asynccache.l3.hybrid_ranks import AgreedComponents
 from asynccache.l3.op import HybridPrefetch, PrefetchOp
-from asynccache.l3.pages import BATCH_PAGES, page_buffers, read_run, stored_prefix
+from asynccache.l3.pages import BATCH_PAGES, read_run, stored_prefix, write_pages
 from asynccache.l3.policy import (
     StoragePolicy,
     admission,
@@ -114,6 +114,10 @@ class StorageTier:
         self._backoff = 0.0
         self._host = host
         self._page_bytes = host.page_bytes
+        # Sidecars of the KV pool ride its pages (<key>.<name> objects, see l3/pages.py); one
+        # that is not needed for every page (trailing_pages) makes a prefetch all or nothing.
+        self._sidecars = parts.sidecars.stored_with("kv")
+        self._all_or_nothing = parts.sidecars.all_or_nothing("kv")
         self._hybrid: HybridStorage | None = None
         self._agreed_hy: AgreedComponents | None = None
         if parts.hybrid is not None:
@@ -260,10 +264,8 @@ class StorageTier:
                         metrics.storage_backup_skipped_tokens.labels(reason="circuit_open").inc(
                             len(todo) * ps)
                         continue
-                    pages = page_buffers(self._host, slots, fill=True)
                     t0 = time.perf_counter()
-                    ok = await self.backend.set_batch([batch[j] for j in todo],
-                                                      [pages[j] for j in todo])
+                    ok = await self._write_pages([batch[j] for j in todo], slots, todo)
                     dt = time.perf_counter() - t0
                     written = sum(ok)
                     self._write_outcome(written, len(todo))
@@ -279,6 +281,17 @@ class StorageTier:
         finally:
             if pin is not None:
                 self._t.tree.unlock_host(pin)
+
+    async def _write_pages(self, keys: list[str], slots: np.ndarray,
+                           pages: list[int]) -> list[bool]:
+        """Write pages ``pages`` (indices of whole pages of ``slots``) as ``keys``, with their
+        sidecar objects; per page, whether all of it was stored."""
+        ps = self.page_size
+        if len(pages) == len(slots) // ps:
+            chosen = slots
+        else:
+            chosen = np.concatenate([slots[j * ps : (j + 1) * ps] for j in pages])
+        return await write_pages(self.backend, self._host, keys, chosen, self._sidecars)
 
     @property
     def writes_pending(self) -> bool:
@@ -434,7 +447,8 @@ class StorageTier:
                 agree.note_progress()
 
         got = await read_run(self.backend, self._host, op.keys[:want], host, landed=landed,
-                             between=between, bandwidth=self._parts.metrics.prefetch_bandwidth)
+                             between=between, bandwidth=self._parts.metrics.prefetch_bandwidth,
+                             sidecars=self._sidecars)
         if got < want:  # missing, corrupt or unreadable from there on
             self._known.invalidate_beyond(op.keys, got)
 
@@ -504,6 +518,8 @@ class StorageTier:
         if host is not None:
             got = op.completed_tokens if op.agreed_tokens is None else op.agreed_tokens
             done = got if insert else 0
+            if done < len(host) and self._all_or_nothing:
+                done = 0  # a sidecar that cannot be cut short: the whole prefix or nothing
             kw: dict[str, Any] = {}
             if done and hy is not None:  # the restorable prefix the components cover
                 done, kw = hy.insert_args(op, done)

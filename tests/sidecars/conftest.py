@@ -145,9 +145,22 @@ class SidecarModel:
 async def serve(cache: HierarchicalCache, model: SidecarModel, tokens: Sequence[int], *,
                 finish: bool = True) -> CacheRequest:
     """admit -> load back -> check the cached prefix -> extend + write the rest -> finish."""
+    return (await fetch_and_serve(cache, model, tokens, None, finish=finish))[0]
+
+
+async def fetch_and_serve(cache: HierarchicalCache, model: SidecarModel, tokens: Sequence[int],
+                          prefetch: str | None = "wait_complete", *,
+                          finish: bool = True) -> tuple[CacheRequest, int]:
+    """admit -> (``prefetch``: fetch from storage with that stop policy) -> load back -> check
+    the cached prefix (KV and sidecars) -> extend + write the rest -> finish; returns the
+    request and the tokens fetched from storage."""
     tokens = list(tokens)
     req = cache.admit(tokens)
+    fetched = 0
     try:
+        if prefetch is not None:
+            fetched = await asyncio.wait_for(cache.prefetch_request(req, policy=prefetch),
+                                             TIMEOUT)
         await cache.load_back_request(req)
         model.check(tokens, req.slots[: req.prefix_len], "cached prefix")
         if req.computed < len(tokens):
@@ -161,7 +174,7 @@ async def serve(cache: HierarchicalCache, model: SidecarModel, tokens: Sequence[
     model.check(tokens, req.slots, "request slots")
     if finish:
         cache.cache_finished_req(req)
-    return req
+    return req, fetched
 
 
 async def run_cancelled(make: Callable[[], Awaitable[Any]], k: int) -> tuple[str, Any]:
@@ -200,10 +213,16 @@ def config(**overrides: Any) -> CacheConfig:
 
 async def quiesce_and_check(cache: HierarchicalCache) -> None:
     await asyncio.wait_for(cache.flush(), TIMEOUT)
+    storage = cache.storage
+    if storage is not None:
+        await asyncio.wait_for(storage.drain(), TIMEOUT)
+        await asyncio.wait_for(cache.flush(), TIMEOUT)
     assert cache.in_flight == 0
     assert cache.tree.pending_ops == 0
     cache.sanity_check()
     assert cache.tree.held_locks == 0, f"{cache.tree.held_locks} lock receipts still held"
+    if cache.host_pool is not None:
+        assert cache.host_in_flight == 0, cache.host_in_flight
 
 
 async def close_and_check(cache: HierarchicalCache) -> None:
@@ -234,6 +253,7 @@ async def make_cache(cache_factory: Any) -> AsyncIterator[Callable[..., Awaitabl
 @pytest.fixture
 def kit() -> types.SimpleNamespace:
     return types.SimpleNamespace(SidecarModel=SidecarModel, serve=serve, TIMEOUT=TIMEOUT,
-                                 run_cancelled=run_cancelled, clobber_device=clobber_device,
+                                 run_cancelled=run_cancelled, SIDECARS=SIDECARS, clobber_device=clobber_device,
+                                 fetch_and_serve=fetch_and_serve,
                                  assert_bits_equal=assert_bits_equal, INDEXER=INDEXER,
                                  DRAFT=DRAFT, config=config)
