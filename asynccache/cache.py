@@ -11,6 +11,7 @@ request flow are services on top. See docs/cache.md for the module map.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -46,11 +47,13 @@ from asynccache.sessions import SessionTracker, StreamingSession
 from asynccache.transfers.engine import CopyEngine
 from asynccache.transfers.sidecars import SidecarSpec
 from asynccache.tree import (
+    BigramKey,
     InsertResult,
     KVEvent,
     LockReceipt,
     MatchResult,
     RadixKey,
+    RadixTree,
 )
 
 
@@ -75,7 +78,12 @@ class HierarchicalCache:
                               "of its staging and intents across ranks yet)")
         self.config = config
         self.ranks = ranks
-        parts = self._parts = Parts.build(config, metrics)
+        parts = Parts.build(config, metrics)
+        if config.eagle and not parts.tree.config.eagle:
+            # (until Parts.build passes CacheConfig.eagle on to the TreeConfig itself)
+            tree = RadixTree(dataclasses.replace(parts.tree.config, eagle=True))
+            parts = dataclasses.replace(parts, tree=tree)
+        self._parts = parts
         self.page_size = config.page_size
         self.shape = parts.shape
         self.device_pool = parts.device_pool
@@ -244,7 +252,7 @@ class HierarchicalCache:
         :meth:`mamba_copy_on_write`)."""
         self._check_open()
         t = self._tiering
-        return t.match_prefix(t.key(key), cow_mamba=cow_mamba)
+        return t.match_prefix(t.key(self.tree.key_of(key)), cow_mamba=cow_mamba)
 
     def insert(self, key: RadixKey | Any, value: Any, *, prev_prefix_len: int = 0,
                inserted_len: int = 0, priority: int = 0,
@@ -257,11 +265,20 @@ class HierarchicalCache:
         Hybrid caches: the SWA slots are the pairs of ``value`` (the request already freed
         those of its first ``swa_evicted_seqlen`` tokens, see :meth:`free_swa`);
         ``mamba_value`` is a state from :meth:`alloc_mamba_state` after the page-aligned key.
+
+        EAGLE caches (``CacheConfig(eagle=True)``): ``key`` of ``N + 1`` raw tokens names ``N``
+        bigram positions; ``value`` gives their ``N`` slots, or ``N + 1`` (one per raw token,
+        the last one staying the caller's, as an unaligned tail does). A
+        :class:`~asynccache.tree.BigramKey` is taken as is (``N`` slots).
         """
         self._check_open()
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
         t = self._tiering
+        if self.config.eagle and not isinstance(key, BigramKey):
+            key = self.tree.key_of(key)
+            if hasattr(value, "__len__") and len(value) == len(key) + 1:
+                value = value[: len(key)]
         return t.insert(t.key(key), value, prev_prefix_len=prev_prefix_len,
                         inserted_len=inserted_len, priority=priority,
                         swa_evicted_seqlen=swa_evicted_seqlen, mamba_value=mamba_value)
@@ -537,7 +554,7 @@ class HierarchicalCache:
     def start_prefetch(self, key: RadixKey | Any, match: MatchResult) -> PrefetchOp | None:
         """Start fetching the pages after ``match``'s cached prefix from storage."""
         self._check_open()
-        return self._storage.start_prefetch(key, match)
+        return self._storage.start_prefetch(self.tree.key_of(key), match)
 
     def begin_prefetch(self, req: CacheRequest) -> bool:
         """Start fetching ``req``'s uncached pages from storage now (when it arrives), so that

@@ -84,6 +84,10 @@ class CacheConfig:
     # device pages from eviction (seconds); past it, PoolExhaustedError. Allocations that no
     # storage write could help fail at once.
     alloc_wait_s: float = 0.5
+    # EAGLE draft models: key the tree by the bigram view of the tokens (a prompt of N + 1
+    # tokens caches N positions; lengths, pages and page hashes count bigrams). Requests still
+    # pass raw tokens: admit and cache_(un)finished_req translate (docs/tree.md, "EAGLE keys").
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_heads", "head_dim"):
@@ -103,7 +107,7 @@ class CacheConfig:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
         for flag in ("enable_kv_events", "enable_page_hashes", "disable", "enable_sessions",
-                     "retraction_backup", "kv_replicated", "swa_free_out_of_window"):
+                     "retraction_backup", "kv_replicated", "swa_free_out_of_window", "eagle"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.host_mode not in HOST_MODES:

@@ -12,7 +12,9 @@ unchanged::
     {"type": "BlockRemoved", "block_hashes": [...], "medium": "CPU_PINNED"}
     {"type": "AllBlocksCleared"}
 
-:mod:`asynccache.eventpub` publishes batches over ZMQ.
+EAGLE caches report each page's bigrams as ``token_ids`` (pairs ``[t_i, t_i+1]`` on the wire,
+tuples once decoded), as the reference does. :mod:`asynccache.eventpub` publishes batches over
+ZMQ.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def event_from_wire(item: Mapping[str, Any]) -> KVEvent:
     if tag == "BlockStored":
         return BlockStored(block_hashes=list(item["block_hashes"]),
                            parent_block_hash=item["parent_block_hash"],
-                           token_ids=list(item["token_ids"]), block_size=item["block_size"],
+                           token_ids=[tuple(t) if isinstance(t, list | tuple) else t
+                                      for t in item["token_ids"]],
+                           block_size=item["block_size"],
                            lora_id=item.get("lora_id"), medium=Medium(item["medium"]),
                            cache_salt=item.get("cache_salt"), session_id=item.get("session_id"),
                            lora_name=item.get("lora_name"))

@@ -68,7 +68,7 @@ class RequestFlow:
                 raise ConfigError("session_id needs CacheConfig(enable_sessions=True)")
             gen = self.sessions.ensure(session_id)
         t = self._t
-        key = t.key(tokens)
+        key = t.key(self.tree.key_of(tokens))  # (EAGLE: the bigram view, built once)
         hy = self._p.hybrid
         mamba = hy is not None and hy.mamba_pool is not None
         m = t.match_prefix(key, cow_mamba=mamba)
@@ -203,7 +203,12 @@ class RequestFlow:
 
     def _insert(self, req: CacheRequest, **extra: Any) -> Any:
         key = self._t.key(req.key[: req.computed])  # (a streaming turn's tokens are new)
-        return self._t.insert(key, req.slots, prev_prefix_len=req.prefix_len,
+        slots = req.slots
+        if key.is_bigram and len(key) < len(slots):
+            # EAGLE: computed positions past the key's last bigram (the last raw token's
+            # position, whose bigram needs the next token) stay the request's.
+            slots = slots[: len(key)]
+        return self._t.insert(key, slots, prev_prefix_len=req.prefix_len,
                               inserted_len=req.inserted_len, priority=req.priority, **extra)
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:

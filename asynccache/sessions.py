@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from asynccache.errors import InvalidInputError
 from asynccache.request import CacheRequest
-from asynccache.tree import RadixKey, RadixTree, SessionRef, as_key
+from asynccache.tree import BigramKey, RadixKey, RadixTree, SessionRef, as_key
 
 
 class RequestCalls(Protocol):
@@ -157,8 +157,13 @@ class StreamingSession:
                     f"turn {self.turns} of {self.session_id!r} has namespace {key.namespace!r}, "
                     f"the session {req.key.namespace!r}"
                 )
-            req.key = RadixKey.from_bytes(req.key.data[: req.computed * 4] + key.data,
-                                          req.key.namespace)
+            old = req.key
+            if isinstance(old, BigramKey):  # EAGLE: raw tokens computed so far, then the turn's
+                req.key = BigramKey(old.tokens[: req.computed] + key.tokens,
+                                    namespace=old.namespace)
+            else:
+                req.key = RadixKey.from_bytes(old.data[: req.computed * 4] + key.data,
+                                              old.namespace)
             req.rid = rid
         self._in_turn = True
         return req

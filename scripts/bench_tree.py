@@ -26,6 +26,15 @@ ratio within a round, and ``..._range`` its lowest and highest round. ``..._pair
 a separate pass with all four trees side by side, each phase taken in turns of 500 inserts or
 matches (100 evict calls) per configuration: the median over turns of the ratio within a turn,
 the steadiest of these figures on a shared machine, whose interference outlasts a turn.
+
+EAGLE (``eagle`` in the report; ``--no-eagle`` skips it, ``--eagle-only`` runs only it): the same
+workload on an EAGLE tree (bigram keys: 999 bigrams per sequence) beside a token tree, in paired
+turns as above (500 inserts or matches, 100 evict calls per tree and turn, the order alternating
+A B A B), with prebuilt keys: ``<phase>_ratio_vs_plain`` is the median over turns of the EAGLE
+tree's time over the token tree's (target: <= 1.2). ``key_build_ratio_vs_plain``: building a
+BigramKey against a RadixKey from the same numpy int64 array (median of interleaved rounds);
+``insert_raw_ratio_vs_plain`` / ``match_raw_ratio_vs_plain``: the tree given raw token arrays
+(each builds its key inside the call, the EAGLE tree its bigram view).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_workload import make_sequences
 
-from asynccache.tree import RadixKey, RadixTree
+from asynccache.tree import BigramKey, RadixKey, RadixTree, TreeConfig
 
 
 def inserts(seqs: np.ndarray, mamba: bool) -> tuple[list, list, list[dict]]:
@@ -137,13 +146,19 @@ def main() -> None:
     ap.add_argument("--no-hybrid", action="store_true", help="skip the SWA / Mamba configurations")
     ap.add_argument("--repeat", type=int, default=5, help="hybrid comparison: rounds")
     ap.add_argument("--no-keys", action="store_true", help="skip the key-form timings")
+    ap.add_argument("--no-eagle", action="store_true", help="skip the EAGLE (bigram) comparison")
+    ap.add_argument("--eagle-only", action="store_true", help="run only the EAGLE comparison")
     args = ap.parse_args()
     if args.quick:
         args.num, args.evict_calls, args.sglang_evict_calls = 2000, 300, 30
     seqs = make_sequences(args.num)
     report: dict = {"benchmark": "tree", "sequences": args.num, "tokens_per_sequence": 1000,
                     "targets": {"insert_vs_sglang": 2.0, "match_vs_sglang": 2.0,
-                                "evict_calls_s": 3000}, "runs": []}
+                                "evict_calls_s": 3000, "eagle_vs_plain": 1.2}, "runs": []}
+    if args.eagle_only:
+        report["eagle"] = run_eagle(seqs, args.evict_calls, args.repeat)
+        print(json.dumps(report, indent=1))
+        return
     for page_size in (1, 16):
         for hashing in (False, True):
             row = {"page_size": page_size, "hashes_and_events": hashing}
@@ -163,7 +178,95 @@ def main() -> None:
         report["keys"] = run_key_forms(seqs[:2000], args.repeat)
     if not args.no_hybrid:
         report["hybrid"] = run_hybrid(seqs, args.evict_calls, args.repeat)
+    if not args.no_eagle:
+        report["eagle"] = run_eagle(seqs, args.evict_calls, args.repeat)
     print(json.dumps(report, indent=1))
+
+
+def run_eagle(seqs: np.ndarray, evict_calls: int, repeat: int) -> list[dict]:
+    """An EAGLE tree beside a token tree on the same sequences (see the module docstring)."""
+    keys = {"plain": [RadixKey(s) for s in seqs], "eagle": [BigramKey(s) for s in seqs]}
+    rows = []
+    for page_size in (1, 16):
+        row: dict = {"page_size": page_size}
+        row.update(_eagle_paired(keys, seqs.shape[1], page_size, evict_calls))
+        row.update(_eagle_raw_ratios(seqs[:2000], page_size, repeat))
+        rows.append(row)
+    return rows
+
+
+def _eagle_paired(keys: dict[str, list], width: int, page_size: int,
+                  evict_calls: int) -> dict:
+    """Insert, match and evict on both trees in alternating turns; per phase, the median over
+    turns of the EAGLE tree's time over the token tree's."""
+    n = len(keys["plain"])
+    trees = {"plain": RadixTree(page_size=page_size),
+             "eagle": RadixTree(TreeConfig(page_size=page_size, eagle=True))}
+    values = {name: [np.arange(i * width, i * width + len(keys[name][i]), dtype=np.int64)
+                     for i in range(n)] for name in trees}
+    hits = dict.fromkeys(trees, 0)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"insert": [], "match": [], "evict": []} for name in trees}
+    gc.collect()
+    for phase, count, size in (("insert", n, PAIRED_CHUNK), ("match", n, PAIRED_CHUNK),
+                               ("evict", evict_calls, PAIRED_EVICT_CHUNK)):
+        for turn, lo in enumerate(range(0, count, size)):
+            hi = min(lo + size, count)
+            for name in (("plain", "eagle") if turn % 2 == 0 else ("eagle", "plain")):
+                tree, ks, vs = trees[name], keys[name], values[name]
+                t0 = time.perf_counter()
+                if phase == "insert":
+                    for i in range(lo, hi):
+                        tree.insert(ks[i], vs[i])
+                elif phase == "match":
+                    for i in range(lo, hi):
+                        hits[name] += tree.match_prefix(ks[i]).device_prefix_len
+                else:
+                    for _ in range(lo, hi):
+                        tree.evict(1000)
+                times[name][phase].append(time.perf_counter() - t0)
+    assert hits["plain"] == n * (width - width % page_size), hits
+    assert hits["eagle"] == n * ((width - 1) - (width - 1) % page_size), hits
+    out: dict = {}
+    for ph in ("insert", "match", "evict"):
+        ratios = [e / p for e, p in zip(times["eagle"][ph], times["plain"][ph], strict=True)]
+        out[f"{ph}_ratio_vs_plain"] = float(np.median(ratios))
+        out[f"{ph}_ratio_range"] = [float(min(ratios)), float(max(ratios))]
+    return out
+
+
+def _eagle_raw_ratios(seqs: np.ndarray, page_size: int, repeat: int) -> dict:
+    """Key building, and insert / match given raw token arrays, EAGLE over token trees,
+    interleaved rounds (A B A B), medians of the per-round ratios."""
+    n, width = seqs.shape
+    build: dict[str, list[float]] = {"plain": [], "eagle": []}
+    rates: dict[str, dict[str, list[float]]] = {
+        name: {"insert": [], "match": []} for name in build}
+    values = [np.arange(i * width, (i + 1) * width, dtype=np.int64) for i in range(n)]
+    for r in range(repeat):
+        for name in (("plain", "eagle") if r % 2 == 0 else ("eagle", "plain")):
+            make = BigramKey if name == "eagle" else RadixKey
+            t0 = time.perf_counter()
+            for s in seqs:
+                make(s)
+            build[name].append(time.perf_counter() - t0)
+            tree = RadixTree(TreeConfig(page_size=page_size, eagle=name == "eagle"))
+            t0 = time.perf_counter()
+            for i in range(n):
+                tree.insert(seqs[i], values[i])  # (EAGLE: N + 1 slots, the last one ours)
+            rates[name]["insert"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in range(n):
+                tree.match_prefix(seqs[i])
+            rates[name]["match"].append(time.perf_counter() - t0)
+    out = {"key_build_ratio_vs_plain": float(np.median(
+        [e / p for e, p in zip(build["eagle"], build["plain"], strict=True)]))}
+    out["key_build_us_per_1000_tokens"] = {
+        name: float(np.median(v)) / n * 1e6 * 1000 / width for name, v in build.items()}
+    for ph in ("insert", "match"):
+        out[f"{ph}_raw_ratio_vs_plain"] = float(np.median(
+            [e / p for e, p in zip(rates["eagle"][ph], rates["plain"][ph], strict=True)]))
+    return out
 
 
 def run_key_forms(seqs: np.ndarray, repeat: int) -> dict:

@@ -324,9 +324,9 @@ def bigram_bytes(raw: bytes) -> bytes:
     if n < 2:
         return b""
     words = np.frombuffer(raw, dtype="<u4")
-    out = np.empty((n - 1, 2), dtype="<u4")
-    out[:, 0] = words[:-1]
-    out[:, 1] = words[1:]
+    out = np.empty(2 * n - 2, dtype="<u4")
+    out[0::2] = words[:-1]
+    out[1::2] = words[1:]
     return out.tobytes()
 
 
