@@ -72,6 +72,9 @@ class BackendBase:
     """Shared machinery of FileBackend and S3Backend (not part of the protocol)."""
 
     kind: ClassVar[str] = "base"
+    #: Whether get_batch / set_batch take a page as ``base.Pieces`` (its bytes apart in the
+    #: caller's memory, read and written in place).
+    takes_pieces: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from asynccache.errors import ConfigError, InvalidInputError
 __all__ = [
     "OBJECT_SUFFIX",
     "EvictionListener",
+    "Pieces",
     "StorageBackend",
     "StorageLayout",
     "check_batch",
@@ -208,22 +209,74 @@ def readable_view(buf: Any, index: int = 0) -> memoryview:
     return _as_view(buf, index)
 
 
+def _nbytes(buf: Any) -> int:
+    size = getattr(buf, "nbytes", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        return 0  # not a buffer: check_batch names it
+
+
+class Pieces:
+    """One page given as several buffers, its bytes in their order: a page that lies apart in
+    the caller's memory (the K and V halves of an SGLang host-pool page) is written and read
+    in place, without gathering it into one buffer first. The stored object is the same as
+    for the joined bytes. Backends that take pieces say so (``FileBackend``); others raise
+    InvalidInputError for them. ``parts``: the buffers (after ``check_batch``: flat byte views)."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        self.parts = list(parts)
+        if not self.parts:
+            raise InvalidInputError("Pieces needs at least one buffer")
+        self.nbytes = sum(_nbytes(p) for p in self.parts)
+
+    def tobytes(self) -> bytes:
+        return b"".join(bytes(p) for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"Pieces({len(self.parts)} parts, {self.nbytes} bytes)"
+
+
+#: A page's buffer after ``check_batch``: one flat byte view, or its pieces' views.
+PageView = memoryview | Pieces
+
 _GIL_FREE_COPY_BYTES = 256 * 1024
 
 
-def copy_into(dst: memoryview, src: memoryview) -> None:
+def copy_into(dst: memoryview | Pieces, src: memoryview) -> None:
     """``dst[:] = src``; large copies through numpy, which releases the GIL (a memoryview
-    copy holds it, which is cheaper only for small pages)."""
+    copy holds it, which is cheaper only for small pages). A :class:`Pieces` ``dst`` takes
+    ``src`` in order, piece by piece."""
+    if isinstance(dst, Pieces):
+        at = 0
+        for part in dst.parts:
+            copy_into(part, src[at : at + part.nbytes])
+            at += part.nbytes
+        return
     if dst.nbytes < _GIL_FREE_COPY_BYTES:
         dst[:] = src
     else:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
+def _pieces_view(buf: Pieces, index: int, writable: bool) -> Pieces:
+    make = writable_view if writable else readable_view
+    try:
+        views = [make(p, index) for p in buf.parts]
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"a piece of {exc}") from None
+    return Pieces(views)
+
+
 def check_batch(
-    keys: Sequence[str], buffers: Sequence[Any], *, writable: bool
-) -> tuple[list[str], list[memoryview]]:
-    """Validate a get/set batch: keys, equal lengths, usable buffers, no empty pages."""
+    keys: Sequence[str], buffers: Sequence[Any], *, writable: bool, pieces: bool = False
+) -> tuple[list[str], list[Any]]:
+    """Validate a get/set batch: keys, equal lengths, usable buffers, no empty pages. With
+    ``pieces`` a buffer may be a :class:`Pieces` (its views come back as one)."""
     key_list = validate_keys(keys)
     bufs = list(buffers)
     if len(bufs) != len(key_list):
@@ -231,7 +284,15 @@ def check_batch(
             f"got {len(key_list)} keys but {len(bufs)} buffers; need one buffer per key"
         )
     make = writable_view if writable else readable_view
-    views = [make(b, i) for i, b in enumerate(bufs)]
+    views: list[Any] = []
+    for i, b in enumerate(bufs):
+        if isinstance(b, Pieces):
+            if not pieces:
+                raise InvalidInputError(f"buffers[{i}] is {b!r}; this backend takes one "
+                                        "contiguous buffer per page")
+            views.append(_pieces_view(b, i, writable))
+        else:
+            views.append(make(b, i))
     for i, v in enumerate(views):
         if v.nbytes == 0:
             raise InvalidInputError(f"buffers[{i}] is empty; a page has at least one byte")

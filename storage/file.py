@@ -13,6 +13,10 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
   the touched directories once per batch after that, before ``set_batch`` reports the pages
   stored; without it, a power loss can lose or tear recent pages, which the checksum turns
   into misses.
+* A page may be given as :class:`~asynccache.storage.base.Pieces` (its bytes apart in the
+  caller's memory): the pieces go to the file in one ``pwritev`` after the header, with the
+  checksum streamed over them, and a verified read is copied out into them piece by piece;
+  the object is the same as for the joined bytes.
 * Reads ``preadv`` into a per-worker bounce buffer (a run of neighbouring pages of one
   segment in one ``preadv``), verify every page against its own header, and only then copy
   into the caller's buffer under the call's :class:`~asynccache.storage.threadio.PageGuard` (a
@@ -50,7 +54,7 @@ from prometheus_client import CollectorRegistry
 from asynccache.errors import ConfigError, StorageError
 from asynccache.storage import filedir
 from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
-from asynccache.storage.base import StorageLayout, check_batch, validate_keys
+from asynccache.storage.base import PageView, StorageLayout, check_batch, validate_keys
 from asynccache.storage.fileindex import LruIndex
 from asynccache.storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
 from asynccache.storage.pageformat import HEADER_SIZE
@@ -83,6 +87,7 @@ class FileBackend(BackendBase):
     """
 
     kind = "file"
+    takes_pieces = True
 
     def __init__(
         self,
@@ -321,7 +326,7 @@ class FileBackend(BackendBase):
 
     async def get_batch(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         self._check_open()
-        key_list, views = check_batch(keys, buffers, writable=True)
+        key_list, views = check_batch(keys, buffers, writable=True, pieces=True)
         await self._ensure_started()
         started = time.perf_counter()
         n = len(key_list)
@@ -399,7 +404,7 @@ class FileBackend(BackendBase):
 
     async def set_batch(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         self._check_open()
-        key_list, views = check_batch(keys, buffers, writable=False)
+        key_list, views = check_batch(keys, buffers, writable=False, pieces=True)
         await self._ensure_started()
         if self._dir.due():  # other writers' temp files: still there, still theirs?
             with contextlib.suppress(OSError, TimeoutError):
@@ -461,7 +466,7 @@ class FileBackend(BackendBase):
     async def _write_files(
         self,
         key_list: list[str],
-        views: list[memoryview],
+        views: list[PageView],
         files: list[tuple[list[int], int]],
         victims: list[str],
         cause: str,
@@ -521,7 +526,7 @@ class FileBackend(BackendBase):
         return out
 
     def _make_room(
-        self, full: list[int], views: list[memoryview], protect: set[str]
+        self, full: list[int], views: list[PageView], protect: set[str]
     ) -> tuple[list[tuple[list[int], int]], list[str]] | None:
         """After ENOSPC: evict least recently used files for twice the bytes of the pages
         that did not fit (so the next batch of that size usually fits at once); returns the
@@ -534,7 +539,7 @@ class FileBackend(BackendBase):
             return None
         return list(zip(groups, sizes, strict=True)), victims
 
-    def _plan_files(self, todo: list[int], views: list[memoryview]) -> list[list[int]]:
+    def _plan_files(self, todo: list[int], views: list[PageView]) -> list[list[int]]:
         """The files to write ``todo``'s pages in (``segment.plan_files``); one page per file
         where the filesystem has no hard links."""
         limit = self.segment_bytes if self._files.links_ok else None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asynccache.storage.backend import MISS, OK, os_error_reason
-from asynccache.storage.base import copy_into
+from asynccache.storage.base import Pieces, copy_into
 from asynccache.storage.faults import Fault, FaultKind, fault_error, flip_byte
 from asynccache.storage.pageformat import (
     HEADER_SIZE,
@@ -107,7 +107,7 @@ class ReadReq:
     slot: int
     key: str
     name: str
-    target: memoryview
+    target: memoryview | Pieces
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class WriteReq:
     slot: int
     key: str
     name: str
-    payload: memoryview
+    payload: memoryview | Pieces
 
 
 class PageFiles:
@@ -498,15 +498,17 @@ def _run_of(reqs: list[ReadReq], table: dict[int, Entry]) -> list[Entry]:
 def _faulted_parts(
     req: WriteReq, fault: Fault | None, mac: PageMac | None
 ) -> list[memoryview]:
-    """Header + payload of a page, with a write fault's damage applied (flip / cut)."""
+    """Header + payload of a page (a :class:`Pieces` payload: its pieces, written in place by
+    one ``pwritev``), with a write fault's damage applied (flip / cut)."""
     header = memoryview(encode_header(req.name, req.payload, mac))
+    payload = req.payload.parts if isinstance(req.payload, Pieces) else [req.payload]
     if fault is not None and fault.kind is FaultKind.FLIP_BYTES:
-        flipped = bytearray(req.payload)
+        flipped = bytearray(b"".join(payload))
         flip_byte(flipped, fault.position)
         return [header, memoryview(flipped)]
     if fault is not None and fault.kind is FaultKind.PARTIAL_WRITE:
-        return [header, req.payload[: int(req.payload.nbytes * fault.position)]]
-    return [header, req.payload]
+        return [header, *_cut(payload, int(req.payload.nbytes * fault.position))]
+    return [header, *payload]
 
 
 def _cut(parts: list[memoryview], nbytes: int) -> list[memoryview]:

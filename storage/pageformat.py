@@ -38,6 +38,7 @@ from typing import NamedTuple
 import xxhash
 
 from asynccache.errors import ConfigError, CorruptObjectError
+from asynccache.storage.base import Pieces
 
 __all__ = [
     "FORMAT_VERSION",
@@ -69,6 +70,23 @@ assert _HEAD.size + MAC_SIZE == _BODY.size
 assert _BODY.size + _TAIL.size == _HEADER.size == HEADER_SIZE
 
 checksum = xxhash.xxh3_64_intdigest
+
+Payload = memoryview | bytes | bytearray | Pieces
+
+
+def _payload_checksum(payload: Payload) -> int:
+    """xxh3_64 of the payload's bytes (a :class:`Pieces` payload streamed piece by piece: the
+    same value as for the joined bytes)."""
+    if isinstance(payload, Pieces):
+        h = xxhash.xxh3_64()
+        for part in payload.parts:
+            h.update(part)
+        return h.intdigest()
+    return checksum(payload)
+
+
+def _payload_len(payload: Payload) -> int:
+    return payload.nbytes if isinstance(payload, memoryview | Pieces) else len(payload)
 
 
 class HeaderInfo(NamedTuple):
@@ -106,13 +124,14 @@ class PageMac:
         self._key = raw
         self.key_id = hmac.new(raw, b"asynccache-page-mac-key-id", hashlib.sha256).hexdigest()[:8]
 
-    def tag(self, name: str, head: bytes, payload: memoryview | bytes | bytearray) -> bytes:
+    def tag(self, name: str, head: bytes, payload: Payload) -> bytes:
         """The MAC of a page stored as ``name`` with header bytes 0..36 ``head``."""
         encoded = name.encode()
         h = hmac.new(self._key, len(encoded).to_bytes(4, "little"), hashlib.sha256)
         h.update(encoded)
         h.update(head)
-        h.update(payload)
+        for part in payload.parts if isinstance(payload, Pieces) else (payload,):
+            h.update(part)
         return h.digest()[:MAC_SIZE]
 
     def __repr__(self) -> str:
@@ -135,9 +154,7 @@ def name_hash(name: str) -> int:
     return checksum(name.encode())
 
 
-def encode_header(
-    name: str, payload: memoryview | bytes | bytearray, mac: PageMac | None = None
-) -> bytes:
+def encode_header(name: str, payload: Payload, mac: PageMac | None = None) -> bytes:
     """The 64-byte header of ``payload`` stored as object ``name`` (with a MAC under ``mac``)."""
     head = _HEAD.pack(
         MAGIC,
@@ -145,8 +162,8 @@ def encode_header(
         ALGO_XXH3_64,
         FLAG_MAC if mac is not None else 0,
         HEADER_SIZE,
-        len(payload) if not isinstance(payload, memoryview) else payload.nbytes,
-        checksum(payload),
+        _payload_len(payload),
+        _payload_checksum(payload),
         name_hash(name),
     )
     body = head + (mac.tag(name, head, payload) if mac is not None else _NO_MAC)

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from asynccache.errors import ConfigError, InvalidInputError
-from asynccache.storage.base import StorageLayout
+from asynccache.storage.base import Pieces, StorageLayout
 from asynccache.storage.factory import open_backend
 
 try:
@@ -60,6 +60,13 @@ def layout_for(storage_config: Any, *, page_size: int, kv_dtype: str = "bfloat16
         tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
         kv_replicated=bool(storage_config.is_mla_model),
         pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size, extra=extra)
+
+
+def _contiguous_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``'s elements in its flat order as contiguous views (split along leading dims)."""
+    if t.is_contiguous():
+        return [t.view(-1)]
+    return [part for sub in t.unbind(0) for part in _contiguous_parts(sub)]
 
 
 def _check_tensors(call: str, name: str, keys: Sequence[str], tensors: Any) -> None:
@@ -161,25 +168,34 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                                         f"not a multiple of page_size {self.page_size}")
         return [host.get_data_page(start, flat=False) for start in starts]
 
-    @staticmethod
-    def _staged(pages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-        """One flat buffer per page: the page itself where it is contiguous, else a row of
-        one staging tensor (the indices of those pages are returned with them)."""
-        apart = [i for i, p in enumerate(pages) if not p.is_contiguous()]
-        bufs = [p.view(-1) if p.is_contiguous() else p for p in pages]
-        if apart:
-            staging = torch.empty((len(apart), pages[apart[0]].numel()),
-                                  dtype=pages[apart[0]].dtype)
-            for row, i in enumerate(apart):
+    def _page_buffers(self, pages: list[torch.Tensor]) -> tuple[list[Any], list[int]]:
+        """One buffer per host-pool page: the page itself where it is contiguous; else its
+        contiguous pieces (``Pieces``, read and written in place) where the backend takes
+        them; else a row of one staging tensor (those pages' indices are returned too)."""
+        bufs: list[Any] = []
+        staged: list[int] = []
+        pieces = bool(getattr(self.backend, "takes_pieces", False))
+        for i, page in enumerate(pages):
+            if page.is_contiguous():
+                bufs.append(page.view(-1))
+            elif pieces:
+                bufs.append(Pieces(_contiguous_parts(page)))
+            else:
+                bufs.append(None)
+                staged.append(i)
+        if staged:
+            staging = torch.empty((len(staged), pages[staged[0]].numel()),
+                                  dtype=pages[staged[0]].dtype)
+            for row, i in enumerate(staged):
                 bufs[i] = staging[row]
-        return bufs, apart
+        return bufs, staged
 
     def batch_set_v1(self, keys: list[str], host_indices: Any,
                      extra_info: Any = None) -> list[bool]:
         """Store the host pool pages at ``host_indices`` (``page_size`` token indices per key)."""
         pages = self._host_pages("batch_set_v1", keys, host_indices)
-        bufs, apart = self._staged(pages)
-        for i in apart:
+        bufs, staged = self._page_buffers(pages)
+        for i in staged:
             bufs[i].view(pages[i].shape).copy_(pages[i])
         return list(self._run(self.backend.set_batch(list(keys), bufs)))
 
@@ -187,9 +203,9 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                      extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; True per page filled (verified)."""
         pages = self._host_pages("batch_get_v1", keys, host_indices)
-        bufs, apart = self._staged(pages)
+        bufs, staged = self._page_buffers(pages)
         ok = list(self._run(self.backend.get_batch(list(keys), bufs)))
-        for i in apart:
+        for i in staged:
             if ok[i]:
                 pages[i].copy_(bufs[i].view(pages[i].shape))
         return ok
