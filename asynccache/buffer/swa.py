@@ -33,7 +33,7 @@ import numpy as np
 
 from asynccache.engine import Tiering
 from asynccache.errors import ConfigError
-from asynccache.l3 import BATCH_PAGES, StorageExistenceCache, page_buffers, read_run
+from asynccache.l3 import BATCH_PAGES, StorageExistenceCache, read_run, write_pages
 from asynccache.l3.hybrid import swa_object
 from asynccache.logs import get_logger
 from asynccache.transfers.handles import CopyHandle
@@ -71,6 +71,8 @@ class SWABuffer:
                 f"(swa_host_tokens={self.host.num_slots}) must hold at least {self.window_span} "
                 f"tokens (sliding_window={sliding_window}, page-aligned)"
             )
+        # Sidecars of the SWA pool: their objects (<page key>.<name>) go with each .swa page.
+        self._sidecars = parts.sidecars.stored_with("swa")
         self.write_staged = 0  # host SWA slots held by writes
         self.read_held = 0  # host SWA slots held by read bounces
 
@@ -137,8 +139,9 @@ class SWABuffer:
         ps = self._ps
         for i in range(0, len(keys), BATCH_PAGES):
             batch = keys[i : i + BATCH_PAGES]
-            bufs = page_buffers(self.host, host[i * ps : (i + len(batch)) * ps], fill=True)
-            got = await self.backend.set_batch([swa_object(k) for k in batch], bufs)
+            got = await write_pages(self.backend, self.host, [swa_object(k) for k in batch],
+                                    host[i * ps : (i + len(batch)) * ps], self._sidecars,
+                                    page_keys=batch)
             ok.extend(bool(g) for g in got)
 
     # ------------------------------------------------------------------ reads
@@ -172,7 +175,8 @@ class SWABuffer:
         while p >= max(min_pages, 1):
             lo = self.window(p)
             names = [swa_object(k) for k in keys[lo:p]]
-            good = await read_run(self.backend, self.host, names, host[: (p - lo) * ps])
+            good = await read_run(self.backend, self.host, names, host[: (p - lo) * ps],
+                                  sidecars=self._sidecars, page_keys=keys[lo:p])
             if good == p - lo:
                 return p
             self.existence.invalidate_beyond(list(keys[lo:p]), good)

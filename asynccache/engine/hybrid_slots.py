@@ -58,6 +58,8 @@ class HybridSlots:
         self.device_pool = device_pool
         self.tier: HybridTier | None = None  # host pools and copies (set with a host tier)
         self.mamba_outstanding = 0  # states handed to callers, not yet adopted or freed
+        # Device pools of the sidecars of the state pool: a copy-on-write copies them too.
+        self.state_sidecars: list[Any] = []
 
     # ------------------------------------------------------------------ FULL + SWA slots
     def alloc(self, num_tokens: int) -> np.ndarray | None:
@@ -107,6 +109,8 @@ class HybridSlots:
         dst = self.mamba_pool.copy_on_write(slot)
         if dst is not None:
             self.mamba_outstanding += 1
+            for pool in self.state_sidecars:
+                pool.data[:, dst] = pool.data[:, int(slot)]
         return dst
 
     def free_mamba(self, slot: int) -> None:

@@ -98,8 +98,9 @@ class Parts:
         if host_pool is not None:
             metrics.host_total_tokens.set(host_pool.num_slots)
         return cls(config, config.page_size, shape, device_pool, host_pool, tree, hybrid,
-                   metrics, Lifecycle(), Sidecars(device_pool, host_pool,
-                                                  _sources(device_pool, host_pool, hybrid)))
+                   metrics, Lifecycle(), Sidecars(
+                       device_pool, host_pool, _sources(device_pool, host_pool, hybrid),
+                       hybrid.state_sidecars if hybrid is not None else None))
 
 
 def _sources(device_pool: DevicePool, host_pool: HostPool | None,

@@ -46,6 +46,13 @@ class Sidecar:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def host_pool(self) -> HostSidecarPool:
+        """The host pool (the cache has a host tier: see :meth:`Sidecars.stored_with`)."""
+        if self.host is None:
+            raise ConfigError(f"sidecar {self.name!r} has no host pool (no host tier)")
+        return self.host
+
     def object_name(self, key: str) -> str:
         return sidecar_object(key, self.spec.name)
 
@@ -61,8 +68,11 @@ class Sidecars:
     """The sidecars of one cache, by registration order (see the module docstring)."""
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool | None,
-                 sources: Mapping[str, tuple[int, int | None, int]]) -> None:
+                 sources: Mapping[str, tuple[int, int | None, int]],
+                 state_sidecars: list[Any] | None = None) -> None:
         self._device = device_pool.device
+        # (the hybrid slots' list: a Mamba state's copy-on-write copies its sidecars too)
+        self._state_sidecars = state_sidecars
         self._pin = host_pool is not None and host_pool.pinned
         self._sources = {k: _Source(*v) for k, v in sources.items()}
         self._all: list[Sidecar] = []
@@ -124,6 +134,8 @@ class Sidecars:
                                    device=self._device)
         sidecar = Sidecar(spec, device, host)
         self._all.append(sidecar)
+        if spec.source == "mamba" and self._state_sidecars is not None:
+            self._state_sidecars.append(device)
         return sidecar
 
     # ------------------------------------------------------------------ lifecycle

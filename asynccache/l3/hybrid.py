@@ -78,6 +78,10 @@ class HybridStorage:
         self.mamba = self.tier.mamba_host is not None
         self._ps = ps = tiering.page_size
         self.window_pages = -(-parts.config.sliding_window // ps) if self.swa else 0
+        # Sidecars of the SWA pool and of the state pool: their objects go with the node's
+        # .swa pages / .mamba state, and a component counts as stored only with them.
+        self._swa_sidecars = parts.sidecars.stored_with("swa")
+        self._state_sidecars = parts.sidecars.stored_with("mamba")
 
     def evict_host(self, num_tokens: int) -> int:
         """Evict host copies for a component allocation (:class:`ClosedError` once the cache
@@ -99,6 +103,9 @@ class HybridStorage:
                 for i, first in enumerate(host[::ps].tolist()):
                     out_k.append(swa_object(keys[i]))
                     out_b.append(self.tier.swa_host.read_page(first))
+                    for sc in self._swa_sidecars:
+                        out_k.append(sc.object_name(keys[i]))
+                        out_b.append(sc.host_pool.read_page(first))
         if self.mamba:
             state = tree.component_host_slots_of(nid, "mamba")
             if state is not None:
@@ -106,6 +113,9 @@ class HybridStorage:
                 out_k.append(mamba_object(keys[-1]))
                 row = self.tier.mamba_host.states[int(state[0])].contiguous()
                 out_b.append(row.view(torch.uint8).reshape(-1).clone())
+                for sc in self._state_sidecars:
+                    out_k.append(sc.object_name(keys[-1]))
+                    out_b.append(sc.host_pool.read_page(int(state[0])))
         return out_k, out_b
 
     # ------------------------------------------------------------------ restorable prefix
@@ -282,31 +292,46 @@ class HybridStorage:
         ps = self._ps
         keys = op.keys[:p]
         want_k: list[str] = []
+        source: list[str] = []  # per object: the component object it goes with
         bufs: list[torch.Tensor] = []
-        w = 0
+        pools: list[tuple[Any, np.ndarray, int, int]] = []  # (pool, slots, first buf, pages)
         if "swa" in parts:
             assert self.tier.swa_host is not None
             w = len(parts["swa"]) // ps
-            want_k += [swa_object(k) for k in keys[p - w :]]
-            bufs += page_buffers(self.tier.swa_host, parts["swa"], fill=False)
+            names = [swa_object(k) for k in keys[p - w :]]
+            for pool, objs in ((self.tier.swa_host, names),
+                               *((sc.host_pool, [sc.object_name(k) for k in keys[p - w :]])
+                                 for sc in self._swa_sidecars)):
+                pools.append((pool, parts["swa"], len(bufs), w))
+                want_k += objs
+                source += names
+                bufs += page_buffers(pool, parts["swa"], fill=False)
+        state_buf = -1
         if "mamba" in parts:
             assert self.tier.mamba_host is not None
             row = self.tier.mamba_host.states[0]
-            want_k.append(mamba_object(keys[-1]))
+            name = mamba_object(keys[-1])
+            want_k.append(name)
+            source.append(name)
+            state_buf = len(bufs)
             bufs.append(torch.empty(row.numel() * row.element_size(), dtype=torch.uint8))
+            for sc in self._state_sidecars:
+                pools.append((sc.host_pool, parts["mamba"], len(bufs), 1))
+                want_k.append(sc.object_name(keys[-1]))
+                source.append(name)
+                bufs += page_buffers(sc.host_pool, parts["mamba"], fill=False)
         ok = await backend.get_batch(want_k, bufs)
         if not all(ok):
-            for k, good in zip(want_k, ok, strict=True):
-                if not good:
-                    op.hy.stored[k] = False
+            for k, src, good in zip(want_k, source, ok, strict=True):
+                if not good:  # a sidecar's object missing: its component counts as missing
+                    op.hy.stored[k] = op.hy.stored[src] = False
             return False
-        if "swa" in parts:
-            assert self.tier.swa_host is not None
-            keep_pages(self.tier.swa_host, parts["swa"], bufs, w)
+        for pool, slots, first, pages in pools:
+            keep_pages(pool, slots, bufs[first : first + pages], pages)
         if "mamba" in parts:
             assert self.tier.mamba_host is not None
             dst = self.tier.mamba_host.states[int(parts["mamba"][0])]
-            dst.view(-1).view(torch.uint8).copy_(bufs[-1])
+            dst.view(-1).view(torch.uint8).copy_(bufs[state_buf])
         return True
 
     def _take(self, op: PrefetchOp, name: str, n: int) -> np.ndarray | None:

@@ -55,15 +55,17 @@ def keep_pages(host: KVPool, slots: np.ndarray, bufs: Sequence[torch.Tensor],
             host.write_page(first, bufs[j])
 
 
-def _pools(host: KVPool, keys: Sequence[str],
-           sidecars: Sequence[Sidecar]) -> tuple[list[KVPool], list[list[str]]]:
-    """The pools of a run of pages (the source's, then each sidecar's) and their object names."""
+def _pools(host: KVPool, keys: Sequence[str], sidecars: Sequence[Sidecar],
+           page_keys: Sequence[str] | None) -> tuple[list[KVPool], list[list[str]]]:
+    """The pools of a run of pages (the source's, then each sidecar's) and their object names
+    (a sidecar's are ``<page key>.<name>``; ``page_keys``: the page keys when ``keys`` are
+    other objects of them, such as ``.swa`` pages)."""
     pools: list[KVPool] = [host]
     names = [list(keys)]
+    base = keys if page_keys is None else page_keys
     for sc in sidecars:
-        assert sc.host is not None
-        pools.append(sc.host)
-        names.append([sc.object_name(k) for k in keys])
+        pools.append(sc.host_pool)
+        names.append([sc.object_name(k) for k in base])
     return pools, names
 
 
@@ -73,10 +75,12 @@ def _leading(oks: Sequence[Sequence[bool]], n: int) -> list[bool]:
 
 
 async def write_pages(backend: Any, host: KVPool, keys: Sequence[str], slots: np.ndarray,
-                      sidecars: Sequence[Sidecar] = ()) -> list[bool]:
+                      sidecars: Sequence[Sidecar] = (), *,
+                      page_keys: Sequence[str] | None = None) -> list[bool]:
     """One backend call: write the host pages of ``slots`` as ``keys`` (and each page's sidecar
-    objects); per page, whether it and all its sidecar objects were stored."""
-    pools, names = _pools(host, keys, sidecars)
+    objects, named after ``page_keys``, default ``keys``); per page, whether it and all its
+    sidecar objects were stored."""
+    pools, names = _pools(host, keys, sidecars, page_keys)
     all_keys: list[str] = []
     bufs: list[torch.Tensor] = []
     for pool, pool_keys in zip(pools, names, strict=True):
@@ -88,11 +92,12 @@ async def write_pages(backend: Any, host: KVPool, keys: Sequence[str], slots: np
 
 
 async def read_pages(backend: Any, host: KVPool, keys: Sequence[str], slots: np.ndarray,
-                     sidecars: Sequence[Sidecar] = ()) -> int:
-    """One backend call: read the pages ``keys`` (and their sidecar objects) into the host
-    pages of ``slots``; returns how many leading pages arrived whole (a backend miss or fault
-    of any pool ends the run)."""
-    pools, names = _pools(host, keys, sidecars)
+                     sidecars: Sequence[Sidecar] = (), *,
+                     page_keys: Sequence[str] | None = None) -> int:
+    """One backend call: read the pages ``keys`` (and their sidecar objects, named after
+    ``page_keys``, default ``keys``) into the host pages of ``slots``; returns how many leading
+    pages arrived whole (a backend miss or fault of any pool ends the run)."""
+    pools, names = _pools(host, keys, sidecars, page_keys)
     all_keys: list[str] = []
     bufs: list[list[torch.Tensor]] = []
     for pool, pool_keys in zip(pools, names, strict=True):
@@ -124,7 +129,8 @@ async def read_run(backend: Any, host: KVPool, keys: Sequence[str], slots: np.nd
                    landed: Callable[[int, int], None] | None = None,
                    between: Callable[[], Awaitable[None]] | None = None,
                    bandwidth: Observer | None = None,
-                   sidecars: Sequence[Sidecar] = ()) -> int:
+                   sidecars: Sequence[Sidecar] = (),
+                   page_keys: Sequence[str] | None = None) -> int:
     """Read the pages ``keys`` into the host slots ``slots`` (from their start) in batches of
     :data:`BATCH_PAGES`, stopping at the first page that did not arrive (missing, corrupt,
     unreadable); returns the leading pages that arrived.
@@ -132,15 +138,17 @@ async def read_run(backend: Any, host: KVPool, keys: Sequence[str], slots: np.nd
     ``landed(first, good)``: called after each batch (``first``: the index of its first page in
     ``keys``; ``good``: its leading pages that arrived). ``between``: awaited after each whole
     batch but the last. ``bandwidth``: observes the bytes per second of the pages read.
-    ``sidecars``: read each page's sidecar objects with it (a page arrives only whole)."""
+    ``sidecars``: read each page's sidecar objects with it (a page arrives only whole; their
+    names follow ``page_keys``, default ``keys``)."""
     ps = host.page_size
     n = len(keys)
     total = 0
     t0 = time.perf_counter()
     for i in range(0, n, BATCH_PAGES):
         batch = keys[i : i + BATCH_PAGES]
-        good = await read_pages(backend, host, batch, slots[i * ps : (i + len(batch)) * ps],
-                                sidecars)
+        good = await read_pages(
+            backend, host, batch, slots[i * ps : (i + len(batch)) * ps], sidecars,
+            page_keys=None if page_keys is None else page_keys[i : i + BATCH_PAGES])
         total += good
         if landed is not None:
             landed(i, good)
