@@ -57,6 +57,26 @@ class KVAccess:
             return pool.kv[:, :, :0].cpu()
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).cpu()
 
+    def slot_runs(self, slots: Any) -> list[tuple[int, int, int]]:
+        """``slots`` (checked to be in range) as runs of consecutive slots: (position in
+        ``slots``, first slot, length), in order."""
+        arr = self._device_slots(slots)
+        if not len(arr):
+            return []
+        breaks = np.flatnonzero(np.diff(arr) != 1) + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), len(arr)]
+        return [(a, int(arr[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+
+    def span(self, first: int, n: int) -> torch.Tensor:
+        """The device KV of slots ``first .. first + n - 1`` as a live (layers, 2, n, heads,
+        head_dim) view of the pool: writing it writes the pool, no copy is made."""
+        size = self.device_pool.num_slots
+        if first < 0 or n < 0 or first + n > size:
+            raise InvalidInputError(
+                f"span of slots [{first}, {first + n}) is out of the device pool's [0, {size})")
+        return self.device_pool.kv[:, :, first : first + n]
+
     def write_kv(self, slots: Any, values: torch.Tensor) -> None:
         """Write KV (layers, 2, n, heads, head_dim) into device ``slots``."""
         arr = self._device_slots(slots)

@@ -20,6 +20,7 @@ _MASK64 = (1 << 64) - 1
 # Odd multipliers (from splitmix64 / murmur3 finalisers) and the chain base.
 _M1, _M2, _M3 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
 _K = 0xD6E8FEB86659FD93
+_PAD = _U64(1 << 40)  # pads a partial page: token ids are uint32
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -62,13 +63,22 @@ class PrefixHasher:
                 self._seeds[namespace] = s
         return s
 
-    def hashes(self, tokens: np.ndarray, namespace: str | None = None) -> np.ndarray:
+    def hashes(self, tokens: np.ndarray, namespace: str | None = None, *,
+               partial: bool = False) -> np.ndarray:
+        """One hash per whole page; ``partial=True`` adds one for a partial last page (its
+        tokens padded with an id no token has, so it equals no whole page's hash)."""
         ps = self.page_size
-        pages = len(tokens) // ps
+        n = len(tokens)
+        pages = -(-n // ps) if partial else n // ps
         if pages == 0:
             return np.empty(0, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            t = tokens[: pages * ps].astype(np.uint64).reshape(pages, ps)
+            if pages * ps <= n:
+                flat = tokens[: pages * ps].astype(np.uint64)
+            else:
+                flat = np.full(pages * ps, _PAD, dtype=np.uint64)
+                flat[:n] = tokens
+            t = flat.reshape(pages, ps)
             page = _mix(t * self._lane + _U64(_M3)).sum(axis=1, dtype=np.uint64)
             page = _mix(page)
             pw, ipw = self._powers(pages)
@@ -159,7 +169,11 @@ class InfiniteBound:
 
     def access(self, tokens: np.ndarray, namespace: str | None = None) -> int:
         """The prompt's hit in tokens (whole pages seen before), then remember its pages."""
-        h = self._hasher.hashes(tokens, namespace)
+        return self.access_pages(self._hasher.hashes(tokens, namespace))
+
+    def access_pages(self, h: np.ndarray) -> int:
+        """:meth:`access` with the prompt's whole-page hashes already computed
+        (:class:`PrefixHasher` of this page size)."""
         hit = self._set.leading(h)
         if hit < len(h):
             self._set.add(h[hit:])
@@ -257,7 +271,11 @@ class BeladyBound:
 
     def access(self, tokens: np.ndarray, namespace: str | None = None) -> None:
         """Record a prompt (its whole pages; a partial last page never hits)."""
-        h = self._hasher.hashes(tokens, namespace)
+        self.access_pages(self._hasher.hashes(tokens, namespace))
+
+    def access_pages(self, h: np.ndarray) -> None:
+        """:meth:`access` with the prompt's whole-page hashes already computed
+        (:class:`PrefixHasher` of this page size; kept, not copied)."""
         if len(h):
             self._chunks.append(h)
             self._result = None

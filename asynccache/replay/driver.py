@@ -44,7 +44,7 @@ from asynccache.logs import get_logger
 from asynccache.metrics import serve_metrics
 from asynccache.replay.bound import BeladyBound, InfiniteBound
 from asynccache.replay.formats import TraceFormatError, TraceRequest
-from asynccache.replay.kvgen import expected_kv, mismatched_tokens, same_bits
+from asynccache.replay.kvcheck import ReplayKV
 from asynccache.replay.storemodel import TraceTimeStore
 from asynccache.request import CacheRequest
 from asynccache.tree import RadixKey
@@ -87,6 +87,8 @@ class ReplayStats:
     queued: int = 0  # requests admitted after their arrival (in-flight cap or memory)
     wall_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # Where the wall time went (seconds, see ``timing_figures``); never part of the results.
+    timing: dict[str, float] = field(default_factory=dict)
 
     @property
     def reused_tokens(self) -> int:
@@ -159,6 +161,7 @@ class _Instance:
     running: int = 0
     blocked: bool = False  # the head of ``waiting`` needs memory a running request holds
     optimum: BeladyBound | None = None  # the offline optimum at this instance's L1 capacity
+    kv: ReplayKV | None = None  # writes and verifies this cache's KV (set when it starts)
 
 
 @dataclass
@@ -213,6 +216,7 @@ class TraceDriver:
         try:
             for c in caches:
                 await c.start()
+            setup_s = time.perf_counter() - t0
             if self.options.metrics_port is not None:
                 server = serve_metrics(caches[0].metrics if self.n == 1
                                        else [c.metrics for c in caches],
@@ -222,7 +226,8 @@ class TraceDriver:
             ps = self.config.page_size
             self.instances = [
                 _Instance(i, c, ReplayStats(), InfiniteBound(ps),
-                          optimum=BeladyBound(ps, c.device_pool.allocator.num_pages))
+                          optimum=BeladyBound(ps, c.device_pool.allocator.num_pages),
+                          kv=ReplayKV(c.device_pool, c.shape))
                 for i, c in enumerate(caches)]
             if self.options.storage_url:
                 backend = await self._open_storage(caches[0], self.options.storage_url)
@@ -234,10 +239,13 @@ class TraceDriver:
                 await self._replay(trace)
                 await self._quiesce()
             finally:
+                t1 = time.perf_counter()
                 self._settle_optimum()
+                optimum_s = time.perf_counter() - t1
             for inst in self.instances:
                 inst.cache.sanity_check()
                 inst.stats.extra = engine_figures(inst.cache)
+                inst.stats.timing = timing_figures(inst, setup_s, optimum_s)
             if self.store is not None:
                 self.outcome.storage_foreign_pages = self.store.foreign_pages
                 self.outcome.storage_hidden_misses = self.store.hidden_misses
@@ -356,6 +364,9 @@ class TraceDriver:
             st.completed += 1
             self._progress()
             return True
+        kv = inst.kv
+        assert kv is not None
+        ids = kv.page_ids(tr.tokens, tr.namespace)
         key = RadixKey(tr.tokens, extra_key=tr.namespace)
         req = cache.admit(key, rid=tr.rid)
         verified = 0
@@ -364,12 +375,13 @@ class TraceDriver:
             fetched = await cache.prefetch_request(req)
             loaded = await cache.load_back_request(req)
             if opts.verify == "all" and dev_hit:
-                verified += self._verify(inst, tr, req.slots[:dev_hit], 0)
+                verified += self._verify(kv, tr, ids, req.slots[:dev_hit], 0)
             if loaded and opts.verify != "none":
-                verified += self._verify(inst, tr, req.slots[dev_hit : dev_hit + loaded], dev_hit)
+                verified += self._verify(kv, tr, ids, req.slots[dev_hit : dev_hit + loaded],
+                                         dev_hit)
             start = req.prefix_len
             new = await cache.extend(req, n - start)
-            cache.write_kv(new, expected_kv(cache.shape, tr.tokens[start:], np.arange(start, n)))
+            kv.write(new, ids, start)
         except PoolExhaustedError:
             cache.abort_req(req)
             await self._quiesce()
@@ -394,15 +406,16 @@ class TraceDriver:
         st.host_hit_pages += (loaded - from_l3) // ps
         st.storage_hit_pages += from_l3 // ps
         st.computed_tokens += computed
+        whole = ids[: n // ps]  # the whole pages' prefix hashes: what the bounds count
         if inst.optimum is not None:
-            inst.optimum.access(tr.tokens, tr.namespace)
-        hit = inst.bound.access(tr.tokens, tr.namespace)
+            inst.optimum.access_pages(whole)
+        hit = inst.bound.access_pages(whole)
         st.bound_hit_tokens += hit
         st.bound_hit_pages += hit // ps
         pooled = self.pooled
         pooled.prompt_tokens += n
         pooled.prompt_pages += -(-n // ps)
-        hit = self.pooled_bound.access(tr.tokens, tr.namespace)
+        hit = self.pooled_bound.access_pages(whole)
         pooled.bound_hit_tokens += hit
         pooled.bound_hit_pages += hit // ps
         if tr.arrival < self.clock:
@@ -477,14 +490,12 @@ class TraceDriver:
         if self.progress is not None:
             self.progress(1)
 
-    def _verify(self, inst: _Instance, tr: TraceRequest, slots: np.ndarray, start: int) -> int:
+    def _verify(self, kv: ReplayKV, tr: TraceRequest, ids: np.ndarray, slots: np.ndarray,
+                start: int) -> int:
         """Check the KV served in ``slots`` bit for bit; returns how many tokens were checked."""
-        cache = inst.cache
         n = len(slots)
-        got = cache.read_kv(slots)
-        want = expected_kv(cache.shape, tr.tokens[start : start + n], np.arange(start, start + n))
-        if not same_bits(got, want):
-            bad = int(mismatched_tokens(got, want)[0])
+        bad = kv.verify(slots, ids, start)
+        if bad is not None:
             raise KVMismatchError(
                 f"request {tr.rid}: KV served for token position {start + bad} "
                 f"(slot {int(slots[bad])}) differs from the KV of its tokens"
@@ -506,6 +517,25 @@ def suggest_capacity(tokens: int, page_size: int) -> str:
     need = -(-tokens // page_size) * page_size
     ki = -(-(need + need // 4) // 1024)
     return f"{ki}Ki"
+
+
+def timing_figures(inst: _Instance, setup_s: float, optimum_s: float) -> dict[str, float]:
+    """Seconds of a replay's parts: ``setup_s`` (building the caches: allocating and touching
+    the pools), ``kv_ids_s`` / ``kv_write_s`` / ``kv_verify_s`` (the replay's own KV work on
+    the loop thread: prefix hashes, writing computed KV, checking served KV), ``optimum_s``
+    (the offline optimum, at the end) and ``copy_s`` (the copy engine's copies, summed over
+    their durations on its worker thread; they overlap the loop thread's work)."""
+    copier = inst.cache.copy_engine
+    copy_s = sum(st.seconds for st in copier.stats.values()) if copier is not None else 0.0
+    kv = inst.kv
+    return {
+        "setup_s": setup_s,
+        "kv_ids_s": kv.ids_s if kv else 0.0,
+        "kv_write_s": kv.write_s if kv else 0.0,
+        "kv_verify_s": kv.verify_s if kv else 0.0,
+        "optimum_s": optimum_s,
+        "copy_s": copy_s,
+    }
 
 
 def engine_figures(cache: HierarchicalCache) -> dict[str, float]:

@@ -143,6 +143,7 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         "wall_s": round(s.wall_s, 3),
         "requests_per_s": round(s.completed / s.wall_s, 1) if s.wall_s else 0.0,
         "tokens_per_s": round(tok / s.wall_s) if s.wall_s else 0,
+        "timing": timing(s),
     }
     if source_storage:
         report["storage_state"] = {
@@ -152,6 +153,14 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         }
     report["notes"] = notes(report, opts, auto_device=auto_device)
     return report
+
+
+def timing(s: ReplayStats) -> dict[str, float]:
+    """Where the wall time went (:func:`~asynccache.replay.driver.timing_figures`), and
+    ``copy_fraction``: the copy engine's seconds / wall seconds."""
+    out = {k: round(v, 3) for k, v in s.timing.items()}
+    out["copy_fraction"] = ratio(s.timing.get("copy_s", 0.0), s.wall_s)
+    return out
 
 
 def run_status(out: RunOutcome) -> str:
@@ -217,6 +226,7 @@ def _pct(v: float | None) -> str:
 def format_table(report: dict[str, Any]) -> str:
     hr = report["hit_rate"]
     ov = report["overlap"]
+    tm = report.get("timing", {})
     cfg = report["config"]
     storage = cfg["storage"]
     rows = [
@@ -254,6 +264,9 @@ def format_table(report: dict[str, Any]) -> str:
         ("evicted device tokens", f"{report['evicted_device_tokens']:,}"),
         ("verified KV tokens", f"{report['verified_tokens']:,}"),
         ("wall time", f"{report['wall_s']} s"),
+        ("time: setup, KV write, verify, copy",
+         f"{tm.get('setup_s', 0)}, {tm.get('kv_write_s', 0)}, {tm.get('kv_verify_s', 0)}, "
+         f"{tm.get('copy_s', 0)} s (copies {_pct(tm.get('copy_fraction', 0.0))} of the wall)"),
         ("throughput", f"{report['requests_per_s']} req/s, {report['tokens_per_s']:,} tok/s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -20,8 +20,11 @@ REPORT_KEYS = {
     "trace", "status", "config", "model", "requests", "completed", "rejected", "rejected_tokens",
     "largest_rejected_tokens", "skipped_records", "prompt_tokens", "prompt_blocks",
     "reused_tokens", "computed_tokens", "hits", "hit_rate", "overlap", "moved", "evicted_device_tokens",
-    "dropped_tokens", "verified_tokens", "wall_s", "requests_per_s", "tokens_per_s", "notes",
+    "dropped_tokens", "verified_tokens", "wall_s", "requests_per_s", "tokens_per_s", "timing",
+    "notes",
 }
+TIMING_KEYS = {"setup_s", "kv_ids_s", "kv_write_s", "kv_verify_s", "optimum_s", "copy_s",
+               "copy_fraction"}
 HIT_RATE_KEYS = {
     "device_tokens", "host_tokens", "storage_tokens", "total_tokens", "device_blocks",
     "host_blocks", "storage_blocks", "total_blocks", "infinite_cache_bound_tokens",
@@ -37,7 +40,7 @@ TABLE_ROWS = ["trace", "status", "requests served / rejected", "prompt tokens / 
               "L1 optimum, Belady (tokens / blocks)",
               "requests in flight (max / overlapped)", "bytes D->H / H->D",
               "bytes H->L3 / L3->H", "evicted device tokens", "verified KV tokens", "wall time",
-              "throughput"]
+              "time: setup, KV write, verify, copy", "throughput"]
 
 
 def _rc(argv: list[str]) -> int:
@@ -76,6 +79,8 @@ def _check_report(rep: dict, *, requests: int, prompt_tokens: int, cold: bool = 
         assert hr["infinite_cache_bound_tokens"] is hr["fraction_of_bound"] is None
         assert hr["optimum_l1_blocks"] is None
     assert rep["verified_tokens"] >= 0 and rep["wall_s"] >= 0
+    tm = rep["timing"]
+    assert set(tm) == TIMING_KEYS and min(tm.values()) >= 0 and tm["copy_fraction"] <= 1
 
 
 def test_default_is_the_synthetic_workload(capsys) -> None:
@@ -101,6 +106,7 @@ def test_json_report_has_the_documented_keys(capsys) -> None:
     # L1 only: nothing from host or storage, nothing moved between tiers.
     assert rep["hit_rate"]["host_tokens"] == rep["hit_rate"]["storage_tokens"] == 0.0
     assert set(rep["moved"].values()) == {0}
+    assert rep["timing"]["copy_s"] == rep["timing"]["copy_fraction"] == 0  # no copy engine
 
 
 def test_console_script_runs_the_default(tmp_path) -> None:
