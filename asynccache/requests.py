@@ -211,6 +211,13 @@ class RequestFlow:
         return self._t.insert(key, slots, prev_prefix_len=req.prefix_len,
                               inserted_len=req.inserted_len, priority=req.priority, **extra)
 
+    def _state_fits(self, req: CacheRequest) -> bool:
+        """The request's Mamba state (after its ``computed`` tokens) belongs on the insert's
+        last node: the insert covers exactly ``computed`` positions. (An EAGLE key never does:
+        it holds one bigram fewer than the positions computed.)"""
+        n = req.computed
+        return n % self._p.page_size == 0 and (not req.key.is_bigram or len(req.key) >= n)
+
     def cache_unfinished_req(self, req: CacheRequest) -> None:
         self.check_active(req)
         if self._p.config.disable or req.computed == req.prefix_len:
@@ -225,7 +232,7 @@ class RequestFlow:
             if config.swa_free_out_of_window and config.sliding_window:
                 self.release_swa_window(req)
             checkpoint = None
-            if req.mamba_state is not None and req.computed % self._p.page_size == 0:
+            if req.mamba_state is not None and self._state_fits(req):
                 checkpoint = hy.copy_on_write(req.mamba_state)  # None when the pool is full
             extra = {"swa_evicted_seqlen": min(req.swa_evicted, req.computed),
                      "mamba_value": checkpoint}
@@ -275,7 +282,7 @@ class RequestFlow:
             extra: dict[str, Any] = {}
             if self._p.hybrid is not None:
                 extra["swa_evicted_seqlen"] = min(req.swa_evicted, req.computed)
-                if req.mamba_state is not None and req.computed % self._p.page_size == 0:
+                if req.mamba_state is not None and self._state_fits(req):
                     extra["mamba_value"], req.mamba_state = req.mamba_state, None  # to the tree
             res = self._insert(req, **extra)
             own_from = max(own_from, res.cached_len)

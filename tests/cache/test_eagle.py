@@ -227,3 +227,55 @@ async def test_streaming_session_appends_raw_tokens(make_cache, kit) -> None:
     m = cache.match_prefix(conv)
     assert m.device_prefix_len == 12
     model.check(cache, ids, m.device_indices, "conversation")
+
+
+HYBRID = {"eagle": True, "host_tokens": 0, "page_size": 2, "device_tokens": 64,
+          "mamba_state_shape": (3,)}
+
+
+def used(cache: HierarchicalCache) -> tuple[int, int, int]:
+    hy = cache.hybrid
+    swa = hy.swa_pool.allocator.used_size if hy.swa_pool is not None else 0
+    mamba = hy.mamba_pool.used_size if hy.mamba_pool is not None else 0
+    return cache.device_pool.allocator.used_size, swa, mamba
+
+
+async def test_hybrid_swa_mamba_request_flow_on_bigrams(make_cache, kit) -> None:
+    """A chunk ends where the request's key still has the next token: the state after its
+    computed positions is checkpointed there. The finish caches one bigram fewer than the
+    positions computed, so no state lands on the last node (its own state is freed)."""
+    cache = await make_cache(**HYBRID, mamba_states=4, sliding_window=4)
+    model = kit.KVModel.of(cache)
+    raw = list(range(100, 117))  # 17 raw tokens: 16 bigrams
+    ids = bigram_ids(raw)
+    req = cache.admit(raw)
+    new = await cache.extend(req, 8)
+    cache.write_kv(new, model.expected(ids, 0, 8))
+    cache.cache_unfinished_req(req)  # 8 positions, key[:8] = 8 bigrams: the state fits
+    assert (req.prefix_len, used(cache)) == ((8, (8, 8, 2)))
+    new = await cache.extend(req, 9)
+    cache.write_kv(new, model.expected(ids, 8, 17))
+    cache.cache_finished_req(req)  # 16 bigrams cached of 17 positions; slot 16 freed
+    assert used(cache) == (16, 16, 1)
+    m = cache.match_prefix(raw)
+    assert (m.device_prefix_len, m.full_kv_hit_length, m.mamba_branching_seqlen) == (8, 16, 16)
+    again = cache.admit([*raw[:9], 1, 2])  # 8 shared bigrams, a state there
+    assert again.prefix_len == 8 and again.mamba_state is not None
+    model.check(cache, ids, again.slots, "hybrid bigram prefix")
+    cache.abort_req(again)
+    cache.sanity_check()
+
+
+async def test_a_state_after_the_last_position_is_not_cached_at_the_bigram_floor(
+        make_cache, kit) -> None:
+    cache = await make_cache(**HYBRID, mamba_states=4)
+    model = kit.KVModel.of(cache)
+    raw = list(range(200, 216))  # 16 raw tokens: 15 bigrams, 14 cached
+    req = cache.admit(raw)
+    new = await cache.extend(req, 16)
+    cache.write_kv(new, model.expected(bigram_ids(raw), 0, 16))
+    cache.cache_finished_req(req)  # the state is after 16 positions, the insert ends at 14
+    assert used(cache) == (14, 0, 0)
+    m = cache.match_prefix(raw)
+    assert (m.device_prefix_len, m.full_kv_hit_length) == (0, 14)
+    cache.sanity_check()

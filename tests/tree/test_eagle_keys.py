@@ -328,48 +328,114 @@ class BigramIds:
         return [self.ids.setdefault(p, len(self.ids)) for p in itertools.pairwise(raw)]
 
 
+# Keys that share prefixes: a prefix of one of a few sequences (which share their starts and
+# repeat bigrams), or a short random one.
+_BASES = ([0, 1, 2, 3, 0, 1, 2, 3, 1, 0, 2, 2, 3, 0],
+          [0, 1, 2, 3, 0, 1, 3, 3, 2, 1, 0, 1, 2, 3],
+          [0, 1, 0, 1, 0, 1, 2, 0, 1, 2, 3, 3, 0, 2])
+tokens = st.one_of(
+    st.tuples(st.sampled_from(_BASES), st.integers(0, 14)).map(lambda t: t[0][: t[1]]),
+    st.lists(st.integers(0, 3), max_size=14),
+)
 op = st.one_of(
-    st.tuples(st.just("insert"), st.lists(st.integers(0, 3), max_size=14)),
-    st.tuples(st.just("match"), st.lists(st.integers(0, 3), max_size=14)),
-    st.tuples(st.just("evict"), st.integers(1, 6)),
-    st.tuples(st.just("lock"), st.lists(st.integers(0, 3), max_size=14)),
-    st.tuples(st.just("unlock"), st.integers(0, 3)),
+    # k: SWA trees keep SWA KV for only the last k units (6: all of them)
+    st.tuples(st.just("insert"), tokens, st.integers(0, 6)),
+    st.tuples(st.just("match"), tokens, st.just(0)),
+    st.tuples(st.just("evict"), st.integers(1, 6), st.integers(0, 1)),  # k: components too
+    st.tuples(st.just("lock"), tokens, st.just(0)),
+    st.tuples(st.just("unlock"), st.integers(0, 3), st.just(0)),
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(page_size=st.sampled_from([1, 2, 4]), ops=st.lists(op, max_size=30))
-def test_eagle_tree_is_a_plain_tree_over_bigram_ids(page_size: int, ops) -> None:
-    ours = eagle(page_size)
-    model = RadixTree(page_size=page_size)
+CONFIGS = {
+    "full": {},
+    "swa": {"sliding_window": 3},
+    "mamba": {"mamba": True},
+    "swa+mamba": {"sliding_window": 2, "mamba": True},
+    "host": {"host_enabled": True, "write_policy": "write_through"},
+    "swa+mamba+host": {"sliding_window": 3, "mamba": True, "host_enabled": True,
+                       "write_policy": "write_through"},
+}
+
+
+def frees_of(res) -> dict[str, list[int]]:
+    out = {"device": flat(res.device_frees)}
+    for name, arrays in sorted(res.component_frees.items()):
+        out[name] = flat(arrays)
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page_size=st.sampled_from([1, 2, 4]), config=st.sampled_from(sorted(CONFIGS)),
+       ops=st.lists(op, max_size=30))
+def test_eagle_tree_is_a_plain_tree_over_bigram_ids(page_size: int, config: str, ops) -> None:
+    kw = CONFIGS[config]
+    ours = eagle(page_size, **kw)
+    model = RadixTree(TreeConfig(page_size=page_size, **kw))
+    mamba = bool(kw.get("mamba"))
     ids = BigramIds()
     locks: list[tuple] = []
     slot = 0
-    for kind, arg in ops:
+    host = 10_000
+    swa = bool(kw.get("sliding_window"))
+    inserted: list[list[int]] = []
+    for step, (kind, arg, k) in enumerate(ops):
         if kind == "insert":
             n = max(len(arg) - 1, 0)
             vals = np.arange(slot, slot + n)
             slot += n
-            a = ours.insert(arg, np.arange(slot - n, slot + 1) if arg else vals)
-            b = model.insert(ids(arg), vals)
-            assert (a.prefix_len, a.cached_len, flat(a.device_frees)) == (
-                b.prefix_len, b.cached_len, flat(b.device_frees))
+            extra: dict = {"mamba_value": 5000 + step} if mamba and n else {}
+            if swa:
+                extra["component_evicted_seqlens"] = {"swa": max(0, n - k) if k < 6 else 0}
+            a = ours.insert(arg, np.arange(slot - n, slot + 1) if arg else vals, **extra)
+            b = model.insert(ids(arg), vals, **extra)
+            inserted.append(arg)
+            assert (a.prefix_len, a.cached_len, frees_of(a)) == (
+                b.prefix_len, b.cached_len, frees_of(b))
+            assert [x.device_slots.tolist() for x in a.backups] == [
+                x.device_slots.tolist() for x in b.backups]
+            for x, y in zip(a.backups, b.backups, strict=True):
+                assert sorted(x.component_slots) == sorted(y.component_slots)
+                landed = np.arange(host, host + len(x.device_slots))
+                host += len(landed)
+                parts = {}
+                for name, v in sorted(x.component_slots.items()):
+                    parts[name] = np.arange(host, host + len(v))
+                    host += len(v)
+                assert ours.commit_backup(x.op_id, landed, parts)
+                assert model.commit_backup(y.op_id, landed, parts)
         elif kind in ("match", "lock"):
-            a = ours.match_prefix(arg)
-            b = model.match_prefix(ids(arg))
-            assert a.device_indices.tolist() == b.device_indices.tolist()
-            assert a.full_kv_hit_length == b.full_kv_hit_length
+            a, b = same_match(ours, model, ids, arg, mamba)
             if kind == "lock":
                 locks.append((ours.lock(a.last_device_node), model.lock(b.last_device_node)))
         elif kind == "evict":
-            a = ours.evict(arg)
-            b = model.evict(arg)
-            assert (a.num_evicted, sorted(flat(a.device_frees))) == (
-                b.num_evicted, sorted(flat(b.device_frees)))
+            aux = {"swa_num_tokens": arg if swa else 0, "mamba_num": 1 if mamba else 0}
+            if not k:
+                aux = {}
+            a = ours.evict(0 if aux else arg, **aux)
+            b = model.evict(0 if aux else arg, **aux)
+            assert (a.num_evicted, {k: sorted(v) for k, v in frees_of(a).items()}) == (
+                b.num_evicted, {k: sorted(v) for k, v in frees_of(b).items()})
         elif locks:
             ra, rb = locks.pop(arg % len(locks))
             ours.unlock(ra)
             model.unlock(rb)
-        assert (ours.evictable_size, ours.protected_size, ours.node_count) == (
-            model.evictable_size, model.protected_size, model.node_count)
+        assert (ours.evictable_size, ours.protected_size, ours.node_count, ours.host_size) == (
+            model.evictable_size, model.protected_size, model.node_count, model.host_size)
+        for name in ours.components[1:]:
+            assert ours.component_sizes(name) == model.component_sizes(name)
+    for key in inserted:  # every key inserted, matched again at the end
+        same_match(ours, model, ids, key, mamba)
     ours.sanity_check()
+
+
+def same_match(ours: RadixTree, model: RadixTree, ids: BigramIds, raw: list[int],
+               mamba: bool) -> tuple:
+    a = ours.match_prefix(raw, cow_mamba=mamba)
+    b = model.match_prefix(ids(raw), cow_mamba=mamba)
+    assert a.device_indices.tolist() == b.device_indices.tolist()
+    assert (a.full_kv_hit_length, a.host_hit_length, a.swa_branching_seqlen,
+            a.mamba_branching_seqlen, a.mamba_cow_slot) == (
+        b.full_kv_hit_length, b.host_hit_length, b.swa_branching_seqlen,
+        b.mamba_branching_seqlen, b.mamba_cow_slot)
+    return a, b
