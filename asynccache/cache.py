@@ -252,7 +252,7 @@ class HierarchicalCache:
         :meth:`mamba_copy_on_write`)."""
         self._check_open()
         t = self._tiering
-        return t.match_prefix(t.key(self.tree.key_of(key)), cow_mamba=cow_mamba)
+        return t.match_prefix(self.tree.key_of(t.key(key)), cow_mamba=cow_mamba)
 
     def insert(self, key: RadixKey | Any, value: Any, *, prev_prefix_len: int = 0,
                inserted_len: int = 0, priority: int = 0,
@@ -275,11 +275,12 @@ class HierarchicalCache:
         if self.config.disable:
             raise InvalidInputError("insert is not available on a disabled cache")
         t = self._tiering
+        key = t.key(key)  # (raw tokens checked as given: an error names their position)
         if self.config.eagle and not isinstance(key, BigramKey):
             key = self.tree.key_of(key)
             if hasattr(value, "__len__") and len(value) == len(key) + 1:
                 value = value[: len(key)]
-        return t.insert(t.key(key), value, prev_prefix_len=prev_prefix_len,
+        return t.insert(key, value, prev_prefix_len=prev_prefix_len,
                         inserted_len=inserted_len, priority=priority,
                         swa_evicted_seqlen=swa_evicted_seqlen, mamba_value=mamba_value)
 

@@ -68,7 +68,7 @@ class RequestFlow:
                 raise ConfigError("session_id needs CacheConfig(enable_sessions=True)")
             gen = self.sessions.ensure(session_id)
         t = self._t
-        key = t.key(self.tree.key_of(tokens))  # (EAGLE: the bigram view, built once)
+        key = self.tree.key_of(t.key(tokens))  # (EAGLE: the bigram view, built once)
         hy = self._p.hybrid
         mamba = hy is not None and hy.mamba_pool is not None
         m = t.match_prefix(key, cow_mamba=mamba)

@@ -279,3 +279,12 @@ async def test_a_state_after_the_last_position_is_not_cached_at_the_bigram_floor
     m = cache.match_prefix(raw)
     assert (m.device_prefix_len, m.full_kv_hit_length) == (0, 14)
     cache.sanity_check()
+
+
+async def test_a_token_past_max_token_id_is_named_at_its_raw_position(make_cache) -> None:
+    cache = await make_cache(**EAGLE, max_token_id=1000)
+    with pytest.raises(InvalidInputError, match="token id 5000 at position 2 exceeds"):
+        cache.admit([1, 2, 5000, 3])
+    with pytest.raises(InvalidInputError, match="token id 5000 at position 3 exceeds"):
+        cache.match_prefix([1, 2, 3, 5000])
+    assert cache.tree.node_count == 0
