@@ -15,6 +15,7 @@ import pytest
 
 from asynccache import HierarchicalCache
 from asynccache.errors import InvalidInputError
+from asynccache.kvevents import decode_batch, encode_batch
 from asynccache.l3 import StoragePolicy
 from asynccache.storage.file import FileBackend
 from asynccache.tree import BigramKey, RadixKey
@@ -163,6 +164,9 @@ async def test_kv_events_and_storage_keys_hash_the_bigram_view(make_cache) -> No
     assert [h for e in stored for h in e.block_hashes] == [
         int.from_bytes(bytes.fromhex(k)[:8], "big", signed=True) for k in want]
     assert stored[0].token_ids[:2] == [(7, 8), (8, 9)]
+    # On the wire the pairs are arrays; decoded, tuples again.
+    _, back, _ = decode_batch(encode_batch(stored, ts=1.0))
+    assert back == stored
     await cache.flush()
 
 
