@@ -16,8 +16,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from asynccache.errors import ConfigError
 from asynccache.transfers.engine import CopyEngine
 from asynccache.transfers.pools import DevicePool, HostPool
@@ -158,11 +156,3 @@ class Sidecars:
         """Close the engines (after their sources: every copy they rode has landed)."""
         for engine in self.engines():
             await engine.aclose()
-
-    def read(self, name: str, slots: Any, *, host: bool = False) -> torch.Tensor:
-        """A copy of sidecar ``name``'s data at ``slots`` (device or host pool)."""
-        s = self.get(name)
-        pool = s.host if host else s.device
-        if pool is None:
-            raise ConfigError(f"sidecar {name!r} has no host pool (the cache has no host tier)")
-        return pool.read_slots(slots)
