@@ -176,6 +176,26 @@ def test_host_pool_pages_through_a_real_s3_server(asynccache_s3):
         assert reader.batch_get_v1(keys, dst_idx) == [True] * 3
         for s, d in zip(_starts(src_idx), _starts(dst_idx), strict=True):
             assert torch.equal(_page(dst, d), _page(src, s))
+
+        async def ours() -> list[torch.Tensor]:  # asynccache's own S3 backend, same objects
+            backend = await open_backend(url, writer.layout, **asynccache_s3.backend_kwargs())
+            try:
+                bufs = [torch.empty(src.get_data_page(0).numel(), dtype=torch.float16)
+                        for _ in keys]
+                assert await backend.get_batch(keys, bufs) == [True] * 3
+                more = torch.randn(bufs[0].numel()).to(torch.float16)
+                assert await backend.set_batch([extra], [more]) == [True]
+                return [*bufs, more]
+            finally:
+                await backend.aclose()
+
+        extra = _keys(4, salt="s3")[3]
+        *read, more = asyncio.run(ours())
+        for buf, s in zip(read, _starts(src_idx), strict=True):
+            assert torch.equal(buf.view(torch.int16), _page(src, s))
+        one = dst.alloc(PAGE)
+        assert reader.batch_get_v1([extra], one) == [True]
+        assert torch.equal(_page(dst, int(one[0])), more.view(torch.int16))
         writer.clear()
         assert writer.batch_exists(keys) == 0
     finally:
