@@ -19,6 +19,10 @@ latency per round, medians over rounds (< 1: asynccache faster); memory ratio li
 SGLang's radix tree reaches its vision configs, which import torchvision at module level; it
 is imported under asynccache's stand-in for it (asynccache.integrations.sglang_import_guard).
 Needs sglang (scripts/install_sglang_cpu.sh). ``--quick``: 2,000 sequences, 3 rounds.
+
+``--page-size N`` (with ``--num``, ``--evict-calls``, ``--events``) runs SGLang's side alone the
+way ``bench_tree.py --sglang-python`` calls this script: prebuilt keys, whole-phase throughput,
+one JSON line.
 """
 
 from __future__ import annotations
@@ -216,15 +220,51 @@ def bench_page(seqs: np.ndarray, page_size: int, rounds: int, evict_calls: int,
     return out
 
 
+def sglang_only(num: int, page_size: int, evict_calls: int, events: bool) -> dict[str, Any]:
+    """SGLang's RadixCache alone (bench_tree.py's comparator): throughput per phase."""
+    seqs = make_sequences(num)
+    alloc = _Allocator()
+    cache = RadixCache(CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+        page_size=page_size, enable_kv_cache_events=events, kv_event_lora_names=None))
+    width = seqs.shape[1]
+    aligned = width - width % page_size
+    keys = [SgKey(array("q", s[:aligned].tolist())) for s in seqs]
+    slots = torch.arange(len(seqs) * width, dtype=torch.int64)
+    values = [slots[i * width : i * width + aligned] for i in range(len(seqs))]
+    t0 = time.perf_counter()
+    for k, v in zip(keys, values, strict=True):
+        cache.insert(InsertParams(key=k, value=v))
+        if events:
+            cache.take_events()
+    t_insert = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k in keys:
+        cache.match_prefix(MatchPrefixParams(key=k))
+    t_match = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(evict_calls):
+        cache.evict(EvictParams(num_tokens=EVICT_TOKENS))
+    t_evict = time.perf_counter() - t0
+    return {"insert_ops_s": len(keys) / t_insert, "match_ops_s": len(keys) / t_match,
+            "evict_calls_s": evict_calls / t_evict, "evicted_tokens": alloc.freed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num", type=int, default=20_000)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="SGLang's side alone at this page size (bench_tree.py's comparator)")
+    ap.add_argument("--events", action="store_true", help="(with --page-size) KV events on")
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--evict-calls", type=int, default=200)
     ap.add_argument("--key-form", choices=("array_q", "list"), default="array_q")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
+    if a.page_size is not None:
+        print(json.dumps(sglang_only(a.num, a.page_size, a.evict_calls, a.events)))
+        return
     if a.quick:
         a.num, a.rounds, a.evict_calls = 2000, 3, 50
     if a.rounds < 1 or a.evict_calls < 2:
