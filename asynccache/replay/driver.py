@@ -415,7 +415,8 @@ class TraceDriver:
         pooled = self.pooled
         pooled.prompt_tokens += n
         pooled.prompt_pages += -(-n // ps)
-        hit = self.pooled_bound.access_pages(whole)
+        if self.n > 1:  # with one instance, the pooled bound is the instance's
+            hit = self.pooled_bound.access_pages(whole)
         pooled.bound_hit_tokens += hit
         pooled.bound_hit_pages += hit // ps
         if tr.arrival < self.clock:

@@ -52,6 +52,8 @@ class ReplayKV:
         dt = self.pattern.int_dtype
         self._expect = torch.empty(dims, dtype=dt, device=device_pool.device)
         self._gather: torch.Tensor | None = None  # allocated on the first fragmented check
+        # The whole pool as ints, a live view: a run is one slice of it (runs are many).
+        self._pool = self.access.span(0, device_pool.num_slots).view(dt)
         self.write_s = self.verify_s = self.ids_s = 0.0
 
     def page_ids(self, tokens: np.ndarray, namespace: str | None) -> np.ndarray:
@@ -83,10 +85,11 @@ class ReplayKV:
         n = len(slots)
         runs = self.access.slot_runs(slots)
         bits = self._bits(ids, start, start + n)
-        dt = self.pattern.int_dtype
         if not self._fragmented(runs, n):
+            pool, lanes, xor = self._pool, self.pattern.lanes, torch.bitwise_xor
+            b5 = bits.view(1, 1, -1, 1, 1)
             for at, first, m in runs:
-                self._fill(self.access.span(first, m).view(dt), bits[at : at + m])
+                xor(b5[:, :, at : at + m], lanes, out=pool[:, :, first : first + m])
         else:
             for a in range(0, n, self.chunk):
                 m = min(self.chunk, n - a)
@@ -109,19 +112,18 @@ class ReplayKV:
         n = len(slots)
         runs = self.access.slot_runs(slots)
         bits = self._bits(ids, start, start + n)
-        dt = self.pattern.int_dtype
         if not self._fragmented(runs, n):
             for at, first, m in runs:
                 for o in range(0, m, self.chunk):
                     k = min(self.chunk, m - o)
-                    bad = self._compare(self.access.span(first + o, k).view(dt),
+                    bad = self._compare(self._pool[:, :, first + o : first + o + k],
                                         bits[at + o : at + o + k])
                     if bad is not None:
                         return at + o + bad
             return None
         if self._gather is None:
             self._gather = torch.empty_like(self._expect)
-        pool = self.access.device_pool.kv.view(dt)
+        pool = self._pool
         for a in range(0, n, self.chunk):
             k = min(self.chunk, n - a)
             got = self._head(self._gather, k)
