@@ -119,16 +119,18 @@ class SidecarModel:
         arr = np.asarray(slots)
         self.cache.write_kv(arr, self.expected("kv", tokens, lo, hi))
         for sc in self.cache.sidecars:
-            idx = torch.from_numpy(self.source_slots(sc, arr).astype(np.int64))
-            sc.device.data[:, idx] = self.expected(sc.name, tokens, lo, hi)
+            dev = sc.device.device
+            idx = torch.from_numpy(self.source_slots(sc, arr).astype(np.int64)).to(dev)
+            sc.device.data[:, idx] = self.expected(sc.name, tokens, lo, hi).to(dev)
 
     def check(self, tokens: Sequence[int], slots: Any, what: str) -> None:
         """The device KV and every sidecar in ``slots`` are those of ``tokens[:len(slots)]``."""
         arr = np.asarray(slots)
         n = len(arr)
-        assert_bits_equal(self.cache.read_kv(arr), self.expected("kv", tokens, 0, n), f"{what}: KV")
+        assert_bits_equal(self.cache.read_kv(arr).cpu(), self.expected("kv", tokens, 0, n),
+                          f"{what}: KV")
         for sc in self.cache.sidecars:
-            got = sc.device.read_slots(self.source_slots(sc, arr))
+            got = sc.device.read_slots(self.source_slots(sc, arr)).cpu()
             assert_bits_equal(got, self.expected(sc.name, tokens, 0, n), f"{what}: {sc.name}")
 
     def clobber(self) -> None:
@@ -139,7 +141,7 @@ class SidecarModel:
         free = all_slots[~alloc.is_allocated(all_slots)]
         for sc in self.cache.sidecars:
             idx = torch.from_numpy(self.source_slots(sc, free).astype(np.int64))
-            sc.device.data[:, idx] = 7
+            sc.device.data[:, idx.to(sc.device.device)] = 7
 
 
 async def serve(cache: HierarchicalCache, model: SidecarModel, tokens: Sequence[int], *,
@@ -202,7 +204,7 @@ async def clobber_device(cache: HierarchicalCache, model: SidecarModel) -> None:
     slots = await cache.alloc_device(cache.device_available)
     s = cache.shape
     cache.write_kv(slots, torch.full((s.num_layers, 2, len(slots), s.num_heads, s.head_dim), 7.0,
-                                     dtype=s.dtype))
+                                     dtype=s.dtype, device=cache.device_pool.device))
     cache.free_device(slots)
     model.clobber()
 
