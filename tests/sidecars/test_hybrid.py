@@ -1,4 +1,4 @@
-"""Sidecars on hybrid caches (SWA / Mamba): a KV-derived indexer, an SWA-derived sidecar (slots
+"""Sidecars on hybrid caches (SWA / Mamba): a draft model's KV and a KV-derived indexer, an SWA-derived sidecar (slots
 of the SWA pool) and a Mamba-derived one (one row per state) ride backups, load-backs, the
 state's copy-on-write, retraction and storage (``<key>.<name>`` objects next to ``.swa`` /
 ``.mamba``), bit for bit; a missing SWA- or state-sidecar object makes its component count as
@@ -17,6 +17,8 @@ from asynccache.l3 import StoragePolicy
 from asynccache.transfers.sidecars import SidecarSpec
 
 INDEXER = SidecarSpec(name="indexer", source="kv", token_shape=(4,), dtype="float32")
+DRAFT = SidecarSpec(name="draft", source="kv", token_shape=(2, 2, 8), dtype="float16",
+                    num_layers=1)  # a draft model's KV (what register_draft_pools makes)
 SWA_SIDE = SidecarSpec(name="swa_side", source="swa", token_shape=(3,), dtype="float16",
                        num_layers=2, hit_policy="trailing_pages")
 STATE_SIDE = SidecarSpec(name="state_side", source="mamba", token_shape=(5,), dtype="float32",
@@ -34,7 +36,7 @@ TOKENS = list(range(100, 112))
 
 
 def specs(cfg: dict[str, Any]) -> list[SidecarSpec]:
-    out = [INDEXER]
+    out = [DRAFT, INDEXER]
     if cfg.get("sliding_window"):
         out.append(SWA_SIDE)
     if cfg.get("mamba_states"):
