@@ -41,10 +41,14 @@ _WHERE = {
     "CacheRequest": "asynccache.request",
     "HierarchicalCache": "asynccache.cache",
     "LoadBack": "asynccache.engine",
+    "BigramKey": "asynccache.tree.keys",
     "RadixKey": "asynccache.tree.keys",
     "RetractedKV": "asynccache.retraction",
     "StoragePolicy": "asynccache.l3",
     "StreamingSession": "asynccache.sessions",
+    # sidecar pools (``cache.register_sidecar_pool(spec)`` / ``cache.sidecar(name)``)
+    "Sidecar": "asynccache.engine.sidecars",
+    "SidecarSpec": "asynccache.transfers.sidecars",
     # KV events (``cache.take_events()``)
     "AllBlocksCleared": "asynccache.tree.events",
     "BlockRemoved": "asynccache.tree.events",
@@ -80,6 +84,7 @@ _WHERE = {
 __all__ = [
     "AllBlocksCleared",
     "AsyncCacheError",
+    "BigramKey",
     "BlockRemoved",
     "BlockStored",
     "CacheConfig",
@@ -102,6 +107,8 @@ __all__ = [
     "RankGroupError",
     "RetractedKV",
     "S3Backend",
+    "Sidecar",
+    "SidecarSpec",
     "SingleRank",
     "StorageBackend",
     "StorageError",

@@ -11,7 +11,6 @@ request flow are services on top. See docs/cache.md for the module map.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -53,7 +52,6 @@ from asynccache.tree import (
     LockReceipt,
     MatchResult,
     RadixKey,
-    RadixTree,
 )
 
 
@@ -79,10 +77,6 @@ class HierarchicalCache:
         self.config = config
         self.ranks = ranks
         parts = Parts.build(config, metrics)
-        if config.eagle and not parts.tree.config.eagle:
-            # (until Parts.build passes CacheConfig.eagle on to the TreeConfig itself)
-            tree = RadixTree(dataclasses.replace(parts.tree.config, eagle=True))
-            parts = dataclasses.replace(parts, tree=tree)
         self._parts = parts
         self.page_size = config.page_size
         self.shape = parts.shape

@@ -87,6 +87,7 @@ class Parts:
             enable_sessions=config.enable_sessions,
             sliding_window=config.sliding_window,
             mamba=config.mamba_states > 0,
+            eagle=config.eagle,
         ))
         hybrid = HybridSlots(config, device_pool) if config.hybrid else None
         if hybrid is not None and host_pool is not None:
