@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import time
 from collections import deque
@@ -200,6 +201,11 @@ class TraceDriver:
         self.instances: list[_Instance] = []
         self.store: TraceTimeStore | None = None
         self._finishes: list[tuple[float, int, _Flight]] = []
+        # Side work: the harness's own computations that touch no cache (prompts' page hashes,
+        # the bounds), run in order while copies are in flight, so they overlap them.
+        self._side: deque[Callable[[], object]] = deque()
+        # id(request) -> (request, its page ids; None until computed), until it is admitted
+        self._ids: dict[int, tuple[TraceRequest, np.ndarray | None]] = {}
         self._seq = 0
         self._wall0 = 0.0
         self._warned_too_long = False
@@ -319,9 +325,11 @@ class TraceDriver:
                 self.outcome.stopped_by = str(err)
                 return
             t = max(float(tr.arrival), self.clock)
+            inst = self.instances[self.router(tr, index) if self.n > 1 else 0]
+            self._ids[id(tr)] = (tr, None)
+            self._side.append(functools.partial(self._page_ids, tr, inst.kv, ahead=True))
             await self._advance(t)
             self.clock = t
-            inst = self.instances[self.router(tr, index) if self.n > 1 else 0]
             inst.stats.requests += 1
             self.pooled.requests += 1
             inst.waiting.append(tr)
@@ -354,6 +362,7 @@ class TraceDriver:
                 inst.blocked = True
                 return
             inst.waiting.popleft()
+            self._ids.pop(id(tr), None)
 
     async def _admit_one(self, inst: _Instance, tr: TraceRequest) -> bool | None:
         """Admit ``tr`` now; None when it must wait for memory another request holds."""
@@ -366,7 +375,8 @@ class TraceDriver:
             return True
         kv = inst.kv
         assert kv is not None
-        ids = kv.page_ids(tr.tokens, tr.namespace)
+        ids = self._page_ids(tr, kv)
+        assert ids is not None
         key = RadixKey(tr.tokens, extra_key=tr.namespace)
         req = cache.admit(key, rid=tr.rid)
         verified = 0
@@ -406,19 +416,10 @@ class TraceDriver:
         st.host_hit_pages += (loaded - from_l3) // ps
         st.storage_hit_pages += from_l3 // ps
         st.computed_tokens += computed
-        whole = ids[: n // ps]  # the whole pages' prefix hashes: what the bounds count
-        if inst.optimum is not None:
-            inst.optimum.access_pages(whole)
-        hit = inst.bound.access_pages(whole)
-        st.bound_hit_tokens += hit
-        st.bound_hit_pages += hit // ps
+        self._side.append(lambda: self._count_bounds(inst, ids[: n // ps]))
         pooled = self.pooled
         pooled.prompt_tokens += n
         pooled.prompt_pages += -(-n // ps)
-        if self.n > 1:  # with one instance, the pooled bound is the instance's
-            hit = self.pooled_bound.access_pages(whole)
-        pooled.bound_hit_tokens += hit
-        pooled.bound_hit_pages += hit // ps
         if tr.arrival < self.clock:
             st.queued += 1
         if inst.running:
@@ -433,9 +434,44 @@ class TraceDriver:
         await self._quiesce()
         return True
 
+    def _page_ids(self, tr: TraceRequest, kv: ReplayKV | None, *,
+                  ahead: bool = False) -> np.ndarray | None:
+        """The page ids of ``tr``'s prompt (:meth:`ReplayKV.page_ids`), computed once;
+        ``ahead`` (side work): nothing when ``tr`` was admitted already."""
+        got = self._ids.get(id(tr))
+        if got is None and ahead:
+            return None
+        if got is None or got[1] is None:
+            assert kv is not None
+            got = self._ids[id(tr)] = (tr, kv.page_ids(tr.tokens, tr.namespace))
+        return got[1]
+
+    def _count_bounds(self, inst: _Instance, whole: np.ndarray) -> None:
+        """Count an admitted prompt (its whole pages' prefix hashes) in the bounds; in
+        admission order (side work keeps it)."""
+        ps = self.config.page_size
+        st, pooled = inst.stats, self.pooled
+        if inst.optimum is not None:
+            inst.optimum.access_pages(whole)
+        hit = inst.bound.access_pages(whole)
+        st.bound_hit_tokens += hit
+        st.bound_hit_pages += hit // ps
+        if self.n > 1:  # with one instance, the pooled bound is the instance's
+            hit = self.pooled_bound.access_pages(whole)
+        pooled.bound_hit_tokens += hit
+        pooled.bound_hit_pages += hit // ps
+
+    def _side_work(self, *, force: bool = False) -> None:
+        """Run the queued side work, in order: now if a copy is in flight (the work then
+        overlaps it), if ``force``, or once 64 items are queued (bounds the memory it holds)."""
+        if force or len(self._side) >= 64 or any(i.cache.in_flight for i in self.instances):
+            while self._side:
+                self._side.popleft()()
+
     def _settle_optimum(self) -> None:
         """Each instance's offline optimum over the requests it served (computed once, at the
         end: it needs the future)."""
+        self._side_work(force=True)
         for inst in self.instances:
             if inst.optimum is not None:
                 st = inst.stats
@@ -480,7 +516,9 @@ class TraceDriver:
         await self._quiesce()
 
     async def _quiesce(self) -> None:
-        """Wait for every copy and storage write started so far, on every instance."""
+        """Wait for every copy and storage write started so far, on every instance (side work
+        runs first, while they are in flight)."""
+        self._side_work()
         for inst in self.instances:
             await inst.cache.flush()
             tier = inst.cache.storage

@@ -45,6 +45,14 @@ def test_the_synthetic_replay_counts_what_it_counted_before(argv, verified, move
     assert (rep["moved"]["device_to_host_bytes"], rep["moved"]["host_to_device_bytes"]) == moved
 
 
+def test_without_copies_the_bounds_are_counted_too(capsys):
+    """With no host tier no copy is ever in flight, so the bounds' side work runs in batches
+    and at the end: the same figures."""
+    rep = _run(["--host-tokens", "0"], capsys)
+    assert rep["hit_rate"]["infinite_cache_bound_blocks"] == SYNTHETIC["bound_blocks"]
+    assert rep["hit_rate"]["optimum_l1_blocks"] == SYNTHETIC["optimum_blocks"]
+
+
 def test_buffer_only_storage_counts_what_it_counted_before(tmp_path, capsys):
     rep = _run(["--storage", f"file://{tmp_path / 'l3'}", "--clear-storage", "--host-mode",
                 "buffer_only", "--host-tokens", "64k"], capsys)

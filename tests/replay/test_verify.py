@@ -148,3 +148,12 @@ def test_namespaces_are_isolated_in_replay(tmp_path) -> None:
     stats = _run(Replayer(_config(device_tokens=512), ReplayOptions(max_in_flight=1)),
                  read_tokens(p))
     assert stats.device_hit_tokens == stats.bound_hit_tokens == 40
+
+
+@pytest.mark.parametrize("host_tokens", [0, 512])
+def test_a_replay_keeps_no_request_after_admitting_it(host_tokens) -> None:
+    """Page ids hashed ahead (side work) are dropped at admission; nothing is left queued."""
+    replayer = Replayer(_config(host_tokens=host_tokens), ReplayOptions(max_in_flight=1))
+    stats = _run(replayer, TRACE * 30)
+    assert stats.completed == 90
+    assert replayer.driver._ids == {} and not replayer.driver._side
