@@ -17,8 +17,20 @@ wrong KV. Keys are SGLang's page hashes (64 hex digits, optionally ``.<pool>``).
 SGLang calls the backend from its own threads and has no event loop to offer: the adapter runs
 one private loop in a daemon thread, and every call is a coroutine submitted to it and waited
 for (``timeout_s``). SGLang's controller uses the generic calls (``batch_set`` of host pool
-pages, ``batch_get`` into page tensors, ``batch_exists``); the zero-copy ``*_v1`` calls are not
-implemented yet (leave ``interface_v1`` unset).
+pages, ``batch_get`` into page tensors, ``batch_exists``), or, with ``"interface_v1": 1`` in the
+extra config, ``batch_set_v1`` / ``batch_get_v1`` over the host pool it registered with
+``register_mem_pool_host`` (keys plus the pages' host token indices). Both paths store the same
+object: the page's flat bytes in the order of ``get_data_page(index, flat=True)``, so pages
+written by one are read by the other. A v1 page that is one contiguous piece of the host pool
+(MLA's ``page_first``) is read and written in place. An MHA page's K and V halves (and, in
+``layer_first``, its layers) are apart in the pool: the file backend takes them as ``Pieces``
+(written by one ``pwritev`` with the checksum streamed over them, a verified read copied out
+into them), with no gathering copy; other backends (S3) get them gathered into one staging
+page per call, and reads scattered back the same way.
+
+SGLang's host pools and controller import modules that import torchvision at module level;
+where it is not installed, import them inside
+:func:`asynccache.integrations.sglang_import_guard.missing_package_stand_in`.
 
 Needs the ``sglang`` package (its ``HiCacheStorage`` base class); see
 ``scripts/install_sglang_cpu.sh`` for a CPU-only install.
