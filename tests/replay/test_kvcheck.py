@@ -220,3 +220,21 @@ def test_slot_runs_and_spans_refuse_slots_outside_the_pool():
     view = kv.access.span(8, 4)
     view.fill_(1.0)  # a live view: the pool changes
     assert (kv.access.device_pool.kv[:, :, 8:12] == 1.0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_write_and_verify_on_a_cuda_pool(fragmented, monkeypatch):
+    if fragmented:
+        monkeypatch.setattr(kvcheck, "_MAX_RUNS", 0)
+    pool = DevicePool(SHAPE, 256, PS, device="cuda")
+    kv = ReplayKV(pool, SHAPE)
+    slots = _slots([9, 10, 2, 3, 20], 2)
+    toks = _toks(8, len(slots))
+    ids = _written(pool, kv, toks, slots)
+    want = kv.pattern.expected(toks, None, 0, len(slots))
+    assert torch.equal(kv.access.read_kv(slots).view(torch.int16), want.cpu().view(torch.int16))
+    assert kv.verify(slots, ids, 0) is None
+    pool.kv.view(torch.int16)[1, 1, int(slots[13]), 0, 0] ^= 2
+    assert kv.verify(slots, ids, 0) == 13
