@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import weakref
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -97,7 +97,12 @@ def encode_tokens(tokens: Any) -> bytes:
                 pass  # find and name the bad value below
         return _encode_slow(tokens)
     if kind is array:
-        if tokens.typecode not in _INT_TYPECODES:
+        fast = _ARRAY_FAST.get(tokens.typecode)
+        if fast is not None:
+            out = fast(tokens)
+            if out is not None:
+                return out
+        elif tokens.typecode not in _INT_TYPECODES:
             raise InvalidInputError(
                 f"tokens must be integers, got an array of typecode {tokens.typecode!r}"
             )
@@ -123,10 +128,66 @@ def encode_tokens(tokens: Any) -> bytes:
 
 _INT_TYPECODES: Final = frozenset("bBhHiIlLqQ")
 
+_LITTLE: Final = sys.byteorder == "little"
+_U32: Final = np.dtype("<u4")
+_I32: Final = np.dtype("<i4")
+_count_nonzero = np.count_nonzero
+_min_of = np.minimum.reduce
+
+
+def _wide_ids(tokens: Any) -> bytes | None:
+    """Eight-byte integers (``array('q')``, SGLang's form): on a little-endian machine each is
+    a low and a high uint32 word, and the ids are in range exactly when every high word is 0
+    (a negative id has a high word of all ones). One count over the high words checks them
+    all; the low words are the key. None: a bad id, named by the general path."""
+    words = np.frombuffer(tokens, _U32)
+    if _count_nonzero(words[1::2]):
+        return None
+    out: bytes = words[0::2].tobytes()
+    return out
+
+
+def _u32_ids(tokens: Any) -> bytes:
+    """Four-byte unsigned integers: their native little-endian bytes are the key as they are."""
+    return bytes(tokens)
+
+
+def _i32_ids(tokens: Any) -> bytes | None:
+    """Four-byte signed integers: the key as they are once none is negative."""
+    if len(tokens) and _min_of(np.frombuffer(tokens, _I32)) < 0:
+        return None
+    return bytes(tokens)
+
+
+def _array_fast_paths() -> dict[str, Callable[[Any], bytes | None]]:
+    """The typecodes with a one-pass path on this machine (by item size; none on a big-endian
+    machine, where every array takes the general numpy path)."""
+    if not _LITTLE:
+        return {}
+    paths: dict[str, Callable[[Any], bytes | None]] = {}
+    for code in "iIlLqQ":
+        size = array(code).itemsize
+        if size == 8:
+            paths[code] = _wide_ids
+        elif size == 4:
+            paths[code] = _u32_ids if code.isupper() else _i32_ids
+    return paths
+
+
+#: array typecode -> its fast path (returns None for an out-of-range id)
+_ARRAY_FAST: Final = _array_fast_paths()
+
 
 def _encode_numpy(arr: np.ndarray) -> bytes:
     if arr.ndim != 1:
         raise InvalidInputError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    dtype = arr.dtype
+    if dtype.isnative and arr.flags.c_contiguous:
+        fast = _ARRAY_FAST.get(dtype.char)
+        if fast is not None:
+            out = fast(arr)
+            if out is not None:
+                return out
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidInputError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
@@ -180,9 +241,15 @@ class RadixKey:
         namespace: Namespace | None = None,
     ) -> None:
         self.data = encode_tokens(tokens)
-        if namespace is not None and (extra_key is not None or cache_salt is not None):
+        if namespace is None:
+            if extra_key is None and cache_salt is None:
+                self.namespace = DEFAULT_NAMESPACE
+            else:
+                self.namespace = Namespace(extra_key, cache_salt)
+        elif extra_key is not None or cache_salt is not None:
             raise InvalidInputError("pass either namespace or extra_key/cache_salt, not both")
-        self.namespace = namespace if namespace is not None else Namespace(extra_key, cache_salt)
+        else:
+            self.namespace = namespace
 
     @classmethod
     def from_bytes(cls, data: bytes, namespace: Namespace = DEFAULT_NAMESPACE) -> RadixKey:
