@@ -387,9 +387,14 @@ class TreeBase:
 
     def _requeue(self, n: Node) -> None:
         """Re-key ``n`` in the queues it is in (its policy key changed)."""
-        for q, slot in zip(self._queues, (DLEAF, HLEAF, HDUP), strict=True):
-            if n.aux[slot] is not None:
-                q.push(n)
+        aux = n.aux
+        dq, hq, uq = self._queues
+        if aux[DLEAF] is not None:
+            dq.push(n)
+        if aux[HLEAF] is not None:
+            hq.push(n)
+        if aux[HDUP] is not None:
+            uq.push(n)
 
     # ------------------------------------------------------------------ hashes / events
     def _digests(self, n: Node) -> list[bytes]:

@@ -48,7 +48,8 @@ class RadixTree(HostTier):
         to copy.
         """
         self._check_owner()
-        key = self.key_of(key)
+        if type(key) is not self._key_type:
+            key = self.key_of(key)
         if self._aux:
             if self._host:
                 return hybrid_host.match(self, key, cow_mamba)
@@ -103,7 +104,7 @@ class RadixTree(HostTier):
             last_device_node=last_device.id,
             best_node=node.id,
             host_hit_length=host_len,
-            pending_loads=tuple(dict.fromkeys(pending)),
+            pending_loads=tuple(dict.fromkeys(pending)) if pending else (),
             full_kv_hit_length=off >> sh,
         )
 
@@ -138,10 +139,13 @@ class RadixTree(HostTier):
         tombstone), ``component_frees["mamba"]`` a state it does not take.
         """
         self._check_owner()
-        raw = self._eagle and type(key) is not BigramKey
-        key = self.key_of(key)
+        if type(key) is self._key_type:
+            raw = False
+        else:
+            raw = self._eagle and type(key) is not BigramKey
+            key = self.key_of(key)
         slots = as_slots(value)
-        total = len(key)
+        total = len(key.data) >> self._sh
         if raw and len(slots) == total + 1:
             # EAGLE, raw tokens given: N + 1 tokens (and slots) cache N bigram positions; the
             # last slot stays the caller's, as an unaligned tail does.
@@ -150,27 +154,34 @@ class RadixTree(HostTier):
             raise InvalidInputError(
                 f"value has {len(slots)} slots but the key has {total} tokens"
             )
-        prev_prefix_len = _check_count("prev_prefix_len", prev_prefix_len)
-        inserted_len = _check_count("inserted_len", inserted_len)
+        # Plain ints pass with one type test each; anything else takes the full checks.
+        if type(prev_prefix_len) is not int or prev_prefix_len < 0:
+            prev_prefix_len = _check_count("prev_prefix_len", prev_prefix_len)
+        if type(inserted_len) is not int or inserted_len < 0:
+            inserted_len = _check_count("inserted_len", inserted_len)
         if prev_prefix_len > total:
             raise InvalidInputError(
                 f"prev_prefix_len {prev_prefix_len} exceeds the key length {total}"
             )
-        if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
-            raise InvalidInputError(f"priority must be an int, got {priority!r}")
+        if type(priority) is not int:
+            if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+                raise InvalidInputError(f"priority must be an int, got {priority!r}")
+            priority = int(priority)
         # Every tree without a host tier takes the walk of hybrid.insert (with no components it
         # skips their branches); FULL-only trees with a host tier take the walk below, which
         # also adopts slots for host-only nodes, stops at loads and queues write-through backups.
         if not self._host or self._aux or mamba_value is not None or component_evicted_seqlens:
-            floor, state = hybrid.check_insert_args(
-                self, total, component_evicted_seqlens, mamba_value
-            )
+            floor, state = 0, None
+            if component_evicted_seqlens or mamba_value is not None:
+                floor, state = hybrid.check_insert_args(
+                    self, total, component_evicted_seqlens, mamba_value
+                )
             if self._host:
                 return self._insert_hybrid_host(
-                    key, slots, prev_prefix_len, inserted_len, int(priority), floor, state
+                    key, slots, prev_prefix_len, inserted_len, priority, floor, state
                 )
             return hybrid.insert(
-                self, key, slots, prev_prefix_len, inserted_len, int(priority), floor, state
+                self, key, slots, prev_prefix_len, inserted_len, priority, floor, state
             )
         data = key.data
         pb = self._pb
@@ -202,7 +213,7 @@ class RadixTree(HostTier):
             child.last_access = self._tick()
             requeue = self._touch_requeues
             if priority > child.priority:
-                child.priority = int(priority)
+                child.priority = priority
                 requeue = requeue or self._prio_requeues
             if child.value is None:
                 self._unevict(child, slots[pos : pos + m])
@@ -235,7 +246,7 @@ class RadixTree(HostTier):
             leaf.value = frozen(slots[off >> sh : n_tok])
             leaf.creation = leaf.last_access = self._tick()
             leaf.hit_count = 1
-            leaf.priority = int(priority)
+            leaf.priority = priority
             node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
             node.dchildren += 1
             if self._eager_hashes:
