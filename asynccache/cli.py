@@ -58,6 +58,16 @@ hit rates (over served requests; rejected ones are counted apart):
   optimum  the offline optimum at the L1 capacity: Belady's eviction (knowing the future)
            over whole prefix pages, a page hitting only with its prefix; the headroom of
            --eviction-policy (an upper bound of every policy's L1 hits)
+  --eagle  EAGLE bigram keys: a prompt of n tokens has n - 1 cacheable positions (position
+           i is keyed by tokens i and i + 1); every token figure, rate and block counts
+           those (hit rate = served positions / cacheable positions), the bounds hash
+           bigram pages
+
+verification (--verify): the KV of every computed token is a function of its page's prefix
+  hash and position, checked bit for bit where it is served (loaded: from L2 / L3; all: device
+  hits too). --draft-layers N adds a draft model's KV (a sidecar pool riding every copy and
+  storage object), written with its own lane bits and checked at the same slots and times;
+  the report counts the draft bytes checked
 
 replay model (results depend on the trace and the options, never on this machine's speed):
   requests are admitted at their trace time, in trace order; each step (admit, finish) runs
@@ -181,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "write_through_selective on its second hit, write_back at eviction")
     c.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
                    help="which cached pages are evicted first")
+    c.add_argument("--eagle", action="store_true",
+                   help="EAGLE bigram keys (CacheConfig(eagle=True)): a prompt of n tokens has "
+                        "n - 1 cacheable positions; token figures and hit rates count those, "
+                        "and the bounds hash bigram pages")
+    c.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                   help="attach a draft model's KV as a sidecar pool of N layers: the replay "
+                        "writes it for every computed token and verifies it wherever it "
+                        "verifies the KV (default 0: none)")
+    c.add_argument("--draft-heads", type=int, default=None,
+                   help="--draft-layers: draft KV heads (default: --heads)")
+    c.add_argument("--draft-head-dim", type=int, default=None,
+                   help="--draft-layers: draft KV head dimension (default: --head-dim)")
     c.add_argument("--load-back-threshold", type=int, default=10,
                    help="L2 hits shorter than this many tokens are recomputed, not loaded")
 
@@ -269,6 +291,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         value = getattr(args, flag)
         if value is not None and (value < 0 or value != value or value == float("inf")):
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    if args.draft_layers < 0:
+        parser.error(f"--draft-layers must be >= 0, got {args.draft_layers}")
+    for flag in ("draft_heads", "draft_head_dim"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not args.draft_layers:
+            parser.error(f"--{flag.replace('_', '-')} needs --draft-layers N (a draft sidecar)")
     for flag in ("torch_threads", "instances", "route_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -300,6 +330,9 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 def _check_memory(args: argparse.Namespace, device_tokens: int, host_tokens: int) -> None:
     """Refuse pools this machine cannot hold, naming the flag, before allocating anything."""
     per_token = args.layers * 2 * args.heads * args.head_dim * _ITEMSIZE[args.dtype]
+    if args.draft_layers:  # the draft sidecar's pools hold as many slots as the KV's
+        per_token += args.draft_layers * 2 * (args.draft_heads or args.heads) * (
+            args.draft_head_dim or args.head_dim) * _ITEMSIZE[args.dtype]
     # KV bytes plus the allocator's and the tree's per-token bookkeeping (slot indices)
     cost = per_token + 16
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -404,7 +437,7 @@ class _Run:
             else a.host_bytes,
             write_policy=write_policy or a.write_policy, eviction_policy=a.eviction_policy,
             load_back_threshold=a.load_back_threshold, model_name=a.model_name,
-            host_mode=a.host_mode, device=a.device,
+            host_mode=a.host_mode, device=a.device, eagle=a.eagle,
         )
 
     def options(self, storage: str | None) -> Any:
@@ -419,7 +452,8 @@ class _Run:
                                          prefetch_policy=a.prefetch_policy),
             prefill_rate=a.prefill_rate, decode_rate=a.decode_rate,
             write_bandwidth=a.storage_write_bandwidth, clear_storage=a.clear_storage,
-            metrics_port=a.metrics_port)
+            metrics_port=a.metrics_port, draft_layers=a.draft_layers,
+            draft_heads=a.draft_heads, draft_head_dim=a.draft_head_dim)
 
     def replay(self, replayer: Any, desc: str) -> Any:
         """Run ``replayer`` over a fresh pass of the trace with a progress bar; Ctrl-C stops

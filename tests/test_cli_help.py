@@ -62,7 +62,9 @@ def test_every_option_shows_its_default_and_choices() -> None:
     # The definitions and the replay model are in the help.
     for phrase in ("hit blocks / all prompt blocks", "partial last one included",
                    "infinite-cache bound", "never on this machine's speed",
-                   "--storage-write-bandwidth", "--prefill-rate"):
+                   "--storage-write-bandwidth", "--prefill-rate",
+                   "n - 1 cacheable positions", "served positions / cacheable positions",
+                   "the report counts the draft bytes checked"):
         assert phrase in " ".join(text.split()), phrase
 
 

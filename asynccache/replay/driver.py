@@ -83,6 +83,7 @@ class ReplayStats:
     optimum_hit_tokens: int = 0  # offline optimum (Belady over prefix pages) at L1 capacity
     optimum_hit_pages: int = 0
     verified_tokens: int = 0
+    verified_draft_bytes: int = 0  # draft KV bytes checked (a draft sidecar, --draft-layers)
     max_in_flight: int = 0  # most requests admitted and unfinished at once (trace time)
     overlapped: int = 0  # requests admitted while another one of the instance was running
     queued: int = 0  # requests admitted after their arrival (in-flight cap or memory)
@@ -117,6 +118,11 @@ class ReplayOptions:
     # Serve the caches' Prometheus metrics at http://127.0.0.1:PORT/metrics while replaying
     # (0: a free port, see TraceDriver.metrics_url; None: not served).
     metrics_port: int | None = None
+    # A draft model's KV in a sidecar pool (0: none), written and verified with the KV;
+    # its heads and head_dim (None: the KV's).
+    draft_layers: int = 0
+    draft_heads: int | None = None
+    draft_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "prefill_rate", "decode_rate"):
@@ -138,6 +144,22 @@ class ReplayOptions:
         if bw is not None and (isinstance(bw, bool) or not isinstance(bw, int | float)
                                or not 0 < bw < float("inf")):
             raise ConfigError(f"write_bandwidth must be a number of bytes/s > 0, got {bw!r}")
+        d = self.draft_layers
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ConfigError(f"draft_layers must be an int >= 0, got {d!r}")
+        for name in ("draft_heads", "draft_head_dim"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an int >= 1 (or None: the KV's), got {v!r}")
+            if v is not None and not d:
+                raise ConfigError(f"{name}={v!r} needs draft_layers >= 1 (a draft sidecar)")
+
+    def draft_shape(self, config: CacheConfig) -> tuple[int, int, int] | None:
+        """The draft sidecar's (layers, heads, head_dim), None without one."""
+        if not self.draft_layers:
+            return None
+        return (self.draft_layers, self.draft_heads or config.num_heads,
+                self.draft_head_dim or config.head_dim)
 
     def service_s(self, computed: int, output_len: int) -> float:
         """Trace seconds a request runs for after its admission."""
@@ -217,6 +239,11 @@ class TraceDriver:
     async def run(self, trace: Iterable[TraceRequest]) -> list[ReplayStats]:
         t0 = time.perf_counter()
         caches = [HierarchicalCache(self.config) for _ in range(self.n)]
+        draft = self.options.draft_shape(self.config)
+        if draft is not None:
+            for c in caches:
+                c.register_draft_pools(num_layers=draft[0], num_heads=draft[1],
+                                       head_dim=draft[2])
         backend = None
         server = None
         try:
@@ -233,7 +260,8 @@ class TraceDriver:
             self.instances = [
                 _Instance(i, c, ReplayStats(), InfiniteBound(ps),
                           optimum=BeladyBound(ps, c.device_pool.allocator.num_pages),
-                          kv=ReplayKV(c.device_pool, c.shape))
+                          kv=ReplayKV(c.device_pool, c.shape, eagle=self.config.eagle,
+                                      draft=c.sidecar("draft").device if draft else None))
                 for i, c in enumerate(caches)]
             if self.options.storage_url:
                 backend = await self._open_storage(caches[0], self.options.storage_url)
@@ -377,6 +405,9 @@ class TraceDriver:
         assert kv is not None
         ids = self._page_ids(tr, kv)
         assert ids is not None
+        # Positions the cache can serve: n, or under EAGLE the n - 1 bigrams (the request
+        # computes all n; its last position, whose bigram needs the next token, stays its own).
+        npos = kv.pattern.positions(n)
         key = RadixKey(tr.tokens, extra_key=tr.namespace)
         req = cache.admit(key, rid=tr.rid)
         verified = 0
@@ -405,10 +436,11 @@ class TraceDriver:
             raise
         ps = self.config.page_size
         from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
-        computed = n - dev_hit - loaded
+        computed = npos - dev_hit - loaded
         st.verified_tokens += verified  # a retried admission checks its KV again
-        st.prompt_tokens += n
-        st.prompt_pages += -(-n // ps)
+        st.verified_draft_bytes += verified * kv.draft_bytes_per_token
+        st.prompt_tokens += npos
+        st.prompt_pages += -(-npos // ps)
         st.device_hit_tokens += dev_hit
         st.host_hit_tokens += loaded - from_l3
         st.storage_hit_tokens += from_l3
@@ -416,10 +448,10 @@ class TraceDriver:
         st.host_hit_pages += (loaded - from_l3) // ps
         st.storage_hit_pages += from_l3 // ps
         st.computed_tokens += computed
-        self._side.append(lambda: self._count_bounds(inst, ids[: n // ps]))
+        self._side.append(lambda: self._count_bounds(inst, ids[: npos // ps]))
         pooled = self.pooled
-        pooled.prompt_tokens += n
-        pooled.prompt_pages += -(-n // ps)
+        pooled.prompt_tokens += npos
+        pooled.prompt_pages += -(-npos // ps)
         if tr.arrival < self.clock:
             st.queued += 1
         if inst.running:
@@ -429,7 +461,7 @@ class TraceDriver:
         pooled.max_in_flight = max(pooled.max_in_flight, sum(i.running for i in self.instances))
         flight = _Flight(tr, req, inst)
         self._seq += 1
-        done_at = self.clock + opts.service_s(computed, tr.output_len)
+        done_at = self.clock + opts.service_s(n - dev_hit - loaded, tr.output_len)
         heapq.heappush(self._finishes, (done_at, self._seq, flight))
         await self._quiesce()
         return True
@@ -536,8 +568,8 @@ class TraceDriver:
         bad = kv.verify(slots, ids, start)
         if bad is not None:
             raise KVMismatchError(
-                f"request {tr.rid}: KV served for token position {start + bad} "
-                f"(slot {int(slots[bad])}) differs from the KV of its tokens"
+                f"request {tr.rid}: {bad.pool} served for token position {start + bad} "
+                f"(slot {int(slots[bad])}) differs from the {bad.pool} of its tokens"
             )
         return n
 

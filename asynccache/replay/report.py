@@ -15,7 +15,17 @@ Definitions (the same in ``asynccache replay --help`` and the README):
   a device pool of the same size: the headroom of the eviction policy. An upper bound of every
   policy's L1 hits; not applicable with a warm store;
 * **rejected** requests (longer than the device pool) are left out of every rate and counted
-  apart.
+  apart;
+* **EAGLE** (``--eagle``: bigram keys): a prompt of ``n`` tokens has ``n - 1`` positions the
+  cache can serve (position ``i`` is keyed by tokens ``i`` and ``i + 1``; the last one, whose
+  bigram needs the next token, is computed and never cached). Every token figure and rate
+  counts those positions: ``prompt_tokens`` is the sum of ``n - 1``, a prompt has
+  ``ceil((n - 1) / page_size)`` blocks, and the token hit rate is served positions / cacheable
+  positions; ``computed_tokens`` is cacheable positions not served (each request computes its
+  last position besides). The bounds hash bigram pages;
+* **verified draft KV bytes** (``--draft-layers``): bytes of a draft model's KV (a sidecar
+  pool) checked bit for bit, at the same slots and times as the KV (``verified_tokens`` x the
+  draft's bytes per token).
 """
 
 from __future__ import annotations
@@ -83,6 +93,8 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
             "eviction_policy": config.eviction_policy,
             "optimum_capacity_blocks": s.optimum_capacity_pages,
             "kv_shape": [config.num_layers, config.num_heads, config.head_dim, config.dtype],
+            "eagle": bool(config.eagle),
+            "draft_kv_shape": list(d) if (d := opts.draft_shape(config)) else None,
             "device": config.device,
         },
         "model": {
@@ -140,6 +152,7 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         "evicted_device_tokens": int(s.extra.get("evicted_tokens", 0)),
         "dropped_tokens": int(s.extra.get("dropped_tokens", 0)),
         "verified_tokens": s.verified_tokens,
+        "verified_draft_bytes": s.verified_draft_bytes,
         "wall_s": round(s.wall_s, 3),
         "requests_per_s": round(s.completed / s.wall_s, 1) if s.wall_s else 0.0,
         "tokens_per_s": round(tok / s.wall_s) if s.wall_s else 0,
@@ -181,6 +194,11 @@ def notes(report: dict[str, Any], opts: ReplayOptions, *,
                    f"{report['completed']} requests served before it")
     if auto_device:
         out.append(auto_device)
+    if cfg.get("eagle"):
+        out.append(
+            "EAGLE keys: a prompt of n tokens has n - 1 cacheable bigram positions; token "
+            "figures, rates and the bounds count those (hit rate = served positions / "
+            "cacheable positions); each request also computes its last position, never cached")
     if report["rejected"]:
         out.append(
             f"{report['rejected']} requests ({report['rejected_tokens']:,} tokens) did not fit in "
@@ -235,7 +253,9 @@ def format_table(report: dict[str, Any]) -> str:
         ("requests served / rejected", f"{report['completed']:,} / {report['rejected']:,} "
                                        f"(of {report['requests']:,} read)"),
         ("prompt tokens / blocks", f"{report['prompt_tokens']:,} / {report['prompt_blocks']:,} "
-                                   f"(blocks of {cfg['page_size']} tokens)"),
+                                   f"(blocks of {cfg['page_size']} tokens)"
+                                   + (", EAGLE: cacheable bigram positions, n - 1 a prompt"
+                                      if cfg.get("eagle") else "")),
         ("reused / computed tokens", f"{report['reused_tokens']:,} / {report['computed_tokens']:,}"),
         ("capacity L1 / L2 (tokens)", f"{human_tokens(cfg['device_tokens'] or 0)} / "
                                       f"{human_tokens(cfg['host_tokens'])}"
@@ -263,6 +283,10 @@ def format_table(report: dict[str, Any]) -> str:
                                 f"{report['moved']['storage_to_host_bytes']:,}"),
         ("evicted device tokens", f"{report['evicted_device_tokens']:,}"),
         ("verified KV tokens", f"{report['verified_tokens']:,}"),
+        *([("verified draft KV bytes",
+            f"{report['verified_draft_bytes']:,} (draft layers / heads / head_dim "
+            f"{' / '.join(str(v) for v in cfg['draft_kv_shape'])})")]
+          if cfg.get("draft_kv_shape") else []),
         ("wall time", f"{report['wall_s']} s"),
         ("time: setup, KV write, verify, copy",
          f"{tm.get('setup_s', 0)}, {tm.get('kv_write_s', 0)}, {tm.get('kv_verify_s', 0)}, "

@@ -20,7 +20,7 @@ REPORT_KEYS = {
     "trace", "status", "config", "model", "requests", "completed", "rejected", "rejected_tokens",
     "largest_rejected_tokens", "skipped_records", "prompt_tokens", "prompt_blocks",
     "reused_tokens", "computed_tokens", "hits", "hit_rate", "overlap", "moved", "evicted_device_tokens",
-    "dropped_tokens", "verified_tokens", "wall_s", "requests_per_s", "tokens_per_s", "timing",
+    "dropped_tokens", "verified_tokens", "verified_draft_bytes", "wall_s", "requests_per_s", "tokens_per_s", "timing",
     "notes",
 }
 TIMING_KEYS = {"setup_s", "kv_ids_s", "kv_write_s", "kv_verify_s", "optimum_s", "copy_s",
@@ -102,7 +102,8 @@ def test_json_report_has_the_documented_keys(capsys) -> None:
                              "host_mode": "cache",
                              "storage": None, "write_policy": "write_through_selective",
                              "eviction_policy": "lru", "optimum_capacity_blocks": 4000,
-                             "kv_shape": [2, 2, 16, "float16"], "device": "cpu"}
+                             "kv_shape": [2, 2, 16, "float16"], "eagle": False,
+                             "draft_kv_shape": None, "device": "cpu"}
     # L1 only: nothing from host or storage, nothing moved between tiers.
     assert rep["hit_rate"]["host_tokens"] == rep["hit_rate"]["storage_tokens"] == 0.0
     assert set(rep["moved"].values()) == {0}
