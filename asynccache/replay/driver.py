@@ -612,6 +612,9 @@ def timing_figures(inst: _Instance, setup_s: float, optimum_s: float) -> dict[st
 def engine_figures(cache: HierarchicalCache) -> dict[str, float]:
     """Counters of the cache's metrics registry that the report shows."""
     reg = cache.metrics.registry
+    # a stored page's bytes: its KV and its sidecars' objects (a draft's KV)
+    per_token = cache.shape.bytes_per_token + sum(
+        sc.spec.shape.bytes_per_token for sc in cache.sidecars if sc.spec.source == "kv")
 
     def val(name: str, **labels: str) -> float:
         v = reg.get_sample_value(name, labels or None)
@@ -627,10 +630,8 @@ def engine_figures(cache: HierarchicalCache) -> dict[str, float]:
         + val("asynccache_dropped_tokens_total", reason="backup_failed"),
         "storage_write_tokens": val("asynccache_storage_backup_tokens_total"),
         "prefetched_tokens": val("asynccache_prefetched_tokens_total"),
-        "storage_read_bytes": val("asynccache_prefetched_tokens_total")
-        * cache.shape.bytes_per_token,
-        "storage_write_bytes": val("asynccache_storage_backup_tokens_total")
-        * cache.shape.bytes_per_token,
+        "storage_read_bytes": val("asynccache_prefetched_tokens_total") * per_token,
+        "storage_write_bytes": val("asynccache_storage_backup_tokens_total") * per_token,
     }
 
 

@@ -81,6 +81,9 @@ def test_the_draft_rides_storage_round_trips_and_is_checked_after_prefetch(
     assert plain["hits"]["storage_tokens"] > 0  # the L3 path is exercised
     assert _counts(draft) == _counts(plain)
     assert draft["verified_draft_bytes"] == draft["verified_tokens"] * (1 * 2 * 2 * 16 * 2)
+    kv, dr = 2 * 2 * 2 * 16 * 2, 1 * 2 * 2 * 16 * 2  # bytes per token
+    for k, v in plain["moved"].items():  # every tier's bytes carry the draft's share
+        assert draft["moved"][k] * kv == v * (kv + dr), k
     # the draft's objects were stored next to the KV pages
     names = [p.name for p in (tmp_path / "draft").rglob("*") if p.is_file()]
     assert any(".draft" in n for n in names), names[:5]
