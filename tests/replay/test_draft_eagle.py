@@ -70,11 +70,13 @@ def test_a_draft_sidecar_changes_no_count_and_its_bytes_are_all_checked(extra, c
                                                                           + per_token)
 
 
+@pytest.mark.parametrize("eagle", [[], ["--eagle"]])
 @pytest.mark.parametrize("host_mode", ["cache", "buffer_only"])
 def test_the_draft_rides_storage_round_trips_and_is_checked_after_prefetch(
-        host_mode, tmp_path, capsys):
+        host_mode, eagle, tmp_path, capsys):
     argv = ["--limit", "150", "--device-tokens", "8Ki", "--host-tokens", "8Ki",
-            "--write-policy", "write_through", "--host-mode", host_mode, "--clear-storage"]
+            "--write-policy", "write_through", "--host-mode", host_mode, "--clear-storage",
+            *eagle]
     plain = _run([*argv, "--storage", f"file://{tmp_path / 'plain'}"], capsys)
     draft = _run([*argv, "--storage", f"file://{tmp_path / 'draft'}", "--draft-layers", "1"],
                  capsys)
@@ -87,6 +89,30 @@ def test_the_draft_rides_storage_round_trips_and_is_checked_after_prefetch(
     # the draft's objects were stored next to the KV pages
     names = [p.name for p in (tmp_path / "draft").rglob("*") if p.is_file()]
     assert any(".draft" in n for n in names), names[:5]
+
+
+def test_a_kv_page_never_passes_for_a_draft_page():
+    """Same geometry for both pools: the draft data of a position differs from its KV in every
+    element (their lanes differ everywhere), so KV bytes copied into the draft pool fail at
+    their first token, and the draft pool written by the replay verifies."""
+    from asynccache.transfers.sidecars import DeviceSidecarPool, SidecarShape
+
+    shape = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16)
+    pool = DevicePool(shape, 64, PS, device="cpu")
+    draft = DeviceSidecarPool(SidecarShape(2, (2, 2, 4), torch.float16), 64, PS)
+    kv = ReplayKV(pool, shape, draft=draft)
+    toks = np.arange(30, 42, dtype=np.uint32)
+    ids = kv.page_ids(toks, "ns")
+    slots = np.arange(20, 32, dtype=np.int64)
+    kv.write(slots, ids, 0)
+    assert kv.verify(slots, ids, 0) is None
+    want = kv.pattern.expected_draft(toks, "ns", 0, 12, kv.draft.lanes).view(torch.int16)
+    assert torch.equal(draft.read_slots(slots).view(torch.int16), want)
+    as_draft = pool.kv[:, :, 20:32].movedim(2, 1).view(torch.int16)  # the KV, draft-shaped
+    assert bool((as_draft != want).all())
+    draft.data[:, 20:32] = pool.kv[:, :, 20:32].movedim(2, 1)
+    bad = kv.verify(slots, ids, 0)
+    assert bad == 0 and bad is not None and bad.pool == "draft KV"
 
 
 def _trace(*prompts: list[int]) -> list[TraceRequest]:
@@ -243,3 +269,46 @@ def test_eagle_bounds_bound_the_tree(seqs, device, host):
     assert s.reused_tokens <= s.bound_hit_tokens and s.reused_pages <= s.bound_hit_pages
     assert s.device_hit_pages <= s.optimum_hit_pages
     assert s.verified_tokens == s.reused_tokens
+
+
+def _store_name(path: Any) -> str:
+    """The name a file-store object's header was written under (its file name, or its key)."""
+    from storage.pageformat import HEADER_SIZE, CorruptPageError, parse_header
+
+    head = path.read_bytes()[:HEADER_SIZE]
+    for name in (path.name, path.name.split(".", 1)[0] + ".draft"):
+        try:
+            parse_header(head, name)
+            return name
+        except CorruptPageError:  # the other candidate
+            continue
+    raise AssertionError(f"no header name fits {path.name}")
+
+
+def test_a_draft_page_of_another_prefix_served_from_storage_is_named(tmp_path):
+    """Storage checksums catch accidents, not a well-formed object holding another page's
+    data: every ``.draft`` object of a first replay is given the next one's payload under a
+    valid header, and the second replay, reading them back from L3, names the draft KV."""
+    from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
+    from storage.pageformat import HEADER_SIZE, encode_header
+
+    url = f"file://{tmp_path / 'l3'}"
+    cfg = _config(page_size=16, device_tokens=8192, host_tokens=8192,
+                  write_policy="write_through")
+    trace = list(synthetic_trace(SyntheticSpec(seed=0)))[:40]
+    first = Replayer(cfg, ReplayOptions(storage_url=url, draft_layers=1, clear_storage=True))
+    asyncio.run(first.run(trace))
+    assert first.stats.storage_hit_tokens > 0
+    control = Replayer(cfg, ReplayOptions(storage_url=url, draft_layers=1))
+    asyncio.run(control.run(trace))  # the store as written serves and verifies
+    assert control.outcome.storage_foreign_pages > 0 and control.stats.verified_tokens > 0
+    drafts = sorted(p for p in (tmp_path / "l3").rglob("*") if ".draft" in p.name)
+    assert len(drafts) > 1
+    payloads = [p.read_bytes()[HEADER_SIZE:] for p in drafts]
+    for i, p in enumerate(drafts):
+        payload = payloads[(i + 1) % len(payloads)]
+        p.write_bytes(encode_header(_store_name(p), payload) + payload)
+    second = Replayer(cfg, ReplayOptions(storage_url=url, draft_layers=1))
+    with pytest.raises(KVMismatchError, match=r"draft KV served for token position \d+ "
+                                              r"\(slot \d+\) differs from the draft KV"):
+        asyncio.run(second.run(trace))
