@@ -455,6 +455,8 @@ def _commit_tail(
     data joins the SWA LRU here: stamped with its node's creation tick if it ends past
     ``near`` (the insert's refresh, see insert), else unstamped."""
     swa = tree._swa
+    if swa is None:
+        return _commit_leaf(tree, parent, key, slots, start, n_tok, priority)
     cuts = [start]
     live_from = n_tok
     si = 0
@@ -526,6 +528,47 @@ def _commit_tail(
     tree._evictable += n_tok - start
     tree._queues[DLEAF].push(node)
     return node
+
+
+def _commit_leaf(
+    tree: TreeBase,
+    parent: Node,
+    key: RadixKey,
+    slots: np.ndarray,
+    start: int,
+    n_tok: int,
+    priority: int,
+) -> Node:
+    """_commit_tail without an SWA component: one new device leaf holds ``[start, n_tok)``
+    (the cut-free case of its loop, without the loop)."""
+    data = key.data
+    sh = tree._sh
+    a = start << sh
+    ns = key.namespace
+    leaf = tree._node_cls(next(tree._ids), parent, data[a : n_tok << sh], ns,
+                          tree._aux_empty[:])
+    tree._nodes[leaf.id] = leaf
+    leaf.value = frozen(slots[start:n_tok])
+    tick = tree._clock + 1
+    tree._clock = tick
+    leaf.creation = leaf.last_access = tick
+    leaf.hit_count = 1
+    leaf.priority = priority
+    leaf.acct = 1  # tree._refresh of a new device leaf: unlocked, no host copy, not in flight
+    ck = data[a : a + tree._pb]
+    if parent is tree._root:
+        ck = tree._child_key(parent, ck, ns)
+    parent.children[ck] = leaf
+    parent.dchildren += 1
+    if tree._eager_hashes:
+        tree._digests(leaf)
+    if tree._events is not None:
+        tree._emit_stored(leaf, Medium.GPU)
+    if parent.dchildren == 1:
+        tree._refresh(parent)  # its first device child (see _commit_tail)
+    tree._evictable += n_tok - start
+    tree._queues[DLEAF].push(leaf)
+    return leaf
 
 
 # ---------------------------------------------------------------------------- eviction
