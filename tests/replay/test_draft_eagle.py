@@ -312,3 +312,29 @@ def test_a_draft_page_of_another_prefix_served_from_storage_is_named(tmp_path):
     with pytest.raises(KVMismatchError, match=r"draft KV served for token position \d+ "
                                               r"\(slot \d+\) differs from the draft KV"):
         asyncio.run(second.run(trace))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_draft_write_and_verify_on_cuda_pools(fragmented, monkeypatch):
+    from asynccache.replay import kvcheck
+    from asynccache.transfers.sidecars import DeviceSidecarPool, SidecarShape
+
+    if fragmented:
+        monkeypatch.setattr(kvcheck, "_MAX_RUNS", 0)
+    shape = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16)
+    pool = DevicePool(shape, 256, PS, device="cuda")
+    draft = DeviceSidecarPool(SidecarShape(1, (2, 1, 8), torch.float16), 256, PS,
+                              device="cuda")
+    kv = ReplayKV(pool, shape, draft=draft, eagle=True)
+    slots = np.concatenate([np.arange(36, 44), np.arange(8, 16), np.arange(80, 82)])
+    toks = np.arange(3, 3 + len(slots) + 1, dtype=np.uint32)
+    ids = kv.page_ids(toks, None)
+    kv.write(slots, ids, 0)
+    assert kv.verify(slots, ids, 0) is None
+    want = kv.pattern.expected_draft(toks, None, 0, len(slots), kv.draft.lanes)
+    assert torch.equal(draft.read_slots(slots).view(torch.int16), want.view(torch.int16))
+    draft.data.view(torch.int16)[0, int(slots[11]), 1, 0, 5] ^= 2
+    bad = kv.verify(slots, ids, 0)
+    assert bad == 11 and bad is not None and bad.pool == "draft KV"
