@@ -20,7 +20,7 @@ from asynccache.tree.components.base import Component
 from asynccache.tree.components.layout import ACCT, LOCK, STAMP
 from asynccache.tree.config import _check_count
 from asynccache.tree.events import Medium
-from asynccache.tree.keys import RadixKey
+from asynccache.tree.keys import DEFAULT_NAMESPACE, RadixKey
 from asynccache.tree.node import DLEAF, HDUP, Node, frozen, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
@@ -297,7 +297,7 @@ def insert(
     count_hits = tree._count_hits
     prio_rq = tree._prio_requeues
     intents = tree._intents
-    ck = tree._child_key(node, data[:pb], ns)
+    ck = data[:pb] if ns is DEFAULT_NAMESPACE else (ns, data[:pb])  # (_child_key at the root)
     # The caller's duplicate slots come back as runs (one array per run, not per node).
     fa = fb = 0
     while off < end:

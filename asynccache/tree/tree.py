@@ -23,7 +23,7 @@ from asynccache.tree.config import WRITE_POLICIES as WRITE_POLICIES
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.host_tier import HostTier
-from asynccache.tree.keys import BigramKey, RadixKey
+from asynccache.tree.keys import DEFAULT_NAMESPACE, BigramKey, RadixKey
 from asynccache.tree.node import DLEAF, Node, frozen, state_slot
 from asynccache.tree.results import (
     EMPTY_SLOTS,
@@ -68,7 +68,7 @@ class RadixTree(HostTier):
         ns = key.namespace
         pb = self._pb
         children = root.children
-        ck = self._child_key(root, data[:pb], ns)
+        ck = data[:pb] if ns is DEFAULT_NAMESPACE else (ns, data[:pb])  # (_child_key at the root)
         while off < end:
             child = children.get(ck)
             if child is None:
@@ -98,14 +98,14 @@ class RadixTree(HostTier):
             indices = values[0]
         else:
             indices = np.concatenate(values)
-        return MatchResult(
-            device_indices=indices,
-            device_prefix_len=len(indices),
-            last_device_node=last_device.id,
-            best_node=node.id,
-            host_hit_length=host_len,
-            pending_loads=tuple(dict.fromkeys(pending)) if pending else (),
-            full_kv_hit_length=off >> sh,
+        return MatchResult(  # positional: device_indices ... full_kv_hit_length
+            indices,
+            len(indices),
+            last_device.id,
+            node.id,
+            host_len,
+            tuple(dict.fromkeys(pending)) if pending else (),
+            off >> sh,
         )
 
     # ------------------------------------------------------------------ insert
