@@ -273,7 +273,7 @@ def test_eagle_bounds_bound_the_tree(seqs, device, host):
 
 def _store_name(path: Any) -> str:
     """The name a file-store object's header was written under (its file name, or its key)."""
-    from storage.pageformat import HEADER_SIZE, CorruptPageError, parse_header
+    from asynccache.storage.pageformat import HEADER_SIZE, CorruptPageError, parse_header
 
     head = path.read_bytes()[:HEADER_SIZE]
     for name in (path.name, path.name.split(".", 1)[0] + ".draft"):
@@ -290,7 +290,7 @@ def test_a_draft_page_of_another_prefix_served_from_storage_is_named(tmp_path):
     data: every ``.draft`` object of a first replay is given the next one's payload under a
     valid header, and the second replay, reading them back from L3, names the draft KV."""
     from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
-    from storage.pageformat import HEADER_SIZE, encode_header
+    from asynccache.storage.pageformat import HEADER_SIZE, encode_header
 
     url = f"file://{tmp_path / 'l3'}"
     cfg = _config(page_size=16, device_tokens=8192, host_tokens=8192,
