@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
+import numpy as np
 import torch
 
 from asynccache.errors import (
@@ -226,6 +227,8 @@ class CopyEngine:
         pending, self._pending = self._pending, {}
         self._hazards.clear()
         for job in pending.values():
+            for worker, rider_job in job.riders:  # they would have run on the dead worker
+                worker.fail(rider_job, err)
             self.stats[job.op].failed += 1
             for fut in (*(job.layer_futs or ()), job.fut):
                 if not fut.done():
@@ -350,12 +353,12 @@ class CopyEngine:
 
         ``after``: what the copy's device reads wait for (see the fence contract)."""
         self._check_riders()
-        job, src, dst = self._job("d2h", device_idx, host_idx, layerwise=False, after=after)
+        job, src, dst = self._job("d2h", device_idx, host_idx, layerwise=False, after=after,
+                                  hand_over=not self._riders)
         handle = CopyHandle("d2h", job.fut, src, dst, job.num_bytes)
         if not self._riders:
             return handle
-        return GroupHandle([handle, *(r.submit_d2h(src, dst, **_after(after))
-                                      for r in self._riders)])
+        return GroupHandle([handle, *self._ride(job, src, dst, after)])
 
     def submit_h2d(self, host_idx: SlotIndices, device_idx: SlotIndices, *,
                    after: Any = None) -> CopyHandle:
@@ -363,12 +366,12 @@ class CopyEngine:
 
         ``after``: what the copy's device writes wait for (kernels still reading the slots)."""
         self._check_riders()
-        job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False, after=after)
+        job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False, after=after,
+                                  hand_over=not self._riders)
         handle = CopyHandle("h2d", job.fut, src, dst, job.num_bytes)
         if not self._riders:
             return handle
-        return GroupHandle([handle, *(r.submit_h2d(src, dst, **_after(after))
-                                      for r in self._riders)])
+        return GroupHandle([handle, *self._ride(job, src, dst, after)])
 
     def submit_h2d_layerwise(
         self, host_idx: SlotIndices, device_idx: SlotIndices, *, after: Any = None
@@ -377,13 +380,16 @@ class CopyEngine:
         (with riders: a :class:`LayerwiseGroup`, each rider loaded layer by layer too)."""
         self._check_riders()
         job, src, dst = self._job("h2d_layerwise", host_idx, device_idx, layerwise=True,
-                                  after=after)
+                                  after=after, hand_over=not self._riders)
         assert job.layer_futs is not None
         handle = LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
         if not self._riders:
             return handle
-        return LayerwiseGroup([handle, *(r.submit_h2d_layerwise(src, dst, **_after(after))
-                                         for r in self._riders)])
+        parts: list[LayerwiseHandle] = [handle]
+        for part in self._ride(job, src, dst, after):
+            assert isinstance(part, LayerwiseHandle)
+            parts.append(part)
+        return LayerwiseGroup(parts)
 
     # ------------------------------------------------------------------ riders (sidecars)
     def add_rider(self, rider: CopyEngine) -> None:
@@ -403,6 +409,44 @@ class CopyEngine:
                 raise ConfigError(f"rider {rider.name!r}: {theirs.num_slots} {what} slots < "
                                   f"{mine.num_slots} of {self.name!r}")
         self._riders.append(rider)
+
+    def _ride(self, job: Job, src: np.ndarray, dst: np.ndarray, after: Any) -> list[CopyHandle]:
+        """Submit the riders' copies of ``job`` (not handed over yet), then hand it over.
+
+        Where this engine and a rider both copy directly (CPU pools), the rider's copy is not
+        handed to the rider's own threads: it rides ``job`` itself, and this engine's worker
+        runs it right after ``job``'s copy, with the rider's pools and helper and completing
+        through the rider's engine (its stats, its handle, its layers). That saves the
+        wake-ups of the rider's threads per copy, which on a small machine compete with the
+        source's copy for the cores (``scripts/bench_sidecars.py``). Other riders (staged, with
+        riders of their own, or with a ``submit_*`` wrapped on the instance, as
+        :func:`asynccache.testing.copy_faults` does) go through their public ``submit_*``.
+        """
+        parts: list[CopyHandle] = []
+        inline: list[tuple[DirectWorker, Job]] = []
+        public = _PUBLIC_SUBMIT[job.op]
+        try:
+            for r in self._riders:
+                worker = r._worker
+                if (isinstance(self._worker, DirectWorker) and isinstance(worker, DirectWorker)
+                        and not r._riders and public not in vars(r)):
+                    rjob, rsrc, rdst = r._job(job.op, src, dst, after=after, hand_over=False,
+                                              layerwise=job.layer_futs is not None)
+                    inline.append((worker, rjob))
+                    parts.append(r._handle(rjob, rsrc, rdst))
+                else:
+                    submit: Callable[..., CopyHandle] = getattr(r, public)
+                    parts.append(submit(src, dst, **_after(after)))
+        finally:
+            job.riders = tuple(inline)
+            self._hand_over(job)
+        return parts
+
+    @staticmethod
+    def _handle(job: Job, src: np.ndarray, dst: np.ndarray) -> CopyHandle:
+        if job.layer_futs is not None:
+            return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
+        return CopyHandle(job.op, job.fut, src, dst, job.num_bytes)
 
     @property
     def riders(self) -> tuple[CopyEngine, ...]:
@@ -426,8 +470,10 @@ class CopyEngine:
 
     def _job(
         self, op: str, src_idx: SlotIndices, dst_idx: SlotIndices, *, layerwise: bool,
-        after: Any = None,
+        after: Any = None, hand_over: bool = True,
     ) -> tuple[Job, Any, Any]:
+        """Make and register one copy; hand it to the worker unless ``hand_over`` is False
+        (then the caller hands it over, see :meth:`_ride`)."""
         self._check_open()
         if threading.get_ident() != self._loop_thread:
             raise OwnerError("CopyEngine.submit_* must be called on the engine's event loop thread")
@@ -494,6 +540,12 @@ class CopyEngine:
         fut.add_done_callback(_mark_retrieved)
         self._in_flight += 1
         self._pending[seq] = job
+        if hand_over:
+            self._hand_over(job)
+        return job, src_slots, dst_slots
+
+    def _hand_over(self, job: Job) -> None:
+        assert self._worker is not None and self._bridge is not None
         if self._batching:
             # A copy was handed over earlier in this loop iteration: this one waits for the
             # iteration's end and goes with the others, one wake-up of the worker for all.
@@ -503,8 +555,7 @@ class CopyEngine:
             # a caller that runs other work before it awaits still overlaps with it).
             self._batching = True
             self._worker.submit_many([job])
-            bridge.loop.call_soon(self._flush)
-        return job, src_slots, dst_slots
+            self._bridge.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """End of the loop iteration: hand the copies submitted after its first one to the
@@ -551,6 +602,9 @@ def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
     # must not make asyncio complain that the exception was never retrieved.
     if not fut.cancelled():
         fut.exception()
+
+
+_PUBLIC_SUBMIT = {"d2h": "submit_d2h", "h2d": "submit_h2d", "h2d_layerwise": "submit_h2d_layerwise"}
 
 
 def _after(after: Any) -> dict[str, Any]:

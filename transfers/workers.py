@@ -68,6 +68,9 @@ class Job:
     layers_done: int = 0
     mark: float = 0.0  # when the previous layer was in place (layer durations are deltas)
     host_done: bool = False  # this job no longer reads or writes host memory
+    # Copies of riders' pools that run right after this one on this worker's thread, each
+    # with the rider's own worker (pools, helper, bridge); see CopyEngine._ride.
+    riders: tuple[tuple[DirectWorker, Job], ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -324,11 +327,13 @@ class DirectWorker(WorkerBase):
                         self.bridge.set_result(item.fut, None)
                     return
                 if self.dead is not None:
-                    continue  # the engine failed it already
+                    continue  # the engine failed it (and its riders' copies) already
                 try:
                     self._copy(item)
                 except BaseException as exc:  # never let the worker die with jobs queued
                     self.fail(item, exc)
+                for worker, job in item.riders:
+                    worker.run_riding(job)
         finally:
             self._stop_helper()
 
@@ -367,6 +372,16 @@ class DirectWorker(WorkerBase):
         if job.layer_futs is not None:  # the layers not posted yet ride with the job
             items = self.layers_through(job, self.num_layers)
         self.finish(job, self.result(job, time.perf_counter() - start), None, items)
+
+    def run_riding(self, job: Job) -> None:
+        """Copy ``job`` (one of this worker's jobs) on the thread of the worker it rides."""
+        if self.dead is not None:
+            self.fail(job, self.dead)
+            return
+        try:
+            self._copy(job)
+        except BaseException as exc:
+            self.fail(job, exc)
 
     def _post_layers(self, job: Job, shared: SharedChunks) -> None:
         """Post the layers completed so far, except the last (it rides with the job)."""
