@@ -180,10 +180,13 @@ async def event_latency(samples: int, device: str) -> dict[str, Any]:
     requests: queue.SimpleQueue[tuple[Callable[[], None]] | None] = queue.SimpleQueue()
 
     def worker() -> None:
-        if cuda:
-            torch.cuda.set_device(dev_t)
-        while (req := requests.get()) is not None:
-            req[0]()
+        try:
+            streams.thread_init()
+            while (req := requests.get()) is not None:
+                req[0]()
+        except BaseException:  # fail the run loudly instead of leaving a coroutine waiting
+            loop.call_soon_threadsafe(loop.stop)
+            raise
 
     thread = threading.Thread(target=worker, name="bench-bridge-completer")
     thread.start()

@@ -204,6 +204,15 @@ async def measure_case(
     return out
 
 
+def copy_path(engine: CopyEngine) -> str:
+    """How ``engine`` moves pages: "dma" (straight between host pages and the device),
+    "staging" (CPU gather / scatter through pinned staging) or "cpu" (CPU pools, copied page
+    to page)."""
+    if engine.mode == "direct":
+        return "cpu"
+    return "dma" if getattr(engine.worker, "direct", False) else "staging"
+
+
 async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
@@ -211,7 +220,9 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     models = ["qwen2.5-0.5b", "llama3-8b"] if quick else ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
     page_sizes = [16, 256] if quick else [16, 32, 64, 128, 256]
     patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
-    layouts = ["layer_first", "page_first"]
+    # page_first twice: as the engine chooses (direct DMA for large pinned pages on CUDA),
+    # then forced through the CPU staging: the two copy paths side by side in one run
+    layouts = ["layer_first", "page_first", "page_first-staged"]
     batch_bytes = (32 << 20) if quick else (48 << 20)
     if args.profile == "gpu_check":
         page_sizes, patterns = [16, 64, 256], ["contiguous", "random"]
@@ -238,9 +249,11 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                 n = max(4, batch_bytes // page_bytes)
                 pool_pages = 3 * n
                 dev = DevicePool(shape, pool_pages * ps, ps, device=device)
-                for layout in layouts:
+                for variant in layouts:
+                    layout, _, forced = variant.partition("-")
                     host = HostPool(shape, pool_pages * ps, ps, layout=layout)  # type: ignore[arg-type]
-                    async with CopyEngine(dev, host) as engine:
+                    direct = False if forced == "staged" else None
+                    async with CopyEngine(dev, host, direct_dma=direct) as engine:
                         for pattern in patterns:
                             sp, dp = pages_for(pattern, n, pool_pages, rng)
                             for op in ("d2h", "h2d", "h2d_layerwise"):
@@ -262,6 +275,9 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     "page_bytes": page_bytes,
                                     "pages": int(n),
                                     "layout": layout,
+                                    # dma: straight between host pages and the device;
+                                    # staging: CPU gather / scatter through pinned staging
+                                    "path": copy_path(engine),
                                     "pattern": pattern,
                                     "op": op,
                                     "GBps": round(g["engine"], 2),
@@ -380,6 +396,17 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 "cases": len(big),
             }
     out["by_op"] = by_op
+    by_path: dict[str, Any] = {}  # the same split by copy path (see copy_path)
+    for op, path in sorted({(c["op"], c["path"]) for c in cases}):
+        big = [c for c in cases if c["op"] == op and c["path"] == path
+               and c["page_bytes"] >= TARGET_PAGE_BYTES]
+        if big:
+            by_path[f"{op}/{path}"] = {
+                "min_ratio": min(c["ratio"] for c in big),
+                "median_ratio": round(statistics.median(c["ratio"] for c in big), 3),
+                "cases": len(big),
+            }
+    out["by_path"] = by_path
     return out
 
 

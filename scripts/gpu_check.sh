@@ -226,6 +226,10 @@ for d in lines:
                       "(target <= 2x)")
     if "overlap" in d:
         print("overlap of layer loads with compute:", d["overlap"]["overlap"])
+    if "summary" in d and "by_path" in d["summary"]:
+        for k, e in d["summary"]["by_path"].items():
+            print(f"copy ratio {k}: median {e['median_ratio']}, min {e['min_ratio']} "
+                  f"({e['cases']} cases of pages >= 256 KiB)")
 for m in missed:
     print("TARGET MISSED:", m)
 verdict = {"verdict": "failed" if failed else "passed", "exit": 1 if failed else 0,

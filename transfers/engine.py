@@ -49,7 +49,12 @@ from asynccache.transfers.handles import (
 from asynccache.transfers.hazards import HostHazards
 from asynccache.transfers.indices import SlotIndices, as_slot_array
 from asynccache.transfers.pools import DevicePool, HostPool, KVPool
-from asynccache.transfers.staged import STAGING_BYTES, STAGING_SLOTS, StagedWorker
+from asynccache.transfers.staged import (
+    STAGING_BYTES,
+    STAGING_SLOTS,
+    StagedWorker,
+    wants_direct_dma,
+)
 from asynccache.transfers.streams import CudaStreams, HostStreams, Streams
 from asynccache.transfers.workers import DirectWorker, Job
 
@@ -92,6 +97,11 @@ class CopyEngine:
     ``streams``: the stream implementation (default: CUDA streams for CUDA pools, the CPU's
     for CPU pools; :class:`~asynccache.transfers.streams.LateStreams` for ordering tests).
     ``staging_bytes`` / ``staging_slots``: the staged pipeline's ring.
+    ``direct_dma``: whether the staged pipeline copies by DMA straight between a page_first
+    host pool's pages and the device (no CPU gather / scatter through pinned staging). ``None``
+    (default): on CUDA with a pinned page_first host pool whose pages are at least
+    :data:`~asynccache.transfers.staged.DIRECT_MIN_BYTES`; ``True`` forces it (a page_first
+    host pool only; on CPU pools it runs the same plan with CPU copies, for tests).
     """
 
     def __init__(
@@ -107,6 +117,7 @@ class CopyEngine:
         streams: Streams | None = None,
         staging_bytes: int = STAGING_BYTES,
         staging_slots: int = STAGING_SLOTS,
+        direct_dma: bool | None = None,
     ) -> None:
         if not isinstance(device_pool, KVPool) or device_pool.kind != "device":
             raise ConfigError(f"device_pool must be a DevicePool, got {device_pool!r}")
@@ -134,6 +145,10 @@ class CopyEngine:
         for what, v in (("staging_bytes", staging_bytes), ("staging_slots", staging_slots)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{what} must be a positive int, got {v!r}")
+        if direct_dma is not None:
+            if mode == "direct" and direct_dma:
+                raise ConfigError("direct_dma=True applies to mode='staged', not mode='direct'")
+            wants_direct_dma(direct_dma, host_pool, cuda)  # a ConfigError naming the problem
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.mode: Literal["direct", "staged"] = mode
@@ -142,6 +157,7 @@ class CopyEngine:
         self._cuda = cuda
         self._on_complete = on_complete
         self._staging = (staging_bytes, staging_slots)
+        self._direct_dma = direct_dma
         self.debug_fences = (os.environ.get(DEBUG_FENCES_ENV, "") not in ("", "0")
                              if debug_fences is None else bool(debug_fences))
         self._compute_stream: Any = None
@@ -176,7 +192,8 @@ class CopyEngine:
             self._worker = StagedWorker(self.device_pool, self.host_pool, self._bridge,
                                         self.name, self._on_death, streams=self.streams,
                                         staging_bytes=self._staging[0],
-                                        staging_slots=self._staging[1])
+                                        staging_slots=self._staging[1],
+                                        direct_dma=self._direct_dma)
         else:
             self._worker = DirectWorker(self.device_pool, self.host_pool, self._bridge,
                                         self.name, self._on_death)

@@ -33,15 +33,17 @@ runs late on another thread, which is what the ordering tests use.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from asynccache.errors import TransferError
+from asynccache.errors import ConfigError, TransferError
 from asynccache.transfers import workers
 from asynccache.transfers.bridge import Completion, LoopBridge
 from asynccache.transfers.chunks import RingChunk, ring_chunks
@@ -54,6 +56,36 @@ from asynccache.transfers.workers import Job, Stop, WorkerBase
 STAGING_BYTES = 64 << 20
 #: Slots in the ring: pieces in flight at once (one being filled while others move).
 STAGING_SLOTS = 4
+#: A pinned page_first host pool whose pages are at least this big is copied by DMA straight
+#: between its pages and the device side of the ring (no CPU gather / scatter): one copy per
+#: run of consecutive host pages, or per page of a layer group.
+DIRECT_MIN_BYTES = 128 << 10
+
+
+def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
+    """Whether a staged worker copies by DMA straight from / into ``host`` (see
+    :data:`DIRECT_MIN_BYTES`). ``None``: on CUDA with a pinned page_first host pool of large
+    enough pages. ``True`` needs a page_first host pool (every page one contiguous block)."""
+    page_first = getattr(host, "layout", None) == "page_first"
+    if direct_dma is None:
+        return (cuda and page_first and bool(getattr(host, "pinned", False))
+                and int(host.page_bytes) >= DIRECT_MIN_BYTES)
+    if not isinstance(direct_dma, bool):
+        raise ConfigError(f"direct_dma must be None, True or False, got {direct_dma!r}")
+    if direct_dma and not page_first:
+        raise ConfigError("direct_dma=True needs a page_first host pool (a layer_first pool's "
+                          f"pages are not contiguous), got layout {getattr(host, 'layout', None)!r}")
+    return direct_dma
+
+
+def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` positions of the runs of consecutive page numbers in ``pages``."""
+    n = int(pages.shape[0])
+    if n == 0:
+        return []
+    cuts = (np.flatnonzero(np.diff(pages) != 1) + 1).tolist()
+    bounds = [0, *cuts, n]
+    return list(itertools.pairwise(bounds))
 
 
 class _Slot:
@@ -74,7 +106,7 @@ class StagingRing:
     """A fixed number of staging slots, taken and given back under the worker's condition."""
 
     def __init__(self, worker: WorkerBase, streams: Streams, count: int, slot_bytes: int,
-                 max_pages: int, device: torch.device) -> None:
+                 max_pages: int, device: torch.device, *, direct: bool = False) -> None:
         self.worker = worker
         self.streams = streams
         self.count = count
@@ -82,6 +114,7 @@ class StagingRing:
         self.max_pages = max_pages
         self.device = device
         self.cuda = streams.kind == "cuda"
+        self.direct = direct  # DMA straight to / from the host pool: no host side, a device side
         self._free: list[_Slot] = []
         self.made = 0  # slots allocated so far (at most ``count``)
         self.in_use = 0
@@ -89,7 +122,8 @@ class StagingRing:
 
     @property
     def allocated_bytes(self) -> int:
-        """Host staging bytes allocated (the device side holds as much on CUDA)."""
+        """Staging bytes allocated on one side (host, and as much on the device on CUDA; only
+        the device side with direct DMA)."""
         return self.made * self.slot_bytes
 
     def acquire(self) -> _Slot:
@@ -118,14 +152,15 @@ class StagingRing:
             self.worker.cv.notify_all()
 
     def _new(self) -> _Slot:
-        host = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        host = torch.empty(0 if self.direct else self.slot_bytes, dtype=torch.uint8)
         idx_host = torch.empty(self.max_pages, dtype=torch.int64)
         if self.cuda:  # exactly these bytes (torch's pinned allocator rounds up)
             register_host_memory(host)
             register_host_memory(idx_host)
         dev = idx_dev = None
-        if self.cuda:
+        if self.cuda or self.direct:
             dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        if self.cuda:
             idx_dev = torch.empty(self.max_pages, dtype=torch.int64, device=self.device)
         return _Slot(host, dev, idx_host, idx_dev, self.streams.event())
 
@@ -148,10 +183,11 @@ class StagedWorker(WorkerBase):
     def __init__(self, device: KVPool, host: KVPool, bridge: LoopBridge, name: str,
                  on_death: Callable[[TransferError], None] | None = None, *,
                  streams: Streams, staging_bytes: int = STAGING_BYTES,
-                 staging_slots: int = STAGING_SLOTS) -> None:
+                 staging_slots: int = STAGING_SLOTS, direct_dma: bool | None = None) -> None:
         super().__init__(device, host, bridge, name, on_death)
         self.streams = streams
         self.cuda = streams.kind == "cuda"
+        self.direct = wants_direct_dma(direct_dma, host, self.cuda)
         self.copy_stream = streams.new_stream()
         self.issued: queue.SimpleQueue[_Piece | Stop] = queue.SimpleQueue()
         self._host_np = as_numpy_bytes(host.page_view())
@@ -159,10 +195,13 @@ class StagedWorker(WorkerBase):
         self._kv = int(self._dev_u8.shape[1])
         self._rb = int(self._dev_u8.shape[3])
         self.layer_page_bytes = self._kv * self._rb
+        if self.direct:  # page_first: (P, L, KV, page-layer bytes), each page contiguous
+            self._host_u8 = host.page_view().permute(2, 0, 1, 3).view(torch.uint8)
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
         self.ring = StagingRing(self, streams, max(1, staging_slots), slot_bytes,
-                                slot_bytes // self.layer_page_bytes, device.device)
+                                slot_bytes // self.layer_page_bytes, device.device,
+                                direct=self.direct)
         self.threads = [
             self._thread(self._issue_loop, "issuer"),
             self._thread(self._complete_loop, "completer"),
@@ -207,13 +246,19 @@ class StagedWorker(WorkerBase):
             self.issued.put(_Piece(job, last=True))
             return
         h2d = job.op != "d2h"
-        if h2d:
+        if self.direct:
+            # Every host read and write of this engine is a DMA on the one copy stream, in
+            # submission order: no host-page hazard is left to wait for.
+            job.deps = ()
+        elif h2d:
             self.wait_deps(job)  # an earlier D->H may still be writing these host pages
         for i, piece in enumerate(pieces):
             slot = self.ring.acquire()
             out = _Piece(job, slot, piece[4], last=i == len(pieces) - 1)
             try:
-                if h2d:
+                if self.direct:
+                    self._issue_direct(job, slot, piece, h2d)
+                elif h2d:
                     self._issue_h2d(job, slot, piece)
                 else:
                     out.finish = self._issue_d2h(job, slot, piece)
@@ -222,8 +267,53 @@ class StagedWorker(WorkerBase):
                 self.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
                 return
             self.issued.put(out)
-        if h2d:
+        if h2d and not self.direct:
             self.mark_host_done(job)  # every host page is in staging now
+
+    def _issue_direct(self, job: Job, slot: _Slot, piece: RingChunk, h2d: bool) -> None:
+        """Queue one piece that moves by DMA straight between the pinned page_first host pool
+        and the slot's device buffer, which holds the piece page-major ``(n, layers, KV, rb)``
+        so that every run of consecutive host pages (whole pages) or every page (a layer
+        group) is one contiguous copy on both sides; the device pool side is one gather
+        (D->H) or scatter (H->D) kernel between the pool and that buffer."""
+        a, b, lo, hi, _ = piece
+        n = hi - lo
+        assert slot.dev is not None
+        stage = slot.dev[: n * (b - a) * self.layer_page_bytes].view(n, b - a, self._kv, self._rb)
+        pool = self._dev_u8[a:b].permute(2, 0, 1, 3)  # (P, layers, KV, rb), strided
+        dev_pages, host_pages = ((job.dst_pages, job.src_pages) if h2d
+                                 else (job.src_pages, job.dst_pages))
+        dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
+        host = self._host_u8
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host side, device side)
+        if b - a == self.num_layers:  # whole pages: one copy per run of consecutive pages
+            for i, j in page_runs(host_pages):
+                p = int(host_pages[i])
+                pairs.append((host[p : p + j - i], stage[i:j]))
+        else:
+            for i, p in enumerate(host_pages.tolist()):
+                pairs.append((host[p, a:b], stage[i]))
+        if self.cuda:
+            assert slot.idx_dev is not None
+            slot.idx_host[:n].numpy()[:] = dev_pages
+            idx_h, idx = slot.idx_host[:n], slot.idx_dev[:n]
+        else:
+            idx_h, idx = None, torch.from_numpy(dev_pages)
+
+        def work() -> None:
+            if idx_h is not None:
+                idx.copy_(idx_h, non_blocking=True)
+            if h2d:
+                for hpart, dpart in pairs:
+                    dpart.copy_(hpart, non_blocking=True)
+                pool.index_copy_(0, idx, stage)
+            else:
+                torch.index_select(pool, 0, idx, out=stage)
+                for hpart, dpart in pairs:
+                    hpart.copy_(dpart, non_blocking=True)
+
+        self.streams.launch(self.copy_stream, work)
+        slot.event.record(self.copy_stream)
 
     def _issue_d2h(self, job: Job, slot: _Slot, piece: RingChunk) -> Callable[[], None]:
         a, b, lo, hi, _ = piece

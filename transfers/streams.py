@@ -87,7 +87,10 @@ class CudaStreams(Streams):
 
     kind = "cuda"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if device.index is None:  # "cuda": the current device, named (set_device needs one)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
 
     def new_stream(self) -> Any:

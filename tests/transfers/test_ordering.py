@@ -66,12 +66,20 @@ async def _guard(aw: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- host-page hazard
-@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
+def _kinds(late: LateStreams) -> dict[str, dict[str, Any]]:
+    """Direct (CPU worker), staged on the CPU's streams, staged on late streams, and the two
+    staged ones with direct DMA between a page_first host pool and the device buffers."""
+    return {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late},
+            "staged-dma": {"mode": "staged", "direct_dma": True},
+            "late-dma": {"streams": late, "direct_dma": True}}
+
+
+@pytest.mark.parametrize("kind", ["direct", "staged", "late", "late-dma"])
 async def test_h2d_after_a_running_d2h_of_the_same_host_pages_loads_the_new_bytes(
     kind: str, late: LateStreams
 ) -> None:
-    dev, host = _pools(seed=3)
-    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
+    dev, host = _pools(seed=3, layout="page_first" if kind.endswith("dma") else "layer_first")
+    kw = _kinds(late)
     want = dev.read_slots(_slots([0, 1, 2])).clone()
     async with CopyEngine(dev, host, **kw[kind]) as engine:  # type: ignore[arg-type]
         backup = engine.submit_d2h(_slots([0, 1, 2]), _slots([7, 8, 9]))
@@ -96,20 +104,22 @@ async def test_d2h_into_host_pages_a_pending_h2d_reads_keeps_the_h2d_bytes(
     assert _same(host.read_slots(_slots([6, 5])), dev.read_slots(_slots([0, 1])))
 
 
-@pytest.mark.parametrize("kind", ["direct", "staged", "late"])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(("kind", "layout"), [
+    (k, lay) for k in ("direct", "staged", "late") for lay in ("layer_first", "page_first")
+] + [("staged-dma", "page_first"), ("late-dma", "page_first")])
+@pytest.mark.parametrize("slot_pages", [1.5, 4])
 async def test_overlapping_copies_take_effect_in_submission_order(
-    kind: str, layout: str, late: LateStreams
+    kind: str, layout: str, slot_pages: float, late: LateStreams
 ) -> None:
     """120 random copies over few pages, none awaited before the next is submitted: the
     pools must end as if each ran alone, in submission order (a sequential model)."""
     dev, host = _pools(layout=layout, seed=5)
-    kw = {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late}}
     model = {"dev": dev.page_view().clone(), "host": host.page_view().clone()}
     rng = np.random.default_rng(7)
     order: list[int] = []
-    async with CopyEngine(dev, host, **kw[kind],  # type: ignore[arg-type]
-                          staging_bytes=3 * dev.page_bytes, staging_slots=2) as engine:
+    async with CopyEngine(dev, host, **_kinds(late)[kind],  # type: ignore[arg-type]
+                          staging_bytes=int(2 * slot_pages * dev.page_bytes),
+                          staging_slots=2) as engine:
         handles = []
         for i in range(120):
             k = int(rng.integers(1, 6))
@@ -259,9 +269,10 @@ async def test_after_must_be_an_event_or_a_stream(late: LateStreams,
 
 
 # --------------------------------------------------------------------------- layer readiness
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(("layout", "direct_dma"), [
+    ("layer_first", False), ("page_first", False), ("page_first", True)])
 async def test_each_layer_is_in_place_when_its_await_returns(
-    layout: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+    layout: str, direct_dma: bool, late: LateStreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import asynccache.transfers.workers as workers
 
@@ -272,7 +283,7 @@ async def test_each_layer_is_in_place_when_its_await_returns(
     d_dst = _slots([3, 4, 5, 20, 1, 9])
     expected = host.read_slots(h_src).clone()
     async with CopyEngine(dev, host, streams=late, staging_bytes=2 * dev.page_bytes // layers,
-                          staging_slots=2) as engine:
+                          staging_slots=2, direct_dma=direct_dma) as engine:
         load = engine.submit_h2d_layerwise(h_src, d_dst)
         for i in range(layers):
             res = await _guard(load.layer(i))
@@ -345,13 +356,15 @@ async def test_a_dead_copy_thread_fails_the_awaiting_coroutines(
 
 
 # --------------------------------------------------------------------------- the staging ring
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(("layout", "direct_dma"), [
+    ("layer_first", False), ("page_first", False), ("page_first", True)])
 @pytest.mark.parametrize("late_streams", [False, True])
 async def test_large_copies_go_through_a_small_fixed_ring(
-    layout: str, late_streams: bool, late: LateStreams
+    layout: str, direct_dma: bool, late_streams: bool, late: LateStreams
 ) -> None:
     dev, host = _pools(layers=4, layout=layout, seed=12)
     kw: dict[str, Any] = {"streams": late} if late_streams else {"mode": "staged"}
+    kw["direct_dma"] = direct_dma
     layer_page = dev.page_bytes // 4
     rng = np.random.default_rng(3)
     async with CopyEngine(dev, host, staging_bytes=6 * layer_page, staging_slots=2,
@@ -377,3 +390,61 @@ async def test_large_copies_go_through_a_small_fixed_ring(
         assert ring.slot_bytes == 3 * layer_page
         assert ring.made == 2 and ring.allocated_bytes == 6 * layer_page
         assert ring.in_use == 0
+
+
+# --------------------------------------------------------------------------- direct DMA
+def test_page_runs_cut_at_every_break_in_consecutive_pages() -> None:
+    from asynccache.transfers.staged import page_runs
+
+    assert page_runs(np.array([], dtype=np.int64)) == []
+    assert page_runs(np.array([7])) == [(0, 1)]
+    assert page_runs(np.array([3, 4, 5, 9, 10, 2, 1, 2])) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+
+
+def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> None:
+    from types import SimpleNamespace
+
+    from asynccache.transfers.staged import DIRECT_MIN_BYTES, wants_direct_dma
+
+    def pool(layout: str = "page_first", pinned: bool = True,
+             page_bytes: int = DIRECT_MIN_BYTES) -> Any:
+        return SimpleNamespace(layout=layout, pinned=pinned, page_bytes=page_bytes)
+
+    assert wants_direct_dma(None, pool(), cuda=True)
+    assert not wants_direct_dma(None, pool(), cuda=False)
+    assert not wants_direct_dma(None, pool(layout="layer_first"), cuda=True)
+    assert not wants_direct_dma(None, pool(pinned=False), cuda=True)
+    assert not wants_direct_dma(None, pool(page_bytes=DIRECT_MIN_BYTES - 1), cuda=True)
+    assert not wants_direct_dma(False, pool(), cuda=True)
+    assert wants_direct_dma(True, pool(pinned=False), cuda=False)
+
+
+def test_bad_direct_dma_settings_are_config_errors() -> None:
+    from asynccache.errors import ConfigError
+
+    dev, host = _pools(layout="layer_first")
+    with pytest.raises(ConfigError, match=r"page_first host pool.*'layer_first'"):
+        CopyEngine(dev, host, mode="staged", direct_dma=True)
+    dev, host = _pools(layout="page_first")
+    with pytest.raises(ConfigError, match="direct_dma must be None, True or False, got 'yes'"):
+        CopyEngine(dev, host, mode="staged", direct_dma="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="applies to mode='staged'"):
+        CopyEngine(dev, host, mode="direct", direct_dma=True)
+    assert CopyEngine(dev, host, mode="direct", direct_dma=False).mode == "direct"
+
+
+async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(late: LateStreams) -> None:
+    """Runs of consecutive host pages in both directions, a whole copy and a layer-wise load
+    (one piece per layer), on late streams: every byte where the gather / scatter puts it."""
+    dev, host = _pools(layers=4, layout="page_first", seed=21)
+    d = _slots([3, 4, 5, 0, 9, 10, 11, 12, 1])
+    h = _slots([20, 21, 22, 23, 5, 6, 39, 0, 1])
+    async with CopyEngine(dev, host, streams=late, direct_dma=True) as engine:
+        assert engine.worker.direct  # type: ignore[union-attr]
+        await _guard(engine.submit_d2h(d, h))
+        assert _same(host.read_slots(h), dev.read_slots(d))
+        d2 = _slots([14, 15, 16, 17, 18, 19, 2, 7, 8])
+        await _guard(engine.submit_h2d(h, d2))
+        assert _same(dev.read_slots(d2), host.read_slots(h))
+        assert engine.worker.ring.allocated_bytes > 0  # type: ignore[union-attr]
+        assert engine.worker.ring._free[0].host.numel() == 0  # type: ignore[union-attr]
