@@ -33,20 +33,19 @@ runs late on another thread, which is what the ordering tests use.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from asynccache.errors import ConfigError, TransferError
 from asynccache.transfers import workers
 from asynccache.transfers.bridge import Completion, LoopBridge
 from asynccache.transfers.chunks import RingChunk, ring_chunks
+from asynccache.transfers.dma import SegmentCopier, segments
 from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
 from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
@@ -76,16 +75,6 @@ def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
         raise ConfigError("direct_dma=True needs a page_first host pool (a layer_first pool's "
                           f"pages are not contiguous), got layout {getattr(host, 'layout', None)!r}")
     return direct_dma
-
-
-def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
-    """``(start, stop)`` positions of the runs of consecutive page numbers in ``pages``."""
-    n = int(pages.shape[0])
-    if n == 0:
-        return []
-    cuts = (np.flatnonzero(np.diff(pages) != 1) + 1).tolist()
-    bounds = [0, *cuts, n]
-    return list(itertools.pairwise(bounds))
 
 
 class _Slot:
@@ -196,7 +185,8 @@ class StagedWorker(WorkerBase):
         self._rb = int(self._dev_u8.shape[3])
         self.layer_page_bytes = self._kv * self._rb
         if self.direct:  # page_first: (P, L, KV, page-layer bytes), each page contiguous
-            self._host_u8 = host.page_view().permute(2, 0, 1, 3).view(torch.uint8)
+            host_u8 = host.page_view().permute(2, 0, 1, 3).view(torch.uint8)
+            self.copier = SegmentCopier(host_u8, self.cuda)
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
         self.ring = StagingRing(self, streams, max(1, staging_slots), slot_bytes,
@@ -274,8 +264,9 @@ class StagedWorker(WorkerBase):
         """Queue one piece that moves by DMA straight between the pinned page_first host pool
         and the slot's device buffer, which holds the piece page-major ``(n, layers, KV, rb)``
         so that every run of consecutive host pages (whole pages) or every page (a layer
-        group) is one contiguous copy on both sides; the device pool side is one gather
-        (D->H) or scatter (H->D) kernel between the pool and that buffer."""
+        group) is one contiguous copy on both sides (:mod:`~asynccache.transfers.dma`); the
+        device pool side is one gather (D->H) or scatter (H->D) kernel between the pool and
+        that buffer."""
         a, b, lo, hi, _ = piece
         n = hi - lo
         assert slot.dev is not None
@@ -284,15 +275,8 @@ class StagedWorker(WorkerBase):
         dev_pages, host_pages = ((job.dst_pages, job.src_pages) if h2d
                                  else (job.src_pages, job.dst_pages))
         dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
-        host = self._host_u8
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host side, device side)
-        if b - a == self.num_layers:  # whole pages: one copy per run of consecutive pages
-            for i, j in page_runs(host_pages):
-                p = int(host_pages[i])
-                pairs.append((host[p : p + j - i], stage[i:j]))
-        else:
-            for i, p in enumerate(host_pages.tolist()):
-                pairs.append((host[p, a:b], stage[i]))
+        segs = segments(host_pages, (a, b), self.num_layers, self.layer_page_bytes)
+        flat, copier, stream = slot.dev, self.copier, self.copy_stream
         if self.cuda:
             assert slot.idx_dev is not None
             slot.idx_host[:n].numpy()[:] = dev_pages
@@ -304,13 +288,11 @@ class StagedWorker(WorkerBase):
             if idx_h is not None:
                 idx.copy_(idx_h, non_blocking=True)
             if h2d:
-                for hpart, dpart in pairs:
-                    dpart.copy_(hpart, non_blocking=True)
+                copier.copy(segs, flat, False, stream)
                 pool.index_copy_(0, idx, stage)
             else:
                 torch.index_select(pool, 0, idx, out=stage)
-                for hpart, dpart in pairs:
-                    hpart.copy_(dpart, non_blocking=True)
+                copier.copy(segs, flat, True, stream)
 
         self.streams.launch(self.copy_stream, work)
         slot.event.record(self.copy_stream)

@@ -62,6 +62,8 @@ async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
                           staging_bytes=8 * host.page_bytes, staging_slots=2) as engine:
         assert engine.mode == "staged"
         assert engine.worker.direct == bool(direct_dma)  # type: ignore[union-attr]
+        if direct_dma:  # the DMAs are raw cudaMemcpyAsync calls on the runtime torch loaded
+            assert engine.worker.copier.raw  # type: ignore[union-attr]
         for k in (1, 9, 32):
             d = _slots(rng.permutation(32)[:k])
             h = _slots(rng.permutation(48)[:k])

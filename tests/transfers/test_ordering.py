@@ -394,11 +394,38 @@ async def test_large_copies_go_through_a_small_fixed_ring(
 
 # --------------------------------------------------------------------------- direct DMA
 def test_page_runs_cut_at_every_break_in_consecutive_pages() -> None:
-    from asynccache.transfers.staged import page_runs
+    from asynccache.transfers.dma import page_runs
 
     assert page_runs(np.array([], dtype=np.int64)) == []
     assert page_runs(np.array([7])) == [(0, 1)]
     assert page_runs(np.array([3, 4, 5, 9, 10, 2, 1, 2])) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+
+
+def test_segments_are_the_byte_ranges_of_runs_and_layer_groups() -> None:
+    from asynccache.transfers.dma import segments
+
+    pages = np.array([5, 6, 7, 2, 9, 10])
+    # 4 layers of 10 bytes a page: page p at 40 p; whole pages merge runs
+    assert segments(pages, (0, 4), 4, 10) == [(200, 0, 120), (80, 120, 40), (360, 160, 80)]
+    # layers 1..3 of each page: 20 bytes at 40 p + 10, one segment a page
+    assert segments(pages, (1, 3), 4, 10) == [
+        (210, 0, 20), (250, 20, 20), (290, 40, 20), (90, 60, 20), (370, 80, 20), (410, 100, 20)]
+    assert segments(np.array([], dtype=np.int64), (0, 4), 4, 10) == []
+
+
+def test_segment_copier_moves_exactly_the_segments_on_the_cpu() -> None:
+    from asynccache.transfers.dma import SegmentCopier
+
+    host = torch.arange(64, dtype=torch.uint8)
+    dev = torch.zeros(16, dtype=torch.uint8)
+    copier = SegmentCopier(host, cuda=False)
+    assert not copier.raw
+    copier.copy([(10, 0, 4), (40, 4, 8)], dev, False, None)
+    assert dev.tolist() == [10, 11, 12, 13, *range(40, 48), 0, 0, 0, 0]
+    copier.copy([(0, 4, 2)], dev, True, None)
+    assert host[:4].tolist() == [40, 41, 2, 3]
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        SegmentCopier(torch.zeros(4, dtype=torch.int32), cuda=False)
 
 
 def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> None:
