@@ -80,7 +80,7 @@ def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
 class _Slot:
     """One staging slot: pinned host bytes, device bytes, page indices, an event."""
 
-    __slots__ = ("dev", "event", "host", "idx_dev", "idx_host")
+    __slots__ = ("dev", "event", "host", "idx_dev", "idx_host", "link")
 
     def __init__(self, host: torch.Tensor, dev: torch.Tensor | None, idx_host: torch.Tensor,
                  idx_dev: torch.Tensor | None, event: Any) -> None:
@@ -89,6 +89,7 @@ class _Slot:
         self.idx_host = idx_host
         self.idx_dev = idx_dev
         self.event = event
+        self.link: Any = None  # direct DMA: the hand-over between the kernel and copy streams
 
 
 class StagingRing:
@@ -151,7 +152,10 @@ class StagingRing:
             dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
         if self.cuda:
             idx_dev = torch.empty(self.max_pages, dtype=torch.int64, device=self.device)
-        return _Slot(host, dev, idx_host, idx_dev, self.streams.event())
+        slot = _Slot(host, dev, idx_host, idx_dev, self.streams.event())
+        if self.direct:
+            slot.link = self.streams.event()
+        return slot
 
 
 @dataclass(eq=False, slots=True)
@@ -178,6 +182,11 @@ class StagedWorker(WorkerBase):
         self.cuda = streams.kind == "cuda"
         self.direct = wants_direct_dma(direct_dma, host, self.cuda)
         self.copy_stream = streams.new_stream()
+        # Direct DMA: the gather / scatter kernels run on a stream of their own, so the next
+        # piece's kernel overlaps this piece's DMA (one stream would idle the copy engine
+        # while the kernel runs). Device pages: every kernel on it, in submission order;
+        # host pages: every DMA on the copy stream, in submission order.
+        self.kernel_stream = streams.new_stream() if self.direct else None
         self.issued: queue.SimpleQueue[_Piece | Stop] = queue.SimpleQueue()
         self._host_np = as_numpy_bytes(host.page_view())
         self._dev_u8 = device.page_view().view(torch.uint8)  # (L, KV, P, page-layer bytes)
@@ -228,6 +237,8 @@ class StagedWorker(WorkerBase):
         make_plan(job.src_pages, job.dst_pages)
         for fence in job.fences:  # device work of this job (and later ones) waits for them
             self.copy_stream.wait_event(fence)
+            if self.kernel_stream is not None:
+                self.kernel_stream.wait_event(fence)
         layerwise = job.layer_futs is not None
         pieces = ring_chunks(int(job.src_pages.shape[0]), self.num_layers,
                              self.layer_page_bytes, self.ring.slot_bytes, layerwise=layerwise,
@@ -284,18 +295,29 @@ class StagedWorker(WorkerBase):
         else:
             idx_h, idx = None, torch.from_numpy(dev_pages)
 
-        def work() -> None:
+        kernels, link = self.kernel_stream, slot.link
+        assert kernels is not None
+
+        def gather_or_scatter() -> None:
             if idx_h is not None:
                 idx.copy_(idx_h, non_blocking=True)
             if h2d:
-                copier.copy(segs, flat, False, stream)
                 pool.index_copy_(0, idx, stage)
             else:
                 torch.index_select(pool, 0, idx, out=stage)
-                copier.copy(segs, flat, True, stream)
 
-        self.streams.launch(self.copy_stream, work)
-        slot.event.record(self.copy_stream)
+        if h2d:  # DMA into the slot, then the scatter; the slot is free after the scatter
+            self.streams.launch(stream, lambda: copier.copy(segs, flat, False, stream))
+            link.record(stream)
+            kernels.wait_event(link)
+            self.streams.launch(kernels, gather_or_scatter)
+            slot.event.record(kernels)
+        else:  # the gather, then the DMA out of the slot; free after the DMA
+            self.streams.launch(kernels, gather_or_scatter)
+            link.record(kernels)
+            stream.wait_event(link)
+            self.streams.launch(stream, lambda: copier.copy(segs, flat, True, stream))
+            slot.event.record(stream)
 
     def _issue_d2h(self, job: Job, slot: _Slot, piece: RingChunk) -> Callable[[], None]:
         a, b, lo, hi, _ = piece
