@@ -43,6 +43,7 @@ from asynccache.transfers.handles import (
     CopyHandle,
     CopyResult,
     GroupHandle,
+    LayerReadiness,
     LayerwiseGroup,
     LayerwiseHandle,
 )
@@ -247,6 +248,8 @@ class CopyEngine:
             for worker, rider_job in job.riders:  # they would have run on the dead worker
                 worker.fail(rider_job, err)
             self.stats[job.op].failed += 1
+            if job.ready is not None:
+                job.ready.fail(err)
             for fut in (*(job.layer_futs or ()), job.fut):
                 if not fut.done():
                     fut.set_exception(err)
@@ -399,7 +402,7 @@ class CopyEngine:
         job, src, dst = self._job("h2d_layerwise", host_idx, device_idx, layerwise=True,
                                   after=after, hand_over=not self._riders)
         assert job.layer_futs is not None
-        handle = LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
+        handle = LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes, job.ready)
         if not self._riders:
             return handle
         parts: list[LayerwiseHandle] = [handle]
@@ -462,7 +465,7 @@ class CopyEngine:
     @staticmethod
     def _handle(job: Job, src: np.ndarray, dst: np.ndarray) -> CopyHandle:
         if job.layer_futs is not None:
-            return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes)
+            return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes, job.ready)
         return CopyHandle(job.op, job.fut, src, dst, job.num_bytes)
 
     @property
@@ -530,11 +533,13 @@ class CopyEngine:
         assert bridge is not None and self._worker is not None
         num_tokens = int(src_pages.shape[0]) * self.device_pool.page_size
         fut = bridge.create_future()
-        layer_futs = None
+        layer_futs = ready = None
         if layerwise:
             layer_futs = [bridge.create_future() for _ in range(self.device_pool.shape.num_layers)]
             for lf in layer_futs:
                 lf.add_done_callback(_mark_retrieved)
+            ready = LayerReadiness(len(layer_futs), self.streams.current, self._flush_here,
+                                   self._worker_death)
         seq = self._seq
         self._seq += 1
         deps = self._hazards.note(seq, dst_pages if op == "d2h" else src_pages,
@@ -553,6 +558,7 @@ class CopyEngine:
             deps=deps,
             seq=seq,
             on_done=functools.partial(self._job_done, op, seq),
+            ready=ready,
         )
         fut.add_done_callback(_mark_retrieved)
         self._in_flight += 1
@@ -573,6 +579,15 @@ class CopyEngine:
             self._batching = True
             self._worker.submit_many([job])
             self._bridge.loop.call_soon(self._flush)
+
+    def _flush_here(self) -> None:
+        """:meth:`_flush` now if called on the loop's thread (a thread blocking there in
+        ``wait_layer`` would otherwise hold back the copy it waits for); else nothing."""
+        if threading.get_ident() == self._loop_thread:
+            self._flush()
+
+    def _worker_death(self) -> BaseException | None:
+        return self._dead or (self._worker.dead if self._worker is not None else None)
 
     def _flush(self) -> None:
         """End of the loop iteration: hand the copies submitted after its first one to the

@@ -8,13 +8,15 @@ other awaiter (typically the owner of the slots, which frees them when it is saf
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from asynccache.errors import InvalidInputError
+from asynccache.errors import InvalidInputError, TransferError
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +106,73 @@ class CopyHandle:
         return f"<{type(self).__name__} {self.op} tokens={self.num_tokens} {state}>"
 
 
+class LayerReadiness:
+    """Device-side readiness of a layer-wise load's layers (thread-safe).
+
+    The copy worker calls :meth:`queued` as it *queues* each layer's last device work, with an
+    event recorded right after it on that work's stream (CUDA), or as each layer lands (CPU
+    pools: ``None``, nothing is left to wait for on a device). :meth:`wait` blocks the calling
+    thread only until layer ``i`` is queued, then makes ``stream`` wait for the event on the
+    device: a forward can queue layer ``i``'s kernels while the layer is still copying.
+    """
+
+    __slots__ = ("_current", "_cv", "_dead", "_error", "_events", "_flush", "queued_layers")
+
+    def __init__(self, num_layers: int, current: Callable[[], Any], flush: Callable[[], None],
+                 dead: Callable[[], BaseException | None]) -> None:
+        self._cv = threading.Condition()
+        self._events: list[Any] = [None] * num_layers
+        self._error: BaseException | None = None
+        self._current = current  # the calling thread's current stream
+        self._flush = flush  # hands copies held back for a batch to the worker (loop thread)
+        self._dead = dead  # the copy threads' death, which fails the load on the loop
+        self.queued_layers = 0
+
+    def queued(self, upto: int, event: Any) -> None:
+        """Layers ``[queued_layers, upto)`` are queued; ``event`` follows their device work."""
+        with self._cv:
+            if upto <= self.queued_layers:
+                return
+            for i in range(self.queued_layers, upto):
+                self._events[i] = event
+            self.queued_layers = upto
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc
+            self._cv.notify_all()
+
+    def wait(self, i: int, stream: Any = None, timeout: float | None = None) -> None:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self._events):
+            raise InvalidInputError(f"layer {i!r} out of range [0, {len(self._events)})")
+        self._flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self.queued_layers <= i and self._error is None:
+                if (dead := self._dead()) is not None:  # may be the thread failing the load
+                    self._error = dead
+                    break
+                left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"layer {i} of the load was not queued within {timeout} s")
+                self._cv.wait(left)
+            if self.queued_layers <= i:
+                assert self._error is not None
+                raise TransferError(f"layer {i} of the load failed: {self._error}") \
+                    from self._error
+            event = self._events[i]
+        if event is not None:
+            (stream if stream is not None else self._current()).wait_event(event)
+
+
 class LayerwiseHandle(CopyHandle):
     """A layer-by-layer host -> device copy; ``await handle.layer(i)`` waits for layer ``i``.
 
     Layers complete in order. ``await handle`` / ``await handle.done()`` wait for all of them.
     """
 
-    __slots__ = ("_layers",)
+    __slots__ = ("_layers", "_ready")
 
     def __init__(
         self,
@@ -119,9 +181,11 @@ class LayerwiseHandle(CopyHandle):
         src_indices: np.ndarray,
         dst_indices: np.ndarray,
         num_bytes: int,
+        ready: LayerReadiness | None = None,
     ) -> None:
         super().__init__("h2d_layerwise", fut, src_indices, dst_indices, num_bytes)
         self._layers = layer_futs
+        self._ready = ready
 
     @property
     def num_layers(self) -> int:
@@ -135,6 +199,15 @@ class LayerwiseHandle(CopyHandle):
 
     def layer_finished(self, i: int) -> bool:
         return self._layers[i].done()
+
+    def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Make ``stream`` (default: the current stream) wait *on the device* until layer ``i``
+        is in place, blocking this thread only until the copy of layer ``i`` is queued (CUDA;
+        with CPU pools: until it is in place). For a forward that queues its kernels ahead;
+        coroutines ``await layer(i)`` instead. A failed copy raises :class:`TransferError`."""
+        if self._ready is None:
+            raise InvalidInputError("this load has no device-side layer readiness")
+        self._ready.wait(i, stream, timeout)
 
 
 class GroupHandle(CopyHandle):
@@ -166,8 +239,14 @@ class LayerwiseGroup(LayerwiseHandle):
             raise InvalidInputError("a LayerwiseGroup needs at least one copy")
         first = parts[0]
         super().__init__(_joined(parts), first._layers, first.src_indices, first.dst_indices,
-                         sum(p.num_bytes for p in parts))
+                         sum(p.num_bytes for p in parts), first._ready)
         self.parts = tuple(parts)
+
+    def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Layer ``i`` of every part (the KV and its riders), see
+        :meth:`LayerwiseHandle.wait_layer`."""
+        for part in self.parts:
+            part.wait_layer(i, stream, timeout=timeout)
 
 
 def _joined(parts: Sequence[CopyHandle]) -> asyncio.Future[Any]:

@@ -267,6 +267,11 @@ class StagedWorker(WorkerBase):
                 out.error, out.last = exc, True
                 self.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
                 return
+            if job.ready is not None and out.layers_after > 0:
+                # the layers' device work is queued: a forward may wait for it on the device
+                done = self.streams.event()
+                done.record(self.kernel_stream if self.direct else self.copy_stream)
+                job.ready.queued(out.layers_after, done)
             self.issued.put(out)
         if h2d and not self.direct:
             self.mark_host_done(job)  # every host page is in staging now

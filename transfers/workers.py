@@ -71,6 +71,8 @@ class Job:
     # Copies of riders' pools that run right after this one on this worker's thread, each
     # with the rider's own worker (pools, helper, bridge); see CopyEngine._ride.
     riders: tuple[tuple[DirectWorker, Job], ...] = ()
+    # Layer-wise loads: device-side readiness of each layer (handles.LayerReadiness).
+    ready: Any = None
 
 
 @dataclass(eq=False, slots=True)
@@ -278,6 +280,8 @@ class WorkerBase:
     def layers_through(self, job: Job, upto: int) -> list[Completion]:
         """Completions of layers ``job.layers_done .. upto - 1``."""
         assert job.layer_futs is not None
+        if job.ready is not None:  # in place now (a staged worker said so when it queued them)
+            job.ready.queued(upto, None)
         return [(job.layer_futs[layer], self.layer_done(job, layer), None)
                 for layer in range(job.layers_done, upto)]
 
@@ -293,6 +297,8 @@ class WorkerBase:
 
     def fail(self, job: Job, exc: BaseException) -> None:
         err = transfer_error(job, exc)
+        if job.ready is not None:
+            job.ready.fail(err)
         items: list[Completion] = []
         if job.layer_futs is not None:
             items.extend((f, None, err) for f in job.layer_futs[job.layers_done :])

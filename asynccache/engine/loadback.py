@@ -55,6 +55,17 @@ class LoadBack:
             return (self.group or self.handle).done()
         return self.handle.layer(i)
 
+    def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
+        """From the forward's thread: make ``stream`` (default: the current stream) wait *on
+        the device* until layer ``i`` is in place (with the KV pool's sidecars), blocking this
+        thread only until the layer's copy is queued. CPU pools: returns once it is in place.
+        A failed copy raises :class:`TransferError`; coroutines ``await layer(i)`` instead."""
+        if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
+            raise InvalidInputError(
+                "this load is not layer by layer (a hybrid cache's FULL/SWA/Mamba load, or one "
+                "loaded whole): await lb.layer(i) or lb.wait() instead")
+        self.handle.wait_layer(i, stream, timeout=timeout)
+
     def sidecar_layer(self, name: str, i: int) -> Any:
         """An awaitable for layer ``i`` of sidecar ``name`` (a draft model's layer ``i``);
         a sidecar of the SWA or Mamba pool (loaded whole, with its source): the whole load."""

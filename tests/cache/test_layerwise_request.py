@@ -44,6 +44,32 @@ async def test_layers_land_in_order_and_the_request_keeps_the_prefix(make_cache,
     assert cache.match_prefix([*tokens, 7, 8]).device_prefix_len == 20 + 2 - 2 % cache.page_size
 
 
+async def test_a_forward_thread_waits_for_each_layer_with_wait_layer(make_cache, kit):
+    """The device-side wait from the forward's thread (CPU pools: it returns once the layer is
+    in place), a bad layer named, and a hybrid-free cache only."""
+    cache = await make_cache(write_policy="write_through", num_layers=4)
+    tokens = list(range(70, 90))
+    model = await _host_only(cache, kit, tokens)
+    req = cache.admit([*tokens, 7])
+    lb = cache.begin_load_back_request(req)
+    assert lb is not None
+    want = model.expected(tokens)
+    seen = []
+
+    def forward():
+        for layer in range(4):
+            lb.wait_layer(layer, timeout=kit.TIMEOUT)
+            seen.append(cache.read_kv(req.slots)[layer].clone())
+
+    await asyncio.wait_for(asyncio.to_thread(forward), kit.TIMEOUT)
+    for layer in range(4):
+        kit.assert_bits_equal(seen[layer], want[layer], f"layer {layer}")
+    with pytest.raises(InvalidInputError, match="layer 4 out of range"):
+        lb.wait_layer(4)
+    await asyncio.wait_for(cache.finish_load_back_request(req, lb), kit.TIMEOUT)
+    cache.abort_req(req)
+
+
 async def test_nothing_to_load_returns_none(make_cache, kit):
     cache = await make_cache(write_policy="write_through")
     req = cache.admit([1, 2, 3, 4])

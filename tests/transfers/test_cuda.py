@@ -160,6 +160,44 @@ async def test_overlapping_cuda_copies_take_effect_in_submission_order(
     assert _same(host.page_view(), model["host"])
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+async def test_a_forward_stream_waits_for_each_layer_on_the_device(layout: str) -> None:
+    """``wait_layer(i, stream)`` from the forward's thread, then a kernel on that stream reads
+    layer i: it sees the loaded KV although the thread did not wait for the copy to finish."""
+    import asynccache.transfers.workers as workers
+
+    layers = 8
+    shape = KVShape(layers, 8, 128, "fp16")  # 512 KiB pages: page_first goes by direct DMA
+    dev = DevicePool(shape, 64 * PAGE, PAGE)
+    host = HostPool(shape, 64 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
+    _fill(host.kv, 12)
+    d, h = _slots(np.arange(32)), _slots(np.random.default_rng(3).permutation(64)[:32])
+    expected = host.read_slots(h)
+    old = workers.LAYER_GROUP_BYTES
+    workers.LAYER_GROUP_BYTES = 1  # one piece per layer
+    try:
+        async with CopyEngine(dev, host) as engine:
+            load = engine.submit_h2d_layerwise(h, d)
+            idx = torch.from_numpy(d).cuda()
+            side = torch.cuda.Stream()
+            seen: list[torch.Tensor] = []
+
+            def forward() -> None:
+                torch.cuda.set_device(dev.device)
+                with torch.cuda.stream(side):
+                    for i in range(layers):
+                        load.wait_layer(i, side, timeout=30)
+                        seen.append(dev.kv[i].index_select(1, idx))  # (2, n, H, D)
+                side.synchronize()
+
+            await asyncio.to_thread(forward)
+            await load
+    finally:
+        workers.LAYER_GROUP_BYTES = old
+    for i in range(layers):
+        assert _same(seen[i], expected[i]), f"layer {i}"
+
+
 # --------------------------------------------------------------------------- issue 27
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:

@@ -475,3 +475,90 @@ async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(late: Late
         assert _same(dev.read_slots(d2), host.read_slots(h))
         assert engine.worker.ring.allocated_bytes > 0  # type: ignore[union-attr]
         assert engine.worker.ring._free[0].host.numel() == 0  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- device-side layers
+@pytest.mark.parametrize("kind", ["direct", "late", "late-dma"])
+async def test_a_forward_waiting_on_the_device_sees_each_layer_in_place(
+    kind: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait_layer(i, stream)`` from the forward's thread, then a "kernel" queued on that
+    stream reads layer i: it must see the loaded bytes, every layer, although the thread only
+    waited until the layer's copy was queued (late streams: it runs later, out of order)."""
+    import asynccache.transfers.workers as workers
+
+    monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece per layer
+    layers = 6
+    dev, host = _pools(layers=layers, seed=31,
+                       layout="page_first" if kind.endswith("dma") else "layer_first")
+    h_src, d_dst = _slots([31, 2, 17, 5, 6, 39]), _slots([3, 4, 5, 20, 1, 9])
+    expected = host.read_slots(h_src).clone()
+    forward = late.new_stream("forward")
+    seen: list[Any] = [None] * layers
+    async with CopyEngine(dev, host, **_kinds(late)[kind],  # type: ignore[arg-type]
+                          staging_bytes=2 * dev.page_bytes // layers, staging_slots=2) as engine:
+        load = engine.submit_h2d_layerwise(h_src, d_dst)
+
+        def run_forward() -> None:
+            for i in range(layers):
+                load.wait_layer(i, forward, timeout=HANG_GUARD_S)
+
+                def attention(i: int = i) -> None:
+                    seen[i] = dev.read_slots(d_dst)[i].clone()
+
+                late.launch(forward, attention)
+            forward.synchronize()
+
+        await asyncio.to_thread(run_forward)
+        await _guard(load)
+    for i in range(layers):
+        assert _same(seen[i], expected[i]), f"layer {i} read before it was in place"
+
+
+async def test_wait_layer_on_the_loop_thread_hands_over_the_held_back_copy(
+    late: LateStreams,
+) -> None:
+    dev, host = _pools(seed=32)
+    async with CopyEngine(dev, host, streams=late) as engine:
+        first = engine.submit_h2d_layerwise(_slots([1, 2]), _slots([3, 4]))
+        # held back until this loop iteration ends, which a blocked loop thread never reaches
+        second = engine.submit_h2d_layerwise(_slots([5, 6]), _slots([7, 8]))
+        second.wait_layer(2, late.new_stream("forward"), timeout=HANG_GUARD_S)
+        await _guard(asyncio.gather(first, second))
+        assert _same(dev.read_slots(_slots([7, 8])), host.read_slots(_slots([5, 6])))
+
+
+async def test_wait_layer_times_out_fails_and_checks_its_layer(
+    late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asynccache.transfers.workers import WorkerBase
+
+    dev, host = _pools(seed=33)
+    side = late.new_stream("side")
+    gate = threading.Event()
+    _kernel_writes(late, side, dev, [9], 1.0, gate)
+    async with CopyEngine(dev, host, streams=late, mode="direct") as engine:
+        # the direct worker blocks on the fence until the gated kernel ran
+        load = engine.submit_h2d_layerwise(_slots([0]), _slots([0]), after=side.record_event())
+        with pytest.raises(TimeoutError, match="layer 0 of the load was not queued within"):
+            await asyncio.to_thread(load.wait_layer, 0, None, timeout=0.2)
+        with pytest.raises(InvalidInputError, match="layer 3 out of range"):
+            load.wait_layer(3)
+        gate.set()
+        await _guard(load)
+        load.wait_layer(2)  # in place: returns at once (CPU pools: nothing to wait for)
+        assert not hasattr(engine.submit_d2h(_slots([0]), _slots([0])), "wait_layer")
+
+    def broken(self: WorkerBase, job: Any, exc: BaseException) -> None:
+        raise RuntimeError("bug in the failure path")
+
+    monkeypatch.setattr(WorkerBase, "fail", broken)
+    engine = CopyEngine(dev, host, mode="direct")
+    await engine.start()
+    bad = engine.submit_d2h(_slots([0, 1]), _slots([5, 5]))  # kills the one copy thread
+    load = engine.submit_h2d_layerwise(_slots([1]), _slots([1]))
+    with pytest.raises(TransferError, match=r"layer 1 of the load failed.*died"):
+        await asyncio.to_thread(load.wait_layer, 1, None, timeout=HANG_GUARD_S)
+    with pytest.raises(TransferError):
+        await _guard(bad)
+    await _guard(engine.aclose())
