@@ -21,7 +21,7 @@ from asynccache.errors import AsyncCacheError, ConfigError
 # The engine's choices, repeated here so that --help needs no engine import
 # (tests/test_cli_help.py checks they stay equal).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "lru_credit")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "lru_credit", "arc")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_MODES = ("cache", "buffer_only")
 DTYPES = ("float16", "bfloat16", "float32")

@@ -88,6 +88,7 @@ class Parts:
             sliding_window=config.sliding_window,
             mamba=config.mamba_states > 0,
             eagle=config.eagle,
+            device_tokens=device_pool.num_slots,
         ))
         hybrid = HybridSlots(config, device_pool) if config.hybrid else None
         if hybrid is not None and host_pool is not None:

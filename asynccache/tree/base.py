@@ -19,6 +19,8 @@ from asynccache.errors import (
     UnknownNodeError,
 )
 from asynccache.tree import hybrid, hybrid_host
+from asynccache.tree.arc import WIDTH as ARC_WIDTH
+from asynccache.tree.arc import Arc, ArcQueue
 from asynccache.tree.components import Component, MambaComponent, SWAComponent
 from asynccache.tree.components.layout import EMPTY, QUEUES
 from asynccache.tree.config import TreeConfig
@@ -96,8 +98,11 @@ class TreeBase:
         # entries' nodes in it.
         self._nodes: dict[int, Node] = {}
         nodes = self._nodes
-        self._queues: tuple[NodeQueue | StampQueue, ...]
-        if policy in ("lru", "mru") and not config.enable_sessions:
+        self._queues: tuple[NodeQueue | StampQueue | ArcQueue, ...]
+        if policy == "arc":
+            self._queues = (ArcQueue(DLEAF, key, nodes), NodeQueue(HLEAF, key, nodes),
+                            NodeQueue(HDUP, key, nodes))
+        elif policy in ("lru", "mru") and not config.enable_sessions:
             newest = policy == "mru"  # ordered by the access stamp alone: no orphans
             self._queues = tuple(StampQueue(s, nodes, newest_first=newest)
                                  for s in (DLEAF, HLEAF, HDUP))
@@ -127,6 +132,14 @@ class TreeBase:
         self._aux_names = frozenset(c.name for c in comps)
         # Node.aux of a new node (copied): not queued; the components' entries empty.
         self._aux_empty: list[Any] = [None] * QUEUES + list(EMPTY) * len(comps)
+        # The arc policy (asynccache/tree/arc.py): its entries of Node.aux come last.
+        self._arc: Arc | None = None
+        if policy == "arc":
+            self._arc = Arc(self, len(self._aux_empty), config.device_tokens // config.page_size)
+            self._aux_empty += [0, None][:ARC_WIDTH]
+            dq = self._queues[DLEAF]
+            assert isinstance(dq, ArcQueue)
+            dq.arc = self._arc
         self._mamba_interval = config.mamba_track_interval or config.page_size
         self._reset_state()
 
@@ -135,6 +148,8 @@ class TreeBase:
             q.clear()
         for c in self._aux:
             c.reset()
+        if self._arc is not None:
+            self._arc.reset()
         self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
         self._root = self._node_cls(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
         self._root.lock_ref = 1  # the root is never evicted
@@ -353,6 +368,8 @@ class TreeBase:
                 if want == 3:
                     self._host_pinned += k
             n.acct = want
+            if not want and self._arc is not None:
+                self._arc.lost(n)  # off the device: its pages' keys go to a ghost list
 
     def _refresh(self, n: Node) -> None:
         """Recount ``n`` and put it in exactly the eviction queues its state calls for."""
@@ -495,6 +512,8 @@ class TreeBase:
         p.priority = x.priority
         p.pending = x.pending
         p.sref = x.sref
+        if self._arc is not None:
+            p.aux[self._arc.at] = x.aux[self._arc.at]  # the class (the tokens stay counted)
         if x.pending:
             frags = self._pending[x.pending].fragments
             frags.insert(frags.index(x), p)

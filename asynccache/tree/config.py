@@ -26,6 +26,10 @@ class TreeConfig:
     ``eagle``: the tree serves an EAGLE draft model and keys its nodes by the bigram view of
     the tokens (:class:`~asynccache.tree.keys.BigramKey`): a key of ``N + 1`` tokens names
     ``N`` positions; lengths, pages, values and hashes count bigrams.
+
+    ``device_tokens``: the device pool's capacity in tokens (0: not given). Only the ``arc``
+    eviction policy reads it (its target and ghost lists are sized in pages of the capacity),
+    and it needs it: at least one page.
     """
 
     page_size: int = 1
@@ -39,6 +43,7 @@ class TreeConfig:
     mamba: bool = False
     mamba_track_interval: int = 0
     eagle: bool = False
+    device_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
@@ -50,6 +55,14 @@ class TreeConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         policy_key(self.eviction_policy)
+        dt = self.device_tokens
+        if isinstance(dt, bool) or not isinstance(dt, int) or dt < 0:
+            raise ConfigError(f"device_tokens must be an int >= 0, got {dt!r}")
+        if self.eviction_policy == "arc" and dt < self.page_size:
+            raise ConfigError(
+                f"eviction_policy 'arc' needs device_tokens (the device capacity, at least one "
+                f"page of {self.page_size} tokens), got device_tokens={dt}"
+            )
         for name in ("sliding_window", "mamba_track_interval"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

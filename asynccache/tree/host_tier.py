@@ -215,6 +215,8 @@ class HostTier(TreeBase):
         self._emit_stored(n, Medium.GPU)
         self._refresh(parent)
         self._refresh(n)
+        if self._arc is not None:
+            self._arc.admit(n)
 
     def _host_inc(self, node: Node) -> int:
         delta = 0
@@ -417,6 +419,9 @@ class HostTier(TreeBase):
         self._refresh(n)
         for c in chain:
             self._refresh(c)
+        if self._arc is not None:
+            for c in chain:
+                self._arc.admit(c)
         return LoadBackTicket(
             op_id=op_id,
             node_ids=tuple(c.id for c in chain),

@@ -539,6 +539,9 @@ def start_load_back(
     for f in frags:
         tree._refresh(f)
         refresh_aux(tree, f)
+    if tree._arc is not None:
+        for f in parts["full"]:
+            tree._arc.admit(f)
     return LoadBackTicket(
         op_id=op_id,
         node_ids=tuple(f.id for f in frags),

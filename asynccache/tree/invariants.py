@@ -163,6 +163,8 @@ def check_tree(tree: RadixTree) -> None:
             f"{(tree._evictable, tree._protected, tree._host_pinned, tree._host_size)}, "
             f"recomputed {(evictable, protected, host_pinned, host_size)}"
         )
+    if tree._arc is not None:
+        check_arc(tree, seen)
     for name, parts in (("device", dev_slots), ("host", host_slots)):
         if parts:
             allslots = np.concatenate(parts)
@@ -170,3 +172,54 @@ def check_tree(tree: RadixTree) -> None:
                 _fail(f"a {name} slot index is negative")
             if np.bincount(allslots).max() > 1:
                 _fail(f"a {name} slot is held by two nodes")
+
+
+def check_arc(tree: RadixTree, seen: dict[int, Node]) -> None:
+    """The arc policy's bookkeeping (asynccache/tree/arc.py): the class sizes recount, each
+    evictable leaf is filed in its class's heap, cached page keys continue their parents',
+    ghost lists and the target within bounds."""
+    from asynccache.tree.arc import ArcQueue
+
+    arc = tree._arc
+    assert arc is not None
+    at = arc.at
+    root = tree._root
+    once = reused = 0
+    filed = [0, 0]
+    for n in seen.values():
+        if n is root:
+            continue
+        cls = n.aux[at]
+        if cls not in (0, 1):
+            _fail(f"node {n.id} has arc class {cls!r}")
+        if n.value is None:
+            if cls:
+                _fail(f"node {n.id} is off the device but of the reused class")
+        elif cls:
+            reused += n.ntok
+        else:
+            once += n.ntok
+        entry = n.aux[DLEAF]
+        if entry is not None:
+            if entry[-1] != cls:
+                _fail(f"leaf {n.id} of class {cls} is filed in the heap of class {entry[-1]}")
+            filed[cls] += 1
+        key = n.aux[at + 1]
+        if key is not None:
+            k = key
+            n.aux[at + 1] = None
+            if arc.chain_key(n) != k:
+                _fail(f"node {n.id} caches a page key that does not continue its parent's")
+    if reused != arc.reused:
+        _fail(f"arc counts {arc.reused} reused-class device tokens, recomputed {reused}")
+    if once != arc.once_tokens():
+        _fail(f"arc counts {arc.once_tokens()} once-class device tokens, recomputed {once}")
+    dq = tree._queues[DLEAF]
+    assert isinstance(dq, ArcQueue)
+    if (dq.live(0), dq.live(1)) != tuple(filed):
+        _fail(f"arc heaps count {(dq.live(0), dq.live(1))} live leaves, {tuple(filed)} filed")
+    for i, ghost in enumerate(arc.ghosts):
+        if len(ghost) > arc.ghost_cap:
+            _fail(f"ghost list {i} holds {len(ghost)} keys, more than {arc.ghost_cap}")
+    if not 0 <= arc.p <= arc.capacity:
+        _fail(f"arc target p = {arc.p} is outside [0, {arc.capacity}]")

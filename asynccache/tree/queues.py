@@ -35,10 +35,13 @@ POLICIES: Final[dict[str, PolicyKey]] = {
         n.last_access + ((n.last_access - n.creation) >> 1 if n.hit_count >= 2 else 0),
         n.last_access,
     ),
+    # ARC-style adaptive split of the device leaves (asynccache/tree/arc.py): each class in LRU
+    # order; host leaves and host duplicates in plain LRU order.
+    "arc": lambda n: (n.last_access,),
 }
 
 # Policies whose order changes when a node is touched, hit or re-prioritised.
-USES_ACCESS: Final = frozenset({"lru", "mru", "lfu", "priority", "lru_credit"})
+USES_ACCESS: Final = frozenset({"lru", "mru", "lfu", "priority", "lru_credit", "arc"})
 USES_HITS: Final = frozenset({"lfu", "lru_credit"})
 USES_PRIORITY: Final = frozenset({"priority"})
 

@@ -170,6 +170,7 @@ class RadixTree(HostTier):
         # Every tree without a host tier takes the walk of hybrid.insert (with no components it
         # skips their branches); FULL-only trees with a host tier take the walk below, which
         # also adopts slots for host-only nodes, stops at loads and queues write-through backups.
+        clock0 = self._clock
         if not self._host or self._aux or mamba_value is not None or component_evicted_seqlens:
             floor, state = 0, None
             if component_evicted_seqlens or mamba_value is not None:
@@ -177,12 +178,16 @@ class RadixTree(HostTier):
                     self, total, component_evicted_seqlens, mamba_value
                 )
             if self._host:
-                return self._insert_hybrid_host(
+                res = self._insert_hybrid_host(
                     key, slots, prev_prefix_len, inserted_len, priority, floor, state
                 )
-            return hybrid.insert(
-                self, key, slots, prev_prefix_len, inserted_len, priority, floor, state
-            )
+            else:
+                res = hybrid.insert(
+                    self, key, slots, prev_prefix_len, inserted_len, priority, floor, state
+                )
+            if self._arc is not None:
+                self._arc.after_insert(res.last_node, inserted_len, clock0)
+            return res
         data = key.data
         pb = self._pb
         sh = self._sh
@@ -260,6 +265,8 @@ class RadixTree(HostTier):
                 result.intents.append(leaf.id)
             node = leaf
         result.last_node = node.id
+        if self._arc is not None:
+            self._arc.after_insert(node.id, inserted_len, clock0)
         return result
 
     def _insert_hybrid_host(

@@ -69,7 +69,7 @@ def _tree_hits(reqs: list[tuple[int, ...]], capacity: int, policy: str) -> int:
     match, evict what the new pages need, insert — the replay's order for one request."""
     from asynccache.tree import RadixTree
 
-    tree = RadixTree(page_size=2, eviction_policy=policy)
+    tree = RadixTree(page_size=2, eviction_policy=policy, device_tokens=capacity * 2)
     free = list(range(capacity * 2))
     hits = 0
     for blocks in reqs:
@@ -119,7 +119,7 @@ def test_optimum_at_least_every_online_policy(reqs: list[tuple[int, ...]], capac
     for blocks in reqs:
         b.access(pages(*blocks))
     opt = b.hit_pages()
-    for policy in ("lru", "lfu", "fifo", "mru", "filo", "priority"):
+    for policy in ("lru", "lfu", "fifo", "mru", "filo", "priority", "arc"):
         assert opt >= _tree_hits(reqs, capacity, policy), policy
 
 

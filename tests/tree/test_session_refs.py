@@ -12,6 +12,7 @@ from asynccache.tree import POLICIES, RadixTree, SessionRef
 
 
 def _tree(policy: str = "lru", **kw: object) -> RadixTree:
+    kw.setdefault("device_tokens", 64 * int(kw.get("page_size", 1)))  # type: ignore[call-overload]
     return RadixTree(enable_sessions=True, eviction_policy=policy, **kw)
 
 

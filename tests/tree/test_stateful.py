@@ -120,6 +120,7 @@ class TreeMachine(RuleBasedStateMachine):
             write_policy=self.WRITE_POLICY,
             enable_kv_events=events,
             enable_page_hashes=events,
+            device_tokens=16 * ps,  # the arc policy's capacity (small: p and the ghosts move)
         )
         self.next_dev = 0
         self.next_host = 1_000_000

@@ -48,7 +48,8 @@ class HybridMachine(RuleBasedStateMachine):
         self.grid = grid * ps
         self.tree = RadixTree(page_size=ps, eviction_policy=policy,
                               sliding_window=self.window, mamba=self.MAMBA,
-                              mamba_track_interval=self.grid)
+                              mamba_track_interval=self.grid,
+                              device_tokens=16 * ps)  # (the arc policy's capacity)
         self.next = dict(STARTS)
         self.given: dict[str, set[int]] = {p: set() for p in POOLS}
         self.back: dict[str, set[int]] = {p: set() for p in POOLS}

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asynccache.tree.components.layout import LOCK, QUEUES, WIDTH
+from asynccache.tree.components.layout import LOCK, WIDTH
 from asynccache.tree.node import Node
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def check_components(tree: RadixTree) -> None:
         host_held: list[np.ndarray] = []
         for n in nodes.values():
             aux = n.aux
-            if len(aux) != QUEUES + len(comps) * WIDTH:
+            if len(aux) != len(tree._aux_empty):  # (an arc tree's entries come last)
                 _fail(f"node {n.id} has no data for every component")
                 return
             value, lock_ref, _, qe, acct, host_value = aux[c.at : c.at + WIDTH]
