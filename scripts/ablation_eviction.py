@@ -72,13 +72,21 @@ def read(spec: TraceSpec) -> Iterator[TraceRequest]:
 
 
 def run_one(spec: TraceSpec, capacity: int, policy: str) -> dict[str, Any]:
+    name = policy
+    if policy.startswith("arc:"):  # a variant of arc, e.g. arc:ghosts=1:start=0.25
+        from asynccache.tree import arc
+
+        for kv in policy.split(":")[1:]:
+            k, v = kv.split("=")
+            setattr(arc, k.upper(), float(v))
+        policy = "arc"
     config = CacheConfig(page_size=spec.page_size, num_layers=1, num_heads=1, head_dim=1,
                          dtype="float16", device_tokens=capacity * spec.page_size,
                          host_tokens=0, eviction_policy=policy, device="cpu")
     t0 = time.perf_counter()
     stats = asyncio.run(Replayer(config, ReplayOptions(verify="none")).run(read(spec)))
     pages = stats.prompt_pages or 1
-    return {"trace": spec.name, "capacity": capacity, "policy": policy,
+    return {"trace": spec.name, "capacity": capacity, "policy": name,
             "hit_blocks": stats.device_hit_pages, "prompt_blocks": stats.prompt_pages,
             "hit_rate": stats.device_hit_pages / pages,
             "optimum": stats.optimum_hit_pages / pages,
@@ -125,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES,
                     help="the shared traces folder (default: ../shared/traces)")
     ap.add_argument("--policies", default=",".join(["lru", *sorted(set(POLICIES) - {"lru"})]),
-                    help="comma-separated eviction policies (lru first: the baseline)")
+                    help="comma-separated eviction policies (lru first: the baseline); "
+                         "arc:ghosts=G:start=S runs arc with ghost lists of G x capacity and p "
+                         "starting at S x capacity (defaults 2 and 0.5)")
     ap.add_argument("--quick", action="store_true",
                     help="the first 2,000 requests of each trace only")
     ap.add_argument("--archive", action="store_true",

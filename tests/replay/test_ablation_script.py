@@ -53,3 +53,25 @@ def test_a_tiny_mooncake_trace_through_the_engine(tmp_path) -> None:
     r = mod.run_one(spec, 4, "lru_credit")
     assert (r["hit_blocks"], r["prompt_blocks"], r["rejected"]) == (1, 5, 0)
     assert r["hit_rate"] == r["optimum"] == r["infinite"] == 0.2
+
+
+def test_arc_and_an_arc_variant_through_the_engine(tmp_path) -> None:
+    """``arc:ghosts=G:start=S`` runs arc with other settings (in the worker) under its own name."""
+    mc = tmp_path / "mooncake"
+    mc.mkdir()
+    lines = [{"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": h}
+             for i, h in enumerate(([1, 2], [1, 3], [4, 5], [1, 2], [6, 7], [1, 3]))]
+    (mc / "conversation_trace.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    mod = _script()
+    spec = mod.TraceSpec("t", "mooncake", str(mc / "conversation_trace.jsonl"), 512, (4,))
+    from asynccache.tree import arc
+
+    try:
+        r = mod.run_one(spec, 4, "arc")
+        v = mod.run_one(spec, 4, "arc:ghosts=0.5:start=0.25")
+        assert (arc.GHOSTS, arc.START) == (0.5, 0.25)
+    finally:
+        arc.GHOSTS, arc.START = 2.0, 0.5
+    assert (r["policy"], v["policy"]) == ("arc", "arc:ghosts=0.5:start=0.25")
+    assert r["prompt_blocks"] == v["prompt_blocks"] == 12 and r["rejected"] == 0
+    assert r["hit_blocks"] > 0 and r["hit_rate"] <= r["optimum"]

@@ -56,12 +56,14 @@ class HostHybridMachine(RuleBasedStateMachine):
 
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5),
                 policy=st.sampled_from(["write_through", "write_through_selective",
-                                        "write_back"]))
-    def setup(self, ps: int, window: int, policy: str) -> None:
+                                        "write_back"]),
+                eviction=st.sampled_from(["lru", "arc"]))
+    def setup(self, ps: int, window: int, policy: str, eviction: str) -> None:
         self.ps = ps
         self.window = window if self.SWA else 0
         self.tree = RadixTree(page_size=ps, sliding_window=self.window,
-                              mamba=self.MAMBA, host_enabled=True, write_policy=policy)
+                              mamba=self.MAMBA, host_enabled=True, write_policy=policy,
+                              eviction_policy=eviction, device_tokens=16 * ps)
         self.full = PageAllocator(DEVICE_SLOTS, 1)
         self.smap = SWASlotMap(self.full, PageAllocator(DEVICE_SLOTS, 1)) if self.SWA else None
         # Never handed to the tree: FULL slots are numbered apart from SWA slots, so a slip
