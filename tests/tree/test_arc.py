@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache.errors import ConfigError
-from asynccache.tree import RadixTree, TreeConfig
+from asynccache.tree import RadixKey, RadixTree, TreeConfig
 from asynccache.tree.arc import Arc
 
 
@@ -397,3 +397,40 @@ def test_hybrid_swa_tree_evicts_through_the_full_queue() -> None:
         t.evict(0, swa_num_tokens=1)
         t.sanity_check()
     assert t._arc is not None and sum(len(g) for g in t._arc.ghosts) > 0
+
+
+def test_namespaces_have_their_own_page_keys() -> None:
+    """The same tokens in another namespace are other pages: no ghost hit across namespaces."""
+    t = RadixTree(page_size=2, eviction_policy="arc", device_tokens=8)
+    arc = t._arc
+    assert arc is not None
+    lora = RadixKey([1, 1, 2, 2], extra_key="lora-a")
+    t.insert(lora, np.arange(4))
+    t.sanity_check()
+    assert t.evict(4).num_evicted == 4
+    t.sanity_check()
+    assert len(arc.ghosts[0]) == 2
+    t.insert(RadixKey([1, 1, 2, 2]), np.arange(10, 14))  # default namespace: new pages
+    t.sanity_check()
+    assert arc.ghost_hits == [0, 0]
+    t.insert(RadixKey([1, 1, 2, 2], extra_key="lora-a"), np.arange(20, 24))
+    t.sanity_check()
+    assert arc.ghost_hits == [2, 0] and arc.reused == 4
+
+
+def test_eagle_tree_under_arc() -> None:
+    t = RadixTree(page_size=2, eviction_policy="arc", device_tokens=8, eagle=True)
+    arc = t._arc
+    assert arc is not None
+    t.insert([1, 2, 3, 4, 5], np.arange(5))  # 4 bigram positions: 2 pages
+    t.insert([1, 2, 3, 4, 5], np.arange(5))  # hit: reused
+    t.insert([7, 8, 9], np.arange(10, 13))
+    t.sanity_check()
+    assert arc.reused == 4 and arc.once_tokens() == 2
+    # 1 once page <= p = 2 pages: the reused leaf goes first (its 2 pages, 4 positions)
+    assert t.evict(1).num_evicted == 4
+    t.sanity_check()
+    assert (len(arc.ghosts[0]), len(arc.ghosts[1])) == (0, 2)
+    t.insert([1, 2, 3, 4, 5], np.arange(20, 25))  # back: two reused-ghost hits
+    t.sanity_check()
+    assert arc.ghost_hits == [0, 2] and arc.reused == 4
