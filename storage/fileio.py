@@ -9,10 +9,12 @@ the call's :class:`~asynccache.storage.threadio.PageGuard`; faults from the inje
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
 import stat
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +85,30 @@ def pwrite_all(fd: int, parts: list[memoryview]) -> None:
             parts[0] = parts[0][n:]
 
 
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages; do not wait
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages to the disk without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing elsewhere). A hint only: durability
+    still comes from ``fdatasync``; an error here is left for ``fdatasync`` to report."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def pre_fault(fault: Fault | None, what: str) -> None:
     """Apply the faults that strike before any byte moves."""
     if fault is None:
@@ -108,6 +134,16 @@ class ReadReq:
     key: str
     name: str
     target: memoryview | Pieces
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A file of :meth:`PageFiles.write_group` between its write and its publish."""
+
+    reqs: list[WriteReq]
+    tmp: str | None  # the temp file; None once published under the page's name
+    fd: int  # open until synced; -1 after
+    failed: bool = False
 
 
 @dataclass(slots=True)
@@ -159,13 +195,15 @@ class PageFiles:
             return tmp, os.open(tmp, flags, 0o644)
 
     def _write_file(self, fd: int, parts: list[memoryview], enospc: bool) -> None:
+        """Write ``parts`` from offset 0; with ``fsync``, start the file's writeback at once
+        (not waiting for it: the group's ``fdatasync`` calls come after all its writes)."""
         if enospc:  # an injected full disk: half the bytes, then the error
             half = sum(p.nbytes for p in parts) // 2
             pwrite_all(fd, _cut(parts, half))
             raise fault_error(FaultKind.ENOSPC, "write")
         pwrite_all(fd, parts)
         if self.fsync:
-            os.fdatasync(fd)
+            start_writeback(fd)
 
     def _write_direct(
         self, directory: str, parts: list[memoryview], enospc: bool, scratch: Scratch
@@ -210,85 +248,139 @@ class PageFiles:
 
     def write_single(self, req: WriteReq, guard: PageGuard) -> None:
         """One page, one file: temp file, then ``os.replace`` onto its name."""
-        fault = self.fault("write", req.key)
-        tmp = None
-        try:
-            pre_fault(fault, "write")
-            parts = _faulted_parts(req, fault, self.mac)
-            final = self.path(req.key)
-            tmp, fd = self._create_tmp(os.path.dirname(final), req.name)
-            try:
-                enospc = fault is not None and fault.kind is FaultKind.ENOSPC
-                self._write_file(fd, parts, enospc)
-            finally:
-                os.close(fd)
-            if not guard.may_publish():
-                return  # the call is over; the finally below removes the temp file
-            os.replace(tmp, final)
-            tmp = None
-            guard.finish(req.slot, OK)
-        except OSError as exc:
-            guard.finish(req.slot, os_error_reason(exc), str(exc))
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+        self.write_group([[req]], guard, None)
 
     def write_segment(self, reqs: list[WriteReq], guard: PageGuard, scratch: Scratch) -> None:
         """Several pages in one file (one write, one fdatasync), then a hard link per page.
 
         A fault striking any page's raw write fails the whole file, as a real one would.
         """
-        faults = [self.fault("write", r.key) for r in reqs]
-        tmp = None
+        self.write_group([reqs], guard, scratch)
+
+    def write_group(
+        self, files: list[list[WriteReq]], guard: PageGuard, scratch: Scratch | None
+    ) -> None:
+        """Write several files in one job, each a page (one request) or a segment (several).
+
+        Three phases: every file is written to its temp file (with ``fsync``, its writeback
+        started right after its write); then each is made durable (``fdatasync``, which finds
+        its data mostly on the disk already, and one journal commit can cover several files);
+        then each is published (``os.replace``, or a hard link per page of a segment). A file
+        is published only after its own ``fdatasync`` returned, and a file whose write or sync
+        fails is never published (its pages fail; the other files go on).
+        """
+        staged: list[_Staged] = []
         try:
-            for f in faults:
-                pre_fault(f, "write")
-            table, _entries = encode_table(
-                [name_hash(r.name) for r in reqs], [r.payload.nbytes for r in reqs]
-            )
-            parts: list[memoryview] = [memoryview(table)]
-            for r, f in zip(reqs, faults, strict=True):
-                if f is not None and f.kind is FaultKind.PARTIAL_WRITE:
-                    # a torn write: this page is cut short, nothing after it reached the disk
-                    page = _faulted_parts(r, None, self.mac)
-                    size = sum(p.nbytes for p in page)
-                    parts += _cut(page, HEADER_SIZE + int((size - HEADER_SIZE) * f.position))
-                    break
-                parts += _faulted_parts(r, f, self.mac)
-            enospc = any(f is not None and f.kind is FaultKind.ENOSPC for f in faults)
-            directory = os.path.dirname(self.path(reqs[0].key))
-            if self.direct:
-                tmp = self._write_direct(directory, parts, enospc, scratch)
-            if tmp is None:
-                tmp, fd = self._create_tmp(directory, "seg")
+            for reqs in files:
+                st = self._stage(reqs, guard, scratch)
+                if st is not None:
+                    staged.append(st)
+            for st in staged:
+                if st.fd < 0:
+                    continue
+                fd, st.fd = st.fd, -1
                 try:
-                    self._write_file(fd, parts, enospc)
+                    if self.fsync:
+                        os.fdatasync(fd)
+                except OSError as exc:
+                    self._fail(st.reqs, exc, guard)
+                    st.failed = True
                 finally:
                     os.close(fd)
             if not guard.may_publish():
-                return
-            for i, r in enumerate(reqs):
-                if not self.links_ok:
-                    self.write_single(r, guard)
-                    continue
-                try:
-                    self._link(tmp, self.path(r.key))
-                    guard.finish(r.slot, OK)
-                except OSError as exc:
-                    if exc.errno in _NO_LINKS and i == 0:
-                        self.links_ok = False
-                        self.write_single(r, guard)
-                    else:
-                        guard.finish(r.slot, os_error_reason(exc), str(exc))
-        except OSError as exc:
-            reason, detail = os_error_reason(exc), str(exc)
-            for r in reqs:
-                guard.finish(r.slot, reason, detail)
+                return  # the call is over; the finally below removes the temp files
+            for st in staged:
+                if not st.failed:
+                    self._publish(st, guard)
         finally:
-            if tmp is not None:
+            for st in staged:
+                if st.fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(st.fd)
+                if st.tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(st.tmp)
+
+    @staticmethod
+    def _fail(reqs: list[WriteReq], exc: OSError, guard: PageGuard) -> None:
+        reason, detail = os_error_reason(exc), str(exc)
+        for r in reqs:
+            guard.finish(r.slot, reason, detail)
+
+    def _stage(
+        self, reqs: list[WriteReq], guard: PageGuard, scratch: Scratch | None
+    ) -> _Staged | None:
+        """Write ``reqs`` (one page, or a segment) to a fresh temp file, not yet synced (an
+        ``O_DIRECT`` segment is synced already); on failure, report its pages and return None."""
+        faults = [self.fault("write", r.key) for r in reqs]
+        try:
+            for f in faults:
+                pre_fault(f, "write")
+            if len(reqs) == 1:
+                parts = _faulted_parts(reqs[0], faults[0], self.mac)
+                directory, stem = os.path.dirname(self.path(reqs[0].key)), reqs[0].name
+            else:
+                parts = self._segment_parts(reqs, faults)
+                directory, stem = os.path.dirname(self.path(reqs[0].key)), "seg"
+            enospc = any(f is not None and f.kind is FaultKind.ENOSPC for f in faults)
+            if len(reqs) > 1 and self.direct and scratch is not None:
+                tmp = self._write_direct(directory, parts, enospc, scratch)
+                if tmp is not None:
+                    return _Staged(reqs, tmp, -1)
+            tmp, fd = self._create_tmp(directory, stem)
+            try:
+                self._write_file(fd, parts, enospc)
+            except BaseException:
+                os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                raise
+            return _Staged(reqs, tmp, fd)
+        except OSError as exc:
+            self._fail(reqs, exc, guard)
+            return None
+
+    def _segment_parts(self, reqs: list[WriteReq], faults: list[Fault | None]) -> list[memoryview]:
+        table, _entries = encode_table(
+            [name_hash(r.name) for r in reqs], [r.payload.nbytes for r in reqs]
+        )
+        parts: list[memoryview] = [memoryview(table)]
+        for r, f in zip(reqs, faults, strict=True):
+            if f is not None and f.kind is FaultKind.PARTIAL_WRITE:
+                # a torn write: this page is cut short, nothing after it reached the disk
+                page = _faulted_parts(r, None, self.mac)
+                size = sum(p.nbytes for p in page)
+                parts += _cut(page, HEADER_SIZE + int((size - HEADER_SIZE) * f.position))
+                break
+            parts += _faulted_parts(r, f, self.mac)
+        return parts
+
+    def _publish(self, st: _Staged, guard: PageGuard) -> None:
+        """Publish a durable temp file under its page names (the temp name is then gone)."""
+        tmp = st.tmp
+        assert tmp is not None
+        if len(st.reqs) == 1:
+            req = st.reqs[0]
+            try:
+                os.replace(tmp, self.path(req.key))
+                st.tmp = None
+                guard.finish(req.slot, OK)
+            except OSError as exc:
+                self._fail(st.reqs, exc, guard)
+            return
+        for i, r in enumerate(st.reqs):
+            if not self.links_ok:
+                self.write_single(r, guard)
+                continue
+            try:
+                self._link(tmp, self.path(r.key))
+                guard.finish(r.slot, OK)
+            except OSError as exc:
+                if exc.errno in _NO_LINKS and i == 0:
+                    self.links_ok = False
+                    self.write_single(r, guard)
+                else:
+                    guard.finish(r.slot, os_error_reason(exc), str(exc))
 
     @staticmethod
     def _link(src: str, dst: str) -> None:

@@ -81,10 +81,16 @@ async def _hammer(backend, make_keys, make_pages, rounds: int, page: int) -> dic
     return seen
 
 
-@pytest.mark.parametrize("kind", ["file", "file-segments", "file-segments-direct", "s3-memory"])
+@pytest.mark.parametrize(
+    "kind",
+    ["file", "file-fsync", "file-segments", "file-segments-fsync", "file-segments-direct", "s3-memory"],
+)
 async def test_random_faults_never_serve_wrong_bytes(tmp_path, layout, make_keys, make_pages, kind):
-    if kind == "file":
-        inner = FileBackend(tmp_path, layout, timeout_s=2.0, capacity_bytes=40 * 9000)
+    # -fsync: durable writes, with two threads so that each write job holds a group of files
+    # (written, then synced, then published: PageFiles.write_group).
+    durable = {"fsync": True, "io_threads": 2} if kind.endswith("-fsync") else {}
+    if kind in ("file", "file-fsync"):
+        inner = FileBackend(tmp_path, layout, timeout_s=2.0, capacity_bytes=40 * 9000, **durable)
     elif kind.startswith("file-segments"):
         # Eviction takes whole files, and a file stays while any of its pages lives: a bit
         # more room than one page at a time needs for the same working set.
@@ -95,6 +101,7 @@ async def test_random_faults_never_serve_wrong_bytes(tmp_path, layout, make_keys
             capacity_bytes=60 * 9000,
             segment_bytes=4 * 8256,
             direct_io=kind.endswith("direct"),
+            **durable,
         )
     else:
         inner = S3Backend("mem", layout, store=MemoryStore(), exists_cache_ttl_s=0, timeout_s=2.0)
