@@ -12,7 +12,8 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
   ``fsync=True`` the file's data is made durable (``fdatasync``) before it is published, and
   the touched directories once per batch after that, before ``set_batch`` reports the pages
   stored; without it, a power loss can lose or tear recent pages, which the checksum turns
-  into misses.
+  into misses. Durable writes go in groups (``PageFiles.write_group``): a job writes several
+  files, starting their writeback at once, before it syncs the first, then publishes each.
 * A page may be given as :class:`~asynccache.storage.base.Pieces` (its bytes apart in the
   caller's memory): the pieces go to the file in one ``pwritev`` after the header, with the
   checksum streamed over them, and a verified read is copied out into them piece by piece;
