@@ -221,7 +221,7 @@ def hybrid_workload(rank: int, world_size: int, init_method: str, tp_size: int, 
 
     torch.set_num_threads(1)
     group = TorchRankGroup.create(rank, world_size, init_method, tp_size=tp_size,
-                                  timeout_s=20.0 if die_at is None else 4.0)
+                                  timeout_s=20.0 if die_at is None else 12.0)
     try:
         return asyncio.run(_workload(group, policy, steps, fail_at, die_at))
     finally:
