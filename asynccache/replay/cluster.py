@@ -94,7 +94,8 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
     out_ = pooled.outcome
     warm = bool(storage) and out_.warm_storage
     per = []
-    tot = dict.fromkeys(("prompt", "local", "l3", "served", "bound", "rejected", "read"), 0)
+    tot = dict.fromkeys(("prompt", "local", "l3", "served", "bound", "rejected", "read",
+                         "verified", "draft"), 0)
     for i, s in enumerate(pooled.instances):
         local = s.device_hit_tokens + s.host_hit_tokens
         per.append({
@@ -105,6 +106,7 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
             "local_hit_rate": ratio(local, s.prompt_tokens),
             "global_hit_rate": ratio(local + s.storage_hit_tokens, s.prompt_tokens),
             "local_infinite_bound": ratio(s.bound_hit_tokens, s.prompt_tokens),
+            "verified_tokens": s.verified_tokens,
         })
         tot["prompt"] += s.prompt_tokens
         tot["local"] += local
@@ -113,6 +115,8 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
         tot["bound"] += s.bound_hit_tokens
         tot["rejected"] += s.rejected
         tot["read"] += s.requests
+        tot["verified"] += s.verified_tokens
+        tot["draft"] += s.verified_draft_bytes
     b = pooled.bound
     out: dict[str, Any] = {
         "trace": source,
@@ -143,6 +147,8 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
         "pooled_infinite_bound": None if warm else ratio(b.bound_hit_tokens, b.prompt_tokens),
         "max_in_flight": b.max_in_flight,
         "overlapped_requests": sum(s.overlapped for s in pooled.instances),
+        "verified_tokens": tot["verified"],
+        "verified_draft_bytes": tot["draft"],
         "per_instance": per,
         "wall_s": round(pooled.wall_s, 3),
     }
@@ -203,6 +209,9 @@ def format_cluster(report: dict[str, Any]) -> str:
                  f"{pct(report['pooled_infinite_bound'])}"))
     rows.append(("requests in flight (max / overlapped)",
                  f"{report['max_in_flight']} / {report['overlapped_requests']:,}"))
+    rows.append(("verified KV tokens", f"{report['verified_tokens']:,}"))
+    if report["verified_draft_bytes"]:
+        rows.append(("verified draft KV bytes", f"{report['verified_draft_bytes']:,}"))
     for p in report["per_instance"]:
         rows.append((f"instance {p['instance']} local / global",
                      f"{pct(p['local_hit_rate'])} / {pct(p['global_hit_rate'])} "

@@ -95,6 +95,21 @@ def test_cli_instances_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "isolated_hit_rate" in r and "pooled_vs_isolated" in r
 
 
+def test_cli_instances_report_the_kv_and_draft_bytes_they_verified(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path / 'l3'}"
+    argv = ["replay", "--instances", "2", "--limit", "40", "--storage", url,
+            "--write-policy", "write_through", "--device-tokens", "16384", "--json"]
+    assert main([*argv, "--draft-layers", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["verified_tokens"] == sum(p["verified_tokens"] for p in r["per_instance"]) > 0
+    # the draft (1 layer, K and V, 2 heads of 16, fp16) is checked wherever the KV is
+    assert r["verified_draft_bytes"] == r["verified_tokens"] * (1 * 2 * 2 * 16 * 2)
+    assert main([*argv[:-1], "--draft-layers", "1", "--clear-storage"]) == 0
+    table = capsys.readouterr().out
+    assert "verified KV tokens" in table and "verified draft KV bytes" in table
+
+
 def test_cli_instances_without_storage_say_they_share_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--instances", "2", "--limit", "20"]) == 0
