@@ -306,13 +306,20 @@ class TraceDriver:
         try:
             stats = backend.stats() if hasattr(backend, "stats") else {}
             capacity = stats.get("capacity_bytes")
-            page = self.config.page_size * cache.shape.bytes_per_token + PAGE_HEADER_BYTES
+            ps = self.config.page_size
+            # a stored page: its KV object and, beside it, one object per KV-derived sidecar
+            parts = [("", cache.shape.bytes_per_token)] + [
+                (sc.name, sc.spec.shape.bytes_per_token) for sc in cache.sidecars
+                if sc.spec.source == "kv"]
+            page = sum(ps * b + PAGE_HEADER_BYTES for _, b in parts)
             if capacity is not None and capacity < page:
+                what = "; ".join(
+                    f"{ps} tokens x {b} B of KV + a {PAGE_HEADER_BYTES}-byte header" if not name
+                    else f"sidecar {name!r}: {ps} tokens x {b} B + a {PAGE_HEADER_BYTES}-byte "
+                    "header" for name, b in parts)
                 raise ConfigError(
                     f"storage capacity {capacity:,} bytes ({url}) holds no "
-                    f"page: one page takes {page:,} bytes ({self.config.page_size} tokens x "
-                    f"{cache.shape.bytes_per_token} B of KV + a {PAGE_HEADER_BYTES}-byte "
-                    "header)")
+                    f"page: one page takes {page:,} bytes ({what})")
             if self.options.clear_storage:
                 await backend.clear()
             objects = backend.stats().get("objects") if hasattr(backend, "stats") else None

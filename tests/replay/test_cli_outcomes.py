@@ -158,6 +158,10 @@ def test_a_bad_plot_path_is_refused_before_replaying(tmp_path, capsys, plot, mes
      "argument --host-bytes: not allowed with argument --host-tokens"),
     (["--device-tokens", "0"], "the device (L1) capacity must be > 0"),
     (["--storage", "file:///tmp/asynccache-tiny-l3?capacity=100"], "holds no page"),
+    # room for the KV object (4,160 bytes) but not for the draft's beside it
+    (["--draft-layers", "1", "--storage", "file:///tmp/asynccache-tiny-l3?capacity=4260"],
+     "one page takes 6,272 bytes (16 tokens x 256 B of KV + a 64-byte header; sidecar "
+     "'draft': 16 tokens x 128 B + a 64-byte header)"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--sweep", "0,16k"], "--sweep capacities must be > 0"),
     (["--prefill-rate", "-1"], "--prefill-rate must be >= 0"),
