@@ -135,6 +135,7 @@ class SidecarPool(KVPool):
     (slots are handed out by the source pool's allocator)."""
 
     kind: ClassVar[str] = "pool"
+    shape: SidecarShape  # type: ignore[assignment]  # (a KVPool's is a KVShape)
 
     def __init__(self, shape: SidecarShape, num_slots: int, page_size: int, *,
                  device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
@@ -145,7 +146,7 @@ class SidecarPool(KVPool):
             raise ConfigError(f"a sidecar pool of {num_slots} slots is not whole pages of "
                               f"{page_size}")
         self.allocator = PageAllocator(num_slots, page_size)
-        self.shape = shape  # type: ignore[assignment]
+        self.shape = shape
         self.page_size = page_size
         self.num_slots = num_slots
         self.num_pages = num_slots // page_size

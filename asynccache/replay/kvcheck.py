@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import cast
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from asynccache.engine.kvaccess import KVAccess
 from asynccache.errors import ConfigError
 from asynccache.replay.kvpattern import PrefixKV
 from asynccache.transfers.pools import DevicePool, KVShape
-from asynccache.transfers.sidecars import DeviceSidecarPool, SidecarShape
+from asynccache.transfers.sidecars import DeviceSidecarPool
 
 _MAX_RUNS = 64  # more runs than this, each shorter than _MIN_RUN_BYTES: the scratch path
 _MIN_RUN_BYTES = 64 << 10
@@ -169,7 +168,7 @@ class ReplayKV:
         self.planes = [self.kv]
         self.draft: _Plane | None = None
         if draft is not None:
-            ds = cast(SidecarShape, draft.shape)  # (typed as its base's KVShape)
+            ds = draft.shape
             if ds.dtype != shape.dtype or len(ds.token_shape) != 3 or ds.token_shape[0] != 2:
                 raise ConfigError(
                     f"the draft sidecar must hold (2, heads, head_dim) of the KV's dtype "
