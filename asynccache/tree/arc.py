@@ -32,19 +32,18 @@ seed per namespace (Python's 64-bit hash, so ghost lists hold ints: no SHA-256 p
 node caches the key of its last page in ``node.aux[at + 1]`` (None: computed on demand from its
 parent's, as the page digests are). Keys live in one process only (they are never stored).
 
-The evictable device leaves are in :class:`ArcQueue`: two heaps with lazy deletion, one per
-class, each in the tree's LRU order (O(log n) a push or a pop).
+The evictable device leaves are in :class:`ArcQueue`: a lazy-deletion heap queue per class,
+each in the tree's LRU order (O(log n) a push or a pop).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from asynccache.tree.keys import DEFAULT_NAMESPACE
 from asynccache.tree.node import DLEAF, Node
-from asynccache.tree.queues import PolicyKey
+from asynccache.tree.queues import NodeQueue, PolicyKey
 
 if TYPE_CHECKING:
     from asynccache.tree.base import TreeBase
@@ -247,68 +246,40 @@ class Arc:
 
 
 class ArcQueue:
-    """The evictable device leaves of an arc tree: one heap per class, each in the policy key's
-    order (LRU, sessions last), with lazy deletion as :class:`~asynccache.tree.queues.NodeQueue`.
-    A node's live entry (``node.aux[slot]``) is ``(*key, seq, node id, class)``; a pop chooses
-    the class by :meth:`Arc.once_first`."""
+    """The evictable device leaves of an arc tree: one :class:`~asynccache.tree.queues.NodeQueue`
+    per class over the same node slot, each in the policy key's order (LRU, sessions last). A
+    class's key leads with the class, so a node's live entry (``node.aux[slot]``) says which
+    queue holds it: ``(class, *key, seq, node id)``. A pop chooses the class by
+    :meth:`Arc.once_first`."""
 
-    __slots__ = ("_heaps", "_key", "_live", "_nodes", "_seq", "_slot", "arc")
+    __slots__ = ("_classes", "_slot", "arc")
 
     def __init__(self, slot: int, key: PolicyKey, nodes: dict[int, Node]) -> None:
         self._slot = slot
-        self._key = key
-        self._nodes = nodes
-        self._heaps: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
-        self._live = [0, 0]
-        self._seq = 0
+        self._classes = (NodeQueue(slot, lambda n: (0, *key(n)), nodes),
+                         NodeQueue(slot, lambda n: (1, *key(n)), nodes))
         self.arc: Arc | None = None  # set by the tree once its Arc exists
 
     def __len__(self) -> int:
-        return self._live[0] + self._live[1]
+        return len(self._classes[0]) + len(self._classes[1])
 
     def live(self, cls: int) -> int:
-        return self._live[cls]
+        return len(self._classes[cls])
 
     def push(self, node: Node) -> None:
-        """Add ``node`` to its class's heap, or re-file it (new key or new class)."""
+        """Add ``node`` to its class's queue, or re-file it (new key or new class)."""
         arc = self.arc
         assert arc is not None
-        aux = node.aux
-        old = aux[self._slot]
-        if old is not None:
-            self._live[old[-1]] -= 1
-        cls = 1 if aux[arc.at] else 0
-        self._live[cls] += 1
-        self._seq += 1
-        entry = (*self._key(node), self._seq, node.id, cls)
-        aux[self._slot] = entry
-        heap = self._heaps[cls]
-        heapq.heappush(heap, entry)
-        if len(heap) > 2 * self._live[cls] + 64:
-            self._compact(cls)
-        if old is not None and old[-1] != cls:
-            other = self._heaps[old[-1]]
-            if len(other) > 2 * self._live[old[-1]] + 64:
-                self._compact(old[-1])
+        cls = 1 if node.aux[arc.at] else 0
+        old = node.aux[self._slot]
+        if old is not None and old[0] != cls:
+            self._classes[old[0]].discard(node)
+        self._classes[cls].push(node)
 
     def discard(self, node: Node) -> None:
         old = node.aux[self._slot]
         if old is not None:
-            node.aux[self._slot] = None
-            self._live[old[-1]] -= 1
-
-    def _pop(self, cls: int) -> Node | None:
-        heap = self._heaps[cls]
-        slot = self._slot
-        nodes = self._nodes
-        while heap:
-            entry = heapq.heappop(heap)
-            node = nodes.get(entry[-2])
-            if node is not None and node.aux[slot] is entry:
-                node.aux[slot] = None
-                self._live[cls] -= 1
-                return node
-        return None
+            self._classes[old[0]].discard(node)
 
     def pop(self) -> Node | None:
         """The least recently used evictable leaf of the class the policy evicts now (of the
@@ -316,30 +287,11 @@ class ArcQueue:
         arc = self.arc
         assert arc is not None
         first = 0 if arc.once_first() else 1
-        if self._live[first]:
-            return self._pop(first)
-        if self._live[1 - first]:
-            return self._pop(1 - first)
+        for q in (self._classes[first], self._classes[1 - first]):
+            if len(q):
+                return q.pop()
         return None
 
     def clear(self) -> None:
-        nodes = self._nodes
-        for cls in (0, 1):
-            for entry in self._live_entries(cls):
-                nodes[entry[-2]].aux[self._slot] = None
-        self._heaps = ([], [])
-        self._live = [0, 0]
-
-    def _live_entries(self, cls: int) -> list[tuple[Any, ...]]:
-        slot = self._slot
-        nodes = self._nodes
-        return [e for e in self._heaps[cls]
-                if (n := nodes.get(e[-2])) is not None and n.aux[slot] is e]
-
-    def _compact(self, cls: int) -> None:
-        live = self._live_entries(cls)
-        heapq.heapify(live)
-        if cls:
-            self._heaps = (self._heaps[0], live)
-        else:
-            self._heaps = (live, self._heaps[1])
+        for q in self._classes:
+            q.clear()

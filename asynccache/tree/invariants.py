@@ -201,8 +201,8 @@ def check_arc(tree: RadixTree, seen: dict[int, Node]) -> None:
             once += n.ntok
         entry = n.aux[DLEAF]
         if entry is not None:
-            if entry[-1] != cls:
-                _fail(f"leaf {n.id} of class {cls} is filed in the heap of class {entry[-1]}")
+            if entry[0] != cls:
+                _fail(f"leaf {n.id} of class {cls} is filed in the heap of class {entry[0]}")
             filed[cls] += 1
         key = n.aux[at + 1]
         if key is not None:

@@ -91,6 +91,9 @@ class NodeQueue:
         if node.aux[self._slot] is not None:
             node.aux[self._slot] = None
             self._live -= 1
+            # orphans stay bounded without a push too (amortised O(1) a discard)
+            if len(self._heap) > 2 * self._live + 64:
+                self._compact()
 
     def pop(self) -> Node | None:
         """Remove and return the node first in eviction order, or None when empty."""
