@@ -16,13 +16,13 @@ one contiguous block) and the device side of a staging slot, which holds the pie
 from __future__ import annotations
 
 import ctypes
-import itertools
 from typing import Any
 
 import numpy as np
 import torch
 
 from asynccache.logs import get_logger
+from asynccache.transfers.plan import runs
 
 _log = get_logger("asynccache.transfers.dma")
 
@@ -30,15 +30,6 @@ _log = get_logger("asynccache.transfers.dma")
 _MEMCPY_DEFAULT = 4
 
 _runtime: Any = None  # the ctypes handle, False once looked for and not found
-
-
-def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
-    """``(start, stop)`` positions of the runs of consecutive page numbers in ``pages``."""
-    n = int(pages.shape[0])
-    if n == 0:
-        return []
-    cuts = (np.flatnonzero(np.diff(pages) != 1) + 1).tolist()
-    return list(itertools.pairwise([0, *cuts, n]))
 
 
 def segments(host_pages: np.ndarray, layers: tuple[int, int], num_layers: int,
@@ -51,8 +42,9 @@ def segments(host_pages: np.ndarray, layers: tuple[int, int], num_layers: int,
     seg = (b - a) * layer_page_bytes
     page = num_layers * layer_page_bytes
     if b - a == num_layers:
-        return [(int(host_pages[i]) * page, i * seg, (j - i) * seg)
-                for i, j in page_runs(host_pages)]
+        whole = runs(host_pages)
+        assert whole is not None
+        return [(first * page, i * seg, length * seg) for i, first, length in whole]
     offs = (host_pages.astype(np.int64) * page + a * layer_page_bytes).tolist()
     return [(h, i * seg, seg) for i, h in enumerate(offs)]
 

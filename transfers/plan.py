@@ -117,6 +117,20 @@ def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
     return CopyPlan(n, segments, tuple(starts.tolist()))
 
 
+def runs(ids: np.ndarray, most: int | None = None) -> list[tuple[int, int, int]] | None:
+    """``ids`` as runs of consecutive ids, in order: (position in ``ids``, first id, length);
+    None when there would be more than ``most`` runs (nothing of that size is built)."""
+    n = int(ids.shape[0])
+    if n == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    if most is not None and len(breaks) >= most:
+        return None
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), n]
+    return [(a, int(ids[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+
+
 def identity_pages(n: int) -> np.ndarray:
     """Pages ``0 .. n-1`` (a contiguous staging buffer seen as a page view)."""
     return np.arange(n, dtype=np.int64)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from asynccache.errors import InvalidInputError
+from asynccache.transfers.plan import runs
 from asynccache.transfers.pools import DevicePool, KVShape
 from asynccache.tree import as_slots
 
@@ -60,13 +61,9 @@ class KVAccess:
     def slot_runs(self, slots: Any) -> list[tuple[int, int, int]]:
         """``slots`` (checked to be in range) as runs of consecutive slots: (position in
         ``slots``, first slot, length), in order."""
-        arr = self._device_slots(slots)
-        if not len(arr):
-            return []
-        breaks = np.flatnonzero(np.diff(arr) != 1) + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), len(arr)]
-        return [(a, int(arr[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+        out = runs(self._device_slots(slots))
+        assert out is not None
+        return out
 
     def span(self, first: int, n: int) -> torch.Tensor:
         """The device KV of slots ``first .. first + n - 1`` as a live (layers, 2, n, heads,
@@ -91,11 +88,11 @@ class KVAccess:
         if covered:
             view = pool.page_view()
             src = values[:, :, :covered].reshape(view.shape[0], 2, len(pages), view.shape[3])
-            runs = _runs(pages)
-            if runs is None:  # fragmented (a scatter is several times slower than a copy)
+            page_runs = runs(pages, _MAX_RUNS)
+            if page_runs is None:  # fragmented (a scatter is several times slower than a copy)
                 view.index_copy_(2, torch.tensor(pages, device=pool.device), src)
             else:  # a few runs of consecutive pages: plain slice copies
-                for at, first, n in runs:
+                for at, first, n in page_runs:
                     view[:, :, first : first + n].copy_(src[:, :, at : at + n])
         if covered < len(arr):
             pool.kv.index_copy_(2, torch.tensor(arr[covered:], device=pool.device),
@@ -103,14 +100,3 @@ class KVAccess:
 
 
 _MAX_RUNS = 64
-
-
-def _runs(pages: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """``pages`` as runs of consecutive ids: (position in ``pages``, first id, length); None
-    when there are more than ``_MAX_RUNS``."""
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    if len(breaks) >= _MAX_RUNS:
-        return None
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), len(pages)]
-    return [(a, int(pages[a]), b - a) for a, b in zip(starts, ends, strict=True)]

@@ -393,12 +393,15 @@ async def test_large_copies_go_through_a_small_fixed_ring(
 
 
 # --------------------------------------------------------------------------- direct DMA
-def test_page_runs_cut_at_every_break_in_consecutive_pages() -> None:
-    from asynccache.transfers.dma import page_runs
+def test_runs_cut_at_every_break_in_consecutive_ids() -> None:
+    from asynccache.transfers.plan import runs
 
-    assert page_runs(np.array([], dtype=np.int64)) == []
-    assert page_runs(np.array([7])) == [(0, 1)]
-    assert page_runs(np.array([3, 4, 5, 9, 10, 2, 1, 2])) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert runs(np.array([], dtype=np.int64)) == []
+    assert runs(np.array([7])) == [(0, 7, 1)]
+    pages = np.array([3, 4, 5, 9, 10, 2, 1, 2])
+    assert runs(pages) == [(0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 1, 2)]
+    assert runs(pages, most=3) is None  # 4 runs, more than 3
+    assert runs(pages, most=4) == runs(pages)
 
 
 def test_segments_are_the_byte_ranges_of_runs_and_layer_groups() -> None:
