@@ -58,8 +58,9 @@ def _find_runtime() -> Any:
     paths: list[str] = []
     try:
         with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if line.count(" ") >= 5 else ""
+            for line in f:  # address perms offset dev inode [path]
+                fields = line.split()
+                path = fields[5] if len(fields) > 5 else ""
                 if "libcudart.so" in path and path not in paths:
                     paths.append(path)
     except OSError:
