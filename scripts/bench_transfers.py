@@ -21,6 +21,12 @@ while the later layers load, against the load alone and the compute alone.
 ``overlap = (t_load + t_compute - t_both) / min(t_load, t_compute)``: 1 when the shorter one
 hides entirely behind the other, 0 when they run one after the other.
 
+``--lanes`` (``--only-lanes``) adds a layer-wise load submitted right behind a large backup,
+with the staged pipeline's separate D->H / H->D lanes and with one lane for both, interleaved
+(A B A B): the load's latency to its first layer and to its end, the backup's duration, medians
+over the rounds, and ``load_latency_ratio`` (separate lanes over one lane; < 1: the load no
+longer waits behind the backup).
+
 ``--strategies`` adds the measurement behind the CPU copy strategy (docs/transfers.md).
 Prints one JSON object; ``--jsonl PATH`` also appends each case to PATH as one JSON line as
 soon as it is measured (a run killed by a timeout keeps what it measured). ``--quick`` runs a
@@ -365,6 +371,59 @@ async def bench_overlap(device: torch.device, reps: int, load_bytes: int = 0) ->
     }
 
 
+async def bench_lanes(device: torch.device, rounds: int, backup_bytes: int = 0,
+                      load_bytes: int = 0) -> dict[str, Any]:
+    """A layer-wise load right behind a large backup, separate lanes vs one (module doc)."""
+    shape = KVShape(*MODELS["llama3-8b"])
+    ps = 16
+    page = shape.bytes_per_page(ps)
+    nb = max(2, (backup_bytes or (256 << 20 if device.type == "cuda" else 64 << 20)) // page)
+    nl = max(1, (load_bytes or (4 << 20)) // page)
+    dev = DevicePool(shape, (nb + nl) * ps, ps, device=device)
+    host = HostPool(shape, (nb + nl) * ps, ps, layout="page_first")
+    b_src, b_dst = slots(np.arange(nb), ps), slots(np.arange(nb), ps)
+    l_src, l_dst = slots(np.arange(nb, nb + nl), ps), slots(np.arange(nb, nb + nl), ps)
+    samples: dict[bool, dict[str, list[float]]] = {
+        lanes: {"first_layer_ms": [], "load_ms": [], "backup_ms": []} for lanes in (True, False)}
+    engines = {lanes: CopyEngine(dev, host, mode="staged", separate_lanes=lanes,
+                                 name=f"bench-lanes-{lanes}") for lanes in (True, False)}
+    for e in engines.values():
+        await e.start()
+    try:
+        for e in engines.values():  # warm-up: rings, streams, first-call costs
+            await asyncio.gather(e.submit_d2h(b_src, b_dst), e.submit_h2d_layerwise(l_src, l_dst))
+        for r in range(rounds):
+            for lanes in ((True, False) if r % 2 == 0 else (False, True)):
+                e = engines[lanes]
+                _sync()
+                t = time.perf_counter()
+                backup = e.submit_d2h(b_src, b_dst)
+                load = e.submit_h2d_layerwise(l_src, l_dst)
+                await load.layer(0)
+                t_first = time.perf_counter() - t
+                await load
+                t_load = time.perf_counter() - t
+                await backup
+                t_backup = time.perf_counter() - t
+                for k, v in (("first_layer_ms", t_first), ("load_ms", t_load),
+                             ("backup_ms", t_backup)):
+                    samples[lanes][k].append(v * 1e3)
+                settle()
+    finally:
+        for e in engines.values():
+            await e.aclose()
+    med = {("separate" if lanes else "one_lane"): {k: round(statistics.median(v), 3)
+                                                   for k, v in d.items()}
+           for lanes, d in samples.items()}
+    return {
+        "model": "llama3-8b", "page_size": ps, "backup_bytes": int(nb * page),
+        "load_bytes": int(nl * page), "rounds": rounds, **med,
+        "load_latency_ratio": round(med["separate"]["load_ms"] / med["one_lane"]["load_ms"], 3),
+        "first_layer_ratio": round(med["separate"]["first_layer_ms"]
+                                   / med["one_lane"]["first_layer_ms"], 3),
+    }
+
+
 def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"target_ratio": TARGET_RATIO, "target_page_bytes": TARGET_PAGE_BYTES}
     for pattern in sorted({c["pattern"] for c in cases}):
@@ -523,6 +582,10 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="also measure layer-wise loads overlapped with compute")
     parser.add_argument("--only-overlap", action="store_true", help="only the overlap")
+    parser.add_argument("--lanes", action="store_true",
+                        help="also measure a layer-wise load behind a large backup, "
+                        "separate lanes vs one")
+    parser.add_argument("--only-lanes", action="store_true", help="only the lanes measurement")
     args = parser.parse_args()
     cuda = resolve_device(args.device).type == "cuda"
     t0 = time.perf_counter()
@@ -532,6 +595,14 @@ def main() -> None:
                                        (4 << 20) if args.profile == "smoke" else 0))
         JsonLines(args.jsonl).write({"overlap": ov})
         print(json.dumps({"benchmark": "bench_transfers", "overlap": ov,
+                          "device": str(resolve_device(args.device)),
+                          "elapsed_s": round(time.perf_counter() - t0, 1)}, indent=1))
+        return
+    lane_rounds = 4 if args.quick or args.profile == "smoke" else 8
+    if args.only_lanes:
+        ln = asyncio.run(bench_lanes(resolve_device(args.device), lane_rounds))
+        JsonLines(args.jsonl).write({"lanes": ln})
+        print(json.dumps({"benchmark": "bench_transfers", "lanes": ln,
                           "device": str(resolve_device(args.device)),
                           "elapsed_s": round(time.perf_counter() - t0, 1)}, indent=1))
         return
@@ -561,6 +632,9 @@ def main() -> None:
         result["overlap"] = asyncio.run(bench_overlap(resolve_device(args.device),
                                                       args.reps or 3))
         JsonLines(args.jsonl).write({"overlap": result["overlap"]})
+    if args.lanes:
+        result["lanes"] = asyncio.run(bench_lanes(resolve_device(args.device), lane_rounds))
+        JsonLines(args.jsonl).write({"lanes": result["lanes"]})
     JsonLines(args.jsonl).write({"summary": result["summary"]})
     if args.strategies and not cuda:
         result["strategies"] = bench_strategies(args.quick)

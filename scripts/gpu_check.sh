@@ -203,6 +203,12 @@ step bench_overlap 30 "$OUT/bench_overlap.log" \
     "$PY" scripts/bench_transfers.py --device "$DEVICE" --only-overlap $BENCH_ARGS \
     --jsonl "$RESULTS"
 
+# 4b. A layer-wise load right behind a large backup: separate D->H / H->D lanes vs one lane.
+# shellcheck disable=SC2086
+step bench_lanes 30 "$OUT/bench_lanes.log" \
+    "$PY" scripts/bench_transfers.py --device "$DEVICE" --only-lanes $BENCH_ARGS \
+    --jsonl "$RESULTS"
+
 # 5. Event-to-coroutine latency with CUDA events, against a bare call_soon_threadsafe.
 step bench_events 30 "$OUT/bench_events.log" \
     "$PY" scripts/bench_bridge.py --events --device "$DEVICE" --jsonl "$RESULTS" \
@@ -226,6 +232,9 @@ for d in lines:
                       "(target <= 2x)")
     if "overlap" in d:
         print("overlap of layer loads with compute:", d["overlap"]["overlap"])
+    if "lanes" in d:
+        print("load behind a backup, separate lanes / one lane:",
+              d["lanes"]["load_latency_ratio"])
     if "summary" in d and "by_path" in d["summary"]:
         for k, e in d["summary"]["by_path"].items():
             print(f"copy ratio {k}: median {e['median_ratio']}, min {e['min_ratio']} "

@@ -3,7 +3,9 @@
 ``submit_*`` validates the slot indices on the loop thread, queues the copy and returns a handle
 at once; the copy runs on the engine's worker thread(s) (see :mod:`asynccache.transfers.workers`) and its
 completion comes back to the loop through a :class:`LoopBridge` in batches. Copies retire in
-submission order. Awaiting a handle never cancels its copy.
+submission order per lane (the staged pipeline has a D->H lane and an H->D lane, the direct
+worker one lane); copies of the same pages take effect in submission order. Awaiting a handle
+never cancels its copy.
 
 Lifecycle::
 
@@ -47,7 +49,7 @@ from asynccache.transfers.handles import (
     LayerwiseGroup,
     LayerwiseHandle,
 )
-from asynccache.transfers.hazards import HostHazards
+from asynccache.transfers.hazards import PageHazards
 from asynccache.transfers.indices import SlotIndices, as_slot_array
 from asynccache.transfers.pools import DevicePool, HostPool, KVPool
 from asynccache.transfers.staged import (
@@ -97,7 +99,10 @@ class CopyEngine:
 
     ``streams``: the stream implementation (default: CUDA streams for CUDA pools, the CPU's
     for CPU pools; :class:`~asynccache.transfers.streams.LateStreams` for ordering tests).
-    ``staging_bytes`` / ``staging_slots``: the staged pipeline's ring.
+    ``staging_bytes`` / ``staging_slots``: the staged pipeline's ring (one per lane).
+    ``separate_lanes``: the staged pipeline runs D->H and H->D copies in lanes of their own
+    (threads, copy stream, ring), so a load never waits behind backups; conflicts on the same
+    host or device pages are ordered across lanes. ``False``: one lane for every copy.
     ``direct_dma``: whether the staged pipeline copies by DMA straight between a page_first
     host pool's pages and the device (no CPU gather / scatter through pinned staging). ``None``
     (default): on CUDA with a pinned page_first host pool whose pages are at least
@@ -119,6 +124,7 @@ class CopyEngine:
         staging_bytes: int = STAGING_BYTES,
         staging_slots: int = STAGING_SLOTS,
         direct_dma: bool | None = None,
+        separate_lanes: bool = True,
     ) -> None:
         if not isinstance(device_pool, KVPool) or device_pool.kind != "device":
             raise ConfigError(f"device_pool must be a DevicePool, got {device_pool!r}")
@@ -159,6 +165,10 @@ class CopyEngine:
         self._on_complete = on_complete
         self._staging = (staging_bytes, staging_slots)
         self._direct_dma = direct_dma
+        if not isinstance(separate_lanes, bool):
+            raise ConfigError(f"separate_lanes must be True or False, got {separate_lanes!r}")
+        # Staged: D->H and H->D in lanes of their own (a load never waits behind backups).
+        self.separate_lanes = separate_lanes and mode == "staged"
         self.debug_fences = (os.environ.get(DEBUG_FENCES_ENV, "") not in ("", "0")
                              if debug_fences is None else bool(debug_fences))
         self._compute_stream: Any = None
@@ -175,7 +185,9 @@ class CopyEngine:
         # Copies submitted in this loop iteration after its first, not handed over yet.
         self._outbox: list[Job] = []
         self._batching = False  # a flush is scheduled at the end of this iteration
-        self._hazards = HostHazards(host_pool.num_pages)
+        self._hazards = PageHazards(host_pool.num_pages)
+        # Device pages need tracking only across lanes (one lane's copies are stream-ordered).
+        self._dev_hazards = PageHazards(device_pool.num_pages) if self.separate_lanes else None
         self._fence_pool: list[Any] = []  # CUDA events of retired fences, for reuse
         self._dead: TransferError | None = None
         self._bytes_per_token = device_pool.shape.bytes_per_token
@@ -194,7 +206,8 @@ class CopyEngine:
                                         self.name, self._on_death, streams=self.streams,
                                         staging_bytes=self._staging[0],
                                         staging_slots=self._staging[1],
-                                        direct_dma=self._direct_dma)
+                                        direct_dma=self._direct_dma,
+                                        separate_lanes=self.separate_lanes)
         else:
             self._worker = DirectWorker(self.device_pool, self.host_pool, self._bridge,
                                         self.name, self._on_death)
@@ -244,6 +257,8 @@ class CopyEngine:
         self._dead = err
         pending, self._pending = self._pending, {}
         self._hazards.clear()
+        if self._dev_hazards is not None:
+            self._dev_hazards.clear()
         for job in pending.values():
             for worker, rider_job in job.riders:  # they would have run on the dead worker
                 worker.fail(rider_job, err)
@@ -294,6 +309,12 @@ class CopyEngine:
     def ordered_by_host_pages(self) -> int:
         """Submissions that waited for an earlier copy of the same host pages."""
         return self._hazards.ordered
+
+    @property
+    def ordered_by_device_pages(self) -> int:
+        """Submissions that waited for an earlier copy of the same device pages in the other
+        lane (separate lanes only)."""
+        return 0 if self._dev_hazards is None else self._dev_hazards.ordered
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -544,6 +565,10 @@ class CopyEngine:
         self._seq += 1
         deps = self._hazards.note(seq, dst_pages if op == "d2h" else src_pages,
                                   op == "d2h", self._pending)
+        dev_deps: tuple[Job, ...] = ()
+        if self._dev_hazards is not None:  # a D->H reads device pages, an H->D writes them
+            dev_deps = self._dev_hazards.note(seq, src_pages if op == "d2h" else dst_pages,
+                                              op != "d2h", self._pending)
         job = Job(
             op=op,
             src_pages=src_pages,
@@ -556,6 +581,7 @@ class CopyEngine:
             fences=fences,
             own_fences=own_fences,
             deps=deps,
+            dev_deps=dev_deps,
             seq=seq,
             on_done=functools.partial(self._job_done, op, seq),
             ready=ready,
@@ -605,6 +631,8 @@ class CopyEngine:
             return
         self._in_flight -= 1
         self._hazards.retire(op == "d2h")
+        if self._dev_hazards is not None:
+            self._dev_hazards.retire(op != "d2h")
         if job.own_fences and len(self._fence_pool) < 64:
             # The copy stream's wait on them was issued before the copy ran (it captured their
             # state then): recording them again for a later copy is safe.

@@ -1,8 +1,12 @@
 """The staged copy pipeline (CUDA; on the CPU it runs the same logic with other streams).
 
-Three threads and a fixed staging ring:
+A *lane* per direction (D->H: backups; H->D: loads), each with two threads, its own copy
+stream and a fixed staging ring, so a load never waits behind a backup (``separate_lanes=
+False``: one lane for both); a helper thread shared by the lanes:
 
-* the **issuer** takes jobs in submission order. For each job it queues the job's fences on
+* the **issuer** takes its lane's jobs in submission order. It first waits until the other
+  lane's earlier copies of the same device pages are settled (:meth:`WorkerBase.wait_dev_deps`;
+  see :mod:`~asynccache.transfers.hazards`). For each job it queues the job's fences on
   the copy stream (``copy_stream.wait_event``: the caller's ``after=`` events, or the compute
   stream's event recorded at submit), then cuts the job into pieces that fit one staging slot
   (:func:`~asynccache.transfers.chunks.ring_chunks`) and, per piece, takes a free slot:
@@ -20,7 +24,7 @@ Three threads and a fixed staging ring:
   pages, gives the slot back, and posts layer and job completions through the bridge;
 * a **helper** shares large CPU gathers / scatters (two cores of memcpy in front of the DMA).
 
-The ring has ``staging_slots`` slots of ``staging_bytes / staging_slots`` bytes (at least one
+Each ring has ``staging_slots`` slots of ``staging_bytes / staging_slots`` bytes (at least one
 page of one layer), pinned host + device buffers, index buffers and an event each, allocated
 the first time they are needed and reused for good: a 4 GiB retraction goes through the same
 few MiB as a one-page backup, and nothing is allocated per job. A slot is reused only after
@@ -33,6 +37,7 @@ runs late on another thread, which is what the ordering tests use.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable
@@ -49,7 +54,7 @@ from asynccache.transfers.dma import SegmentCopier, segments
 from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
 from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
-from asynccache.transfers.workers import Job, Stop, WorkerBase
+from asynccache.transfers.workers import Job, JobQueue, Stop, WorkerBase
 
 #: Bytes of the staging ring of one staged engine (pinned host, and as much on the device).
 STAGING_BYTES = 64 << 20
@@ -170,24 +175,38 @@ class _Piece:
     error: BaseException | None = None
 
 
+class _Lane:
+    """One direction's pipeline: its jobs, issuer -> completer queue, copy stream(s), ring."""
+
+    __slots__ = ("copy_stream", "issued", "jobs", "kernel_stream", "name", "ring")
+
+    def __init__(self, name: str, streams: Streams, ring: StagingRing, direct: bool) -> None:
+        self.name = name
+        self.jobs = JobQueue()
+        self.issued: queue.SimpleQueue[_Piece | Stop] = queue.SimpleQueue()
+        self.copy_stream = streams.new_stream()
+        # Direct DMA: the gather / scatter kernels run on a stream of their own, so the next
+        # piece's kernel overlaps this piece's DMA (one stream would idle the copy engine
+        # while the kernel runs). Device pages: every kernel of the lane on it, in submission
+        # order; host pages: every DMA of the lane on the copy stream, in submission order.
+        self.kernel_stream = streams.new_stream() if direct else None
+        self.ring = ring
+
+
 class StagedWorker(WorkerBase):
-    """Issuer + completer + helper over a staging ring (see the module docstring)."""
+    """Issuer + completer per lane, and a helper, over staging rings (see the module
+    docstring). ``separate_lanes``: D->H copies go through one lane and H->D copies through
+    another (each with its own threads, copy stream and ring), else every copy through one."""
 
     def __init__(self, device: KVPool, host: KVPool, bridge: LoopBridge, name: str,
                  on_death: Callable[[TransferError], None] | None = None, *,
                  streams: Streams, staging_bytes: int = STAGING_BYTES,
-                 staging_slots: int = STAGING_SLOTS, direct_dma: bool | None = None) -> None:
+                 staging_slots: int = STAGING_SLOTS, direct_dma: bool | None = None,
+                 separate_lanes: bool = True) -> None:
         super().__init__(device, host, bridge, name, on_death)
         self.streams = streams
         self.cuda = streams.kind == "cuda"
         self.direct = wants_direct_dma(direct_dma, host, self.cuda)
-        self.copy_stream = streams.new_stream()
-        # Direct DMA: the gather / scatter kernels run on a stream of their own, so the next
-        # piece's kernel overlaps this piece's DMA (one stream would idle the copy engine
-        # while the kernel runs). Device pages: every kernel on it, in submission order;
-        # host pages: every DMA on the copy stream, in submission order.
-        self.kernel_stream = streams.new_stream() if self.direct else None
-        self.issued: queue.SimpleQueue[_Piece | Stop] = queue.SimpleQueue()
         self._host_np = as_numpy_bytes(host.page_view())
         self._dev_u8 = device.page_view().view(torch.uint8)  # (L, KV, P, page-layer bytes)
         self._kv = int(self._dev_u8.shape[1])
@@ -198,85 +217,125 @@ class StagedWorker(WorkerBase):
             self.copier = SegmentCopier(host_u8, self.cuda)
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
-        self.ring = StagingRing(self, streams, max(1, staging_slots), slot_bytes,
-                                slot_bytes // self.layer_page_bytes, device.device,
-                                direct=self.direct)
-        self.threads = [
-            self._thread(self._issue_loop, "issuer"),
-            self._thread(self._complete_loop, "completer"),
-            self._helper_thread(),  # shares large staging gathers / scatters (CPU memcpy)
-        ]
+
+        def lane(lane_name: str) -> _Lane:
+            ring = StagingRing(self, streams, max(1, staging_slots), slot_bytes,
+                               slot_bytes // self.layer_page_bytes, device.device,
+                               direct=self.direct)
+            return _Lane(lane_name, streams, ring, self.direct)
+
+        self.lanes = [lane("out"), lane("in")] if separate_lanes else [lane("all")]
+        self._stopped = 0  # lanes whose completer stopped
+        self.threads = [self._helper_thread()]  # shares large staging gathers / scatters
+        for ln in self.lanes:
+            lane_name = "" if len(self.lanes) == 1 else f"{ln.name}-"
+            self.threads += [
+                self._thread(functools.partial(self._issue_loop, ln), lane_name + "issuer"),
+                self._thread(functools.partial(self._complete_loop, ln), lane_name + "completer"),
+            ]
 
     def thread_init(self) -> None:
         self.streams.thread_init()
 
+    @property
+    def separate_lanes(self) -> bool:
+        return len(self.lanes) > 1
+
+    def lane_of(self, op: str) -> _Lane:
+        return self.lanes[-1] if op != "d2h" else self.lanes[0]
+
+    @property
+    def rings(self) -> list[StagingRing]:
+        return [ln.ring for ln in self.lanes]
+
+    def submit_many(self, jobs: list[Job]) -> None:
+        if not self.separate_lanes:
+            self.lanes[0].jobs.put(jobs)
+            return
+        for ln in self.lanes:
+            mine = [j for j in jobs if self.lane_of(j.op) is ln]
+            if mine:
+                ln.jobs.put(mine)
+
+    def stop(self, drained: Any) -> None:
+        for ln in self.lanes:
+            ln.jobs.put(Stop(drained))
+
     def _stop_others(self) -> None:
-        super()._stop_others()
-        self.issued.put(Stop(None))
+        self._half.put(None)
+        for ln in self.lanes:
+            ln.jobs.put(Stop(None))
+            ln.issued.put(Stop(None))
 
     def _stage(self, buf: torch.Tensor, layers: int, n: int) -> torch.Tensor:
         return buf[: layers * self._kv * n * self._rb].view(layers, self._kv, n, self._rb)
 
     # ---------------------------------------------------------------- issuer
-    def _issue_loop(self) -> None:
+    def _issue_loop(self, lane: _Lane) -> None:
         while True:
-            item = self.next_job()
+            item = lane.jobs.next()
             if isinstance(item, Stop):
-                self.issued.put(item)
+                lane.issued.put(item)
                 return
             if self.dead is not None:
                 continue
             try:
-                self._issue(item)
+                self._issue(lane, item)
             except BaseException as exc:
-                self.issued.put(_Piece(item, error=exc, last=True))
+                lane.issued.put(_Piece(item, error=exc, last=True))
 
-    def _issue(self, job: Job) -> None:
+    def _issue(self, lane: _Lane, job: Job) -> None:
         job.started = job.mark = time.perf_counter()
         # Validates the pair lists (lengths, repeated destinations) before any work is queued.
         make_plan(job.src_pages, job.dst_pages)
         for fence in job.fences:  # device work of this job (and later ones) waits for them
-            self.copy_stream.wait_event(fence)
-            if self.kernel_stream is not None:
-                self.kernel_stream.wait_event(fence)
+            lane.copy_stream.wait_event(fence)
+            if lane.kernel_stream is not None:
+                lane.kernel_stream.wait_event(fence)
         layerwise = job.layer_futs is not None
         pieces = ring_chunks(int(job.src_pages.shape[0]), self.num_layers,
-                             self.layer_page_bytes, self.ring.slot_bytes, layerwise=layerwise,
+                             self.layer_page_bytes, lane.ring.slot_bytes, layerwise=layerwise,
                              group_bytes=workers.LAYER_GROUP_BYTES)
         if not pieces:
-            self.issued.put(_Piece(job, last=True))
+            lane.issued.put(_Piece(job, last=True))
             return
         h2d = job.op != "d2h"
-        if self.direct:
+        # Device pages: copies of one lane are ordered on its streams; the other lane's
+        # earlier copies of the same device pages must be settled first.
+        self.wait_dev_deps(job)
+        if self.direct and not self.separate_lanes:
             # Every host read and write of this engine is a DMA on the one copy stream, in
             # submission order: no host-page hazard is left to wait for.
             job.deps = ()
-        elif h2d:
-            self.wait_deps(job)  # an earlier D->H may still be writing these host pages
+        elif h2d or self.direct:
+            # an earlier D->H may still be writing these host pages (or, by DMA, an earlier
+            # H->D of the other lane still reading the pages this D->H writes)
+            self.wait_deps(job)
         for i, piece in enumerate(pieces):
-            slot = self.ring.acquire()
+            slot = lane.ring.acquire()
             out = _Piece(job, slot, piece[4], last=i == len(pieces) - 1)
             try:
                 if self.direct:
-                    self._issue_direct(job, slot, piece, h2d)
+                    self._issue_direct(lane, job, slot, piece, h2d)
                 elif h2d:
-                    self._issue_h2d(job, slot, piece)
+                    self._issue_h2d(lane, job, slot, piece)
                 else:
-                    out.finish = self._issue_d2h(job, slot, piece)
+                    out.finish = self._issue_d2h(lane, job, slot, piece)
             except BaseException as exc:
                 out.error, out.last = exc, True
-                self.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
+                lane.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
                 return
             if job.ready is not None and out.layers_after > 0:
                 # the layers' device work is queued: a forward may wait for it on the device
                 done = self.streams.event()
-                done.record(self.kernel_stream if self.direct else self.copy_stream)
+                done.record(lane.kernel_stream if self.direct else lane.copy_stream)
                 job.ready.queued(out.layers_after, done)
-            self.issued.put(out)
+            lane.issued.put(out)
         if h2d and not self.direct:
             self.mark_host_done(job)  # every host page is in staging now
 
-    def _issue_direct(self, job: Job, slot: _Slot, piece: RingChunk, h2d: bool) -> None:
+    def _issue_direct(self, lane: _Lane, job: Job, slot: _Slot, piece: RingChunk,
+                      h2d: bool) -> None:
         """Queue one piece that moves by DMA straight between the pinned page_first host pool
         and the slot's device buffer, which holds the piece page-major ``(n, layers, KV, rb)``
         so that every run of consecutive host pages (whole pages) or every page (a layer
@@ -292,7 +351,7 @@ class StagedWorker(WorkerBase):
                                  else (job.src_pages, job.dst_pages))
         dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
         segs = segments(host_pages, (a, b), self.num_layers, self.layer_page_bytes)
-        flat, copier, stream = slot.dev, self.copier, self.copy_stream
+        flat, copier, stream = slot.dev, self.copier, lane.copy_stream
         if self.cuda:
             assert slot.idx_dev is not None
             slot.idx_host[:n].numpy()[:] = dev_pages
@@ -300,7 +359,7 @@ class StagedWorker(WorkerBase):
         else:
             idx_h, idx = None, torch.from_numpy(dev_pages)
 
-        kernels, link = self.kernel_stream, slot.link
+        kernels, link = lane.kernel_stream, slot.link
         assert kernels is not None
 
         def gather_or_scatter() -> None:
@@ -324,7 +383,8 @@ class StagedWorker(WorkerBase):
             self.streams.launch(stream, lambda: copier.copy(segs, flat, True, stream))
             slot.event.record(stream)
 
-    def _issue_d2h(self, job: Job, slot: _Slot, piece: RingChunk) -> Callable[[], None]:
+    def _issue_d2h(self, lane: _Lane, job: Job, slot: _Slot,
+                   piece: RingChunk) -> Callable[[], None]:
         a, b, lo, hi, _ = piece
         n = hi - lo
         src_pages = job.src_pages[lo:hi]
@@ -346,8 +406,8 @@ class StagedWorker(WorkerBase):
             def work() -> None:
                 torch.index_select(pool, 2, idx, out=hstage)
 
-        self.streams.launch(self.copy_stream, work)
-        slot.event.record(self.copy_stream)
+        self.streams.launch(lane.copy_stream, work)
+        slot.event.record(lane.copy_stream)
         dst_pages = job.dst_pages[lo:hi]
         host = self._host_np[a:b]
 
@@ -357,7 +417,7 @@ class StagedWorker(WorkerBase):
 
         return finish
 
-    def _issue_h2d(self, job: Job, slot: _Slot, piece: RingChunk) -> None:
+    def _issue_h2d(self, lane: _Lane, job: Job, slot: _Slot, piece: RingChunk) -> None:
         a, b, lo, hi, _ = piece
         n = hi - lo
         hstage = self._stage(slot.host, b - a, n)
@@ -381,18 +441,22 @@ class StagedWorker(WorkerBase):
             def work() -> None:
                 pool.index_copy_(2, idx, hstage)
 
-        self.streams.launch(self.copy_stream, work)
-        slot.event.record(self.copy_stream)
+        self.streams.launch(lane.copy_stream, work)
+        slot.event.record(lane.copy_stream)
 
     # ---------------------------------------------------------------- completer
-    def _complete_loop(self) -> None:
+    def _complete_loop(self, lane: _Lane) -> None:
         failed: Job | None = None
         while True:
-            item = self.issued.get()
+            item = lane.issued.get()
             if isinstance(item, Stop):
-                self._stop_helper()
-                if item.fut is not None:
-                    self.bridge.set_result(item.fut, None)
+                with self.cv:
+                    self._stopped += 1
+                    last = self._stopped == len(self.lanes)
+                if last:  # every earlier job of every lane has completed
+                    self._stop_helper()
+                    if item.fut is not None:
+                        self.bridge.set_result(item.fut, None)
                 return
             job = item.job
             try:
@@ -406,7 +470,7 @@ class StagedWorker(WorkerBase):
                     self.wait_deps(job)  # earlier copies that read / write these host pages
                     item.finish()
                 if item.slot is not None:  # free before the completion is posted
-                    self.ring.release(item.slot)
+                    lane.ring.release(item.slot)
                     item.slot = None
                 if item.last:
                     items: list[Completion] = []
@@ -421,13 +485,11 @@ class StagedWorker(WorkerBase):
                 self.fail(job, exc)
             finally:
                 if item.slot is not None:
-                    self.ring.release(item.slot)
+                    lane.ring.release(item.slot)
 
 
 def staging_peak(worker: Any) -> tuple[int, int]:
-    """(slots allocated, bytes allocated) of a staged worker's ring, (0, 0) otherwise."""
-    ring = getattr(worker, "ring", None)
-    if ring is None:
-        return 0, 0
-    return ring.made, ring.allocated_bytes
+    """(slots allocated, bytes allocated) of a staged worker's rings, (0, 0) otherwise."""
+    rings = getattr(worker, "rings", ())
+    return sum(r.made for r in rings), sum(r.allocated_bytes for r in rings)
 

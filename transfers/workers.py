@@ -61,6 +61,9 @@ class Job:
     own_fences: tuple[Any, ...] = ()  # those of ``fences`` the engine recorded (reused)
     # Earlier jobs whose host pages this one reads or writes (see hazards.py).
     deps: tuple[Job, ...] = ()
+    # Earlier jobs of the other lane whose device pages this one reads or writes (staged
+    # worker with separate lanes only; see hazards.py): waited for until they are settled.
+    dev_deps: tuple[Job, ...] = ()
     seq: int = 0
     # Runs on the loop just before ``fut`` resolves (engine bookkeeping: stats, in-flight).
     on_done: Callable[[CopyResult | None, BaseException | None], None] | None = None
@@ -68,6 +71,7 @@ class Job:
     layers_done: int = 0
     mark: float = 0.0  # when the previous layer was in place (layer durations are deltas)
     host_done: bool = False  # this job no longer reads or writes host memory
+    settled: bool = False  # complete (or failed): no longer reads or writes any memory
     # Copies of riders' pools that run right after this one on this worker's thread, each
     # with the rider's own worker (pools, helper, bridge); see CopyEngine._ride.
     riders: tuple[tuple[DirectWorker, Job], ...] = ()
@@ -103,6 +107,32 @@ LAYER_GROUP_BYTES = 2 << 20
 MAX_LAYER_GROUPS = 4
 
 
+class JobQueue:
+    """Jobs in submission order for one consuming thread.
+
+    Jobs arrive in batches (one list per loop iteration, see CopyEngine._flush): one wake-up
+    of the consuming thread per batch; ``backlog`` (that thread's alone) holds the rest of
+    the batch being worked through."""
+
+    def __init__(self) -> None:
+        self.batches: queue.SimpleQueue[list[Job] | Stop] = queue.SimpleQueue()
+        self.backlog: collections.deque[Job] = collections.deque()
+
+    def put(self, item: list[Job] | Stop) -> None:
+        self.batches.put(item)
+
+    def next(self) -> Job | Stop:
+        """The next job in submission order (blocks); only the consuming thread calls it."""
+        backlog = self.backlog
+        if backlog:
+            return backlog.popleft()
+        item = self.batches.get()
+        if isinstance(item, Stop):
+            return item
+        backlog.extend(item)
+        return backlog.popleft()
+
+
 class WorkerBase:
     """Threads, the helper, ordering waits, completions and death handling."""
 
@@ -113,11 +143,7 @@ class WorkerBase:
         self.bridge = bridge
         self.name = name
         self.num_layers = device.shape.num_layers
-        # Jobs arrive in batches (one list per loop iteration, see CopyEngine._flush): one
-        # wake-up of the consuming thread per batch. ``_backlog`` (that thread's alone) holds
-        # the rest of the batch being worked through.
-        self.jobs: queue.SimpleQueue[list[Job] | Stop] = queue.SimpleQueue()
-        self._backlog: collections.deque[Job] = collections.deque()
+        self.jobs = JobQueue()
         self.threads: list[threading.Thread] = []
         self.on_death = on_death
         # Guards host_done flags, staging slots and ``dead``; notified when any changes.
@@ -170,24 +196,35 @@ class WorkerBase:
     # ---------------------------------------------------------------- ordering
     def wait_deps(self, job: Job) -> None:
         """Wait until every earlier job this one conflicts with is done with host memory."""
-        if not job.deps:
-            return
+        if job.deps:
+            self._wait_until(job.deps, "host_done")
+            job.deps = ()
+
+    def wait_dev_deps(self, job: Job) -> None:
+        """Wait until every earlier job of the other lane that reads or writes this one's
+        device pages is settled (its device work complete)."""
+        if job.dev_deps:
+            self._wait_until(job.dev_deps, "settled")
+            job.dev_deps = ()
+
+    def _wait_until(self, deps: tuple[Job, ...], flag: str) -> None:
         with self.cv:
             self._waiting += 1
             try:
-                while not all(d.host_done for d in job.deps):
+                while not all(getattr(d, flag) for d in deps):
                     if self.dead is not None:
                         raise self.dead
                     self.cv.wait()
             finally:
                 self._waiting -= 1
-        job.deps = ()
 
-    def mark_host_done(self, job: Job) -> None:
+    def mark_host_done(self, job: Job, settled: bool = False) -> None:
         # Lock-free unless a thread waits: the flag is written before ``_waiting`` is read
         # and a waiter counts itself before it reads the flag (both under the GIL), so one of
         # the two sees the other.
         job.host_done = True
+        if settled:
+            job.settled = True
         if self._waiting:
             with self.cv:
                 self.cv.notify_all()
@@ -230,23 +267,9 @@ class WorkerBase:
         if shared.error is not None:
             raise shared.error
 
-    def submit(self, job: Job) -> None:
-        self.jobs.put([job])
-
     def submit_many(self, jobs: list[Job]) -> None:
         """Hand ``jobs`` over in submission order, with one wake-up of the consuming thread."""
         self.jobs.put(jobs)
-
-    def next_job(self) -> Job | Stop:
-        """The next job in submission order (blocks); only the consuming thread calls it."""
-        backlog = self._backlog
-        if backlog:
-            return backlog.popleft()
-        item = self.jobs.get()
-        if isinstance(item, Stop):
-            return item
-        backlog.extend(item)
-        return backlog.popleft()
 
     def stop(self, drained: Any) -> None:
         self.jobs.put(Stop(drained))
@@ -289,7 +312,7 @@ class WorkerBase:
         self, job: Job, res: CopyResult | None, err: BaseException | None, items: list[Completion]
     ) -> None:
         """Post ``items`` then the job's own completion, after its bookkeeping, in one batch."""
-        self.mark_host_done(job)
+        self.mark_host_done(job, settled=True)
         if job.on_done is not None:
             items.append((None, functools.partial(job.on_done, res, err), None))
         items.append((job.fut, res, err))
@@ -327,7 +350,7 @@ class DirectWorker(WorkerBase):
     def _run(self) -> None:
         try:
             while True:
-                item = self.next_job()
+                item = self.jobs.next()
                 if isinstance(item, Stop):
                     if item.fut is not None:
                         self.bridge.set_result(item.fut, None)

@@ -76,7 +76,7 @@ def test_a_dry_run_streams_every_step_and_fails_on_skipped_cuda_tests(tmp_path: 
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     steps = {d["step"]: d for d in lines if "step" in d}
     assert list(steps) == ["preflight", "pytest_cuda", "bench_transfers", "bench_overlap",
-                           "bench_events"]
+                           "bench_lanes", "bench_events"]
     assert all(d.get("rc", 0) == 0 for d in steps.values())
     pytest_counts = next(d for d in lines if "pytest_cuda" in d)
     assert pytest_counts["ok"] is False
@@ -84,6 +84,8 @@ def test_a_dry_run_streams_every_step_and_fails_on_skipped_cuda_tests(tmp_path: 
     ops = {d["case"]["op"] for d in lines if "case" in d}
     assert ops == {"d2h", "h2d", "h2d_layerwise"}
     assert any("summary" in d for d in lines) and any("overlap" in d for d in lines)
+    lanes = next(d["lanes"] for d in lines if "lanes" in d)
+    assert lanes["separate"]["load_ms"] > 0 and lanes["one_lane"]["load_ms"] > 0
     events = next(d["events"] for d in lines if "events" in d)
     assert events["device"] == "cpu" and events["event_to_coroutine_us"] > 0
     assert lines[-1]["verdict"] == "failed" and lines[-1]["exit"] == 1

@@ -112,7 +112,8 @@ async def test_overlapping_copies_take_effect_in_submission_order(
     kind: str, layout: str, slot_pages: float, late: LateStreams
 ) -> None:
     """120 random copies over few pages, none awaited before the next is submitted: the
-    pools must end as if each ran alone, in submission order (a sequential model)."""
+    pools must end as if each ran alone, in submission order (a sequential model). Copies
+    retire in submission order per lane (staged: D->H and H->D have one each)."""
     dev, host = _pools(layout=layout, seed=5)
     model = {"dev": dev.page_view().clone(), "host": host.page_view().clone()}
     rng = np.random.default_rng(7)
@@ -121,11 +122,13 @@ async def test_overlapping_copies_take_effect_in_submission_order(
                           staging_bytes=int(2 * slot_pages * dev.page_bytes),
                           staging_slots=2) as engine:
         handles = []
+        ops: list[int] = []
         for i in range(120):
             k = int(rng.integers(1, 6))
             dpages = rng.choice(8, size=k, replace=False)  # 8 device / 10 host pages: overlaps
             hpages = rng.choice(10, size=k, replace=False)
             op = int(rng.integers(3))
+            ops.append(op)
             if op == 0:
                 h: Any = engine.submit_d2h(_slots(dpages), _slots(hpages))
                 model["host"][:, :, hpages] = model["dev"][:, :, dpages]
@@ -139,7 +142,14 @@ async def test_overlapping_copies_take_effect_in_submission_order(
             handles.append(h)
         await _guard(asyncio.gather(*handles))
         await asyncio.sleep(0)
-        assert order == list(range(120))
+        if engine.separate_lanes:
+            for lane in ([0], [1, 2]):
+                mine = [i for i in order if ops[i] in lane]
+                assert mine == sorted(mine)
+            assert sorted(order) == list(range(120))
+            assert engine.ordered_by_device_pages > 0
+        else:
+            assert order == list(range(120))
         assert engine.ordered_by_host_pages > 0
     assert _same(dev.page_view(), model["dev"])
     assert _same(host.page_view(), model["host"])
@@ -385,11 +395,14 @@ async def test_large_copies_go_through_a_small_fixed_ring(
                 await _guard(load.layer(i))
                 assert _same(dev.read_slots(d3)[i], host.read_slots(h3)[i])
             await _guard(load)
-        ring = engine.worker.ring  # type: ignore[union-attr]
         # 24 pages x 4 layers = 96 layer-pages through slots of 3 layer-pages, two of them
-        assert ring.slot_bytes == 3 * layer_page
-        assert ring.made == 2 and ring.allocated_bytes == 6 * layer_page
-        assert ring.in_use == 0
+        # in each lane's ring (D->H and H->D)
+        rings = engine.worker.rings  # type: ignore[union-attr]
+        assert len(rings) == 2
+        for ring in rings:
+            assert ring.slot_bytes == 3 * layer_page
+            assert ring.made == 2 and ring.allocated_bytes == 6 * layer_page
+            assert ring.in_use == 0
 
 
 # --------------------------------------------------------------------------- direct DMA
@@ -476,8 +489,9 @@ async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(late: Late
         d2 = _slots([14, 15, 16, 17, 18, 19, 2, 7, 8])
         await _guard(engine.submit_h2d(h, d2))
         assert _same(dev.read_slots(d2), host.read_slots(h))
-        assert engine.worker.ring.allocated_bytes > 0  # type: ignore[union-attr]
-        assert engine.worker.ring._free[0].host.numel() == 0  # type: ignore[union-attr]
+        for ring in engine.worker.rings:  # type: ignore[union-attr]
+            assert ring.allocated_bytes > 0
+            assert ring._free[0].host.numel() == 0
 
 
 # --------------------------------------------------------------------------- device-side layers
@@ -565,3 +579,49 @@ async def test_wait_layer_times_out_fails_and_checks_its_layer(
     with pytest.raises(TransferError):
         await _guard(bad)
     await _guard(engine.aclose())
+
+
+# --------------------------------------------------------------------------- separate lanes
+@pytest.mark.parametrize("kind", ["staged", "late", "late-dma"])
+async def test_a_load_does_not_queue_behind_a_held_back_backup(
+    kind: str, late: LateStreams
+) -> None:
+    """A backup waits for a forward kernel that has not run (its fence); a load-back of
+    other pages submitted after it must land meanwhile: D->H and H->D have separate lanes
+    (threads, staging rings and copy streams), so a load never waits behind backups."""
+    dev, host = _pools(seed=41, layout="page_first" if kind.endswith("dma") else "layer_first")
+    side = late.new_stream("forward")
+    gate = threading.Event()
+    _kernel_writes(late, side, dev, [0, 1], 7.0, gate)
+    async with CopyEngine(dev, host, **_kinds(late)[kind]) as engine:  # type: ignore[arg-type]
+        backup = engine.submit_d2h(_slots([0, 1]), _slots([0, 1]), after=side)
+        load = engine.submit_h2d_layerwise(_slots([30, 31]), _slots([10, 11]),
+                                           after=late.new_stream("idle"))
+        try:
+            await asyncio.wait_for(asyncio.ensure_future(load), 10.0)
+            assert not backup.finished
+        finally:
+            gate.set()
+        await _guard(backup)
+    assert _same(dev.read_slots(_slots([10, 11])), host.read_slots(_slots([30, 31])))
+    assert bool((host.read_slots(_slots([0, 1])) == 7.0).all())
+
+
+@pytest.mark.parametrize("kind", ["late", "late-dma"])
+async def test_copies_of_the_same_device_pages_in_the_two_lanes_keep_submission_order(
+    kind: str, late: LateStreams
+) -> None:
+    """A backup reads device pages that a later load overwrites (the pages were freed and
+    reused), and a later backup reads pages an earlier load writes: the lanes must order
+    them by device page, or the backups copy the wrong KV."""
+    dev, host = _pools(seed=42, layout="page_first" if kind.endswith("dma") else "layer_first")
+    old = dev.read_slots(_slots([4, 5])).clone()
+    loaded = host.read_slots(_slots([20, 21])).clone()
+    async with CopyEngine(dev, host, **_kinds(late)[kind]) as engine:  # type: ignore[arg-type]
+        first = engine.submit_d2h(_slots([4, 5]), _slots([0, 1]))
+        load = engine.submit_h2d(_slots([20, 21]), _slots([4, 5]))
+        second = engine.submit_d2h(_slots([5, 4]), _slots([2, 3]))
+        await _guard(asyncio.gather(first, load, second))
+        assert engine.ordered_by_device_pages == 2
+    assert _same(host.read_slots(_slots([0, 1])), old)
+    assert _same(host.read_slots(_slots([3, 2])), loaded)
