@@ -211,12 +211,14 @@ async def measure_case(
 
 
 def copy_path(engine: CopyEngine) -> str:
-    """How ``engine`` moves pages: "dma" (straight between host pages and the device),
-    "staging" (CPU gather / scatter through pinned staging) or "cpu" (CPU pools, copied page
-    to page)."""
+    """How ``engine`` moves pages: "dma" (straight between a page_first pool's pages and the
+    device), "dma-layer_first" (the same from a layer_first pool, 2D copies), "staging" (CPU
+    gather / scatter through pinned staging) or "cpu" (CPU pools, copied page to page)."""
     if engine.mode == "direct":
         return "cpu"
-    return "dma" if getattr(engine.worker, "direct", False) else "staging"
+    if not getattr(engine.worker, "direct", False):
+        return "staging"
+    return "dma" if engine.host_pool.layout == "page_first" else "dma-layer_first"
 
 
 async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -227,8 +229,11 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     page_sizes = [16, 256] if quick else [16, 32, 64, 128, 256]
     patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
     # page_first twice: as the engine chooses (direct DMA for large pinned pages on CUDA),
-    # then forced through the CPU staging: the two copy paths side by side in one run
+    # then forced through the CPU staging: the two copy paths side by side in one run; on
+    # CUDA layer_first twice too: as chosen (staging) and forced to direct DMA (2D copies)
     layouts = ["layer_first", "page_first", "page_first-staged"]
+    if cuda:
+        layouts.insert(1, "layer_first-dma")
     batch_bytes = (32 << 20) if quick else (48 << 20)
     if args.profile == "gpu_check":
         page_sizes, patterns = [16, 64, 256], ["contiguous", "random"]
@@ -258,7 +263,7 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for variant in layouts:
                     layout, _, forced = variant.partition("-")
                     host = HostPool(shape, pool_pages * ps, ps, layout=layout)  # type: ignore[arg-type]
-                    direct = False if forced == "staged" else None
+                    direct = {"staged": False, "dma": True}.get(forced)
                     async with CopyEngine(dev, host, direct_dma=direct) as engine:
                         for pattern in patterns:
                             sp, dp = pages_for(pattern, n, pool_pages, rng)

@@ -1,22 +1,33 @@
 """Byte segments of a direct-DMA piece, and the copies that move them.
 
 The staged worker's direct path (:mod:`asynccache.transfers.staged`) moves a piece as a list
-of *segments* ``(host offset, device offset, bytes)`` between a page_first host pool (each page
-one contiguous block) and the device side of a staging slot, which holds the piece page-major.
-:func:`segments` computes them (numpy, no tensors); a :class:`SegmentCopier` issues them:
+of *segments* between a pinned host pool and the device side of a staging slot. A segment is
+``(host offset, slot offset, width, rows, host pitch, slot pitch)``: ``rows`` rows of
+``width`` bytes, each row ``host pitch`` / ``slot pitch`` bytes after the one before (a plain
+contiguous copy has one row). One segment per run of consecutive host pages, whatever the
+layout and the layer range:
 
-* on CUDA, one ``cudaMemcpyAsync`` per segment on the copy stream, called through ``ctypes`` on
-  the CUDA runtime torch itself loaded (measured on an H200: a ``copy_`` of two tensor slices
-  costs ~15 µs of Python per DMA, which bounds 256 KiB copies to ~12 GB/s of a 54 GB/s
-  link; the raw call costs a few µs);
+* :func:`page_first_segments`: the host pool holds each page as one block ``(L, KV, R)``; the
+  slot holds the piece page-major ``(n, layers, KV, R)``. Whole pages: one row per run; a
+  layer group: one row per page of the run (the group's bytes of each page);
+* :func:`layer_first_segments`: the host pool is ``(L, KV, P, R)``, each (layer, K/V) row of
+  pages contiguous; the slot holds the piece the same way, ``(layers, KV, n, R)``: one row per
+  (layer, K/V) of the range, ``run length x R`` bytes each.
+
+A :class:`SegmentCopier` issues them:
+
+* on CUDA, one ``cudaMemcpyAsync`` (one row) or ``cudaMemcpy2DAsync`` (several) per segment
+  on the copy stream, called through ``ctypes`` on the CUDA runtime torch itself loaded
+  (measured on an H200: a ``copy_`` of two tensor slices costs ~15 µs of Python per DMA, which
+  bounds 256 KiB copies to ~12 GB/s of a 54 GB/s link; the raw call costs a few µs);
 * elsewhere (CPU pools in tests, or no runtime found), the same segments as ``copy_`` between
-  flat byte views -- the offsets the GPU uses are the ones the CPU tests check.
+  strided byte views -- the offsets and pitches the GPU uses are the ones the CPU tests check.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -31,22 +42,42 @@ _MEMCPY_DEFAULT = 4
 
 _runtime: Any = None  # the ctypes handle, False once looked for and not found
 
+#: (host offset, slot offset, width, rows, host pitch, slot pitch), in bytes.
+Segment: TypeAlias = tuple[int, int, int, int, int, int]
 
-def segments(host_pages: np.ndarray, layers: tuple[int, int], num_layers: int,
-             layer_page_bytes: int) -> list[tuple[int, int, int]]:
-    """``(host offset, slot offset, bytes)`` of the layers ``[a, b)`` of ``host_pages``
-    (page_first host pool: page ``p`` at ``p * num_layers * layer_page_bytes``; slot: the
-    pages one after the other, ``(b - a) * layer_page_bytes`` each). Whole pages: one segment
-    per run of consecutive host pages; a layer group: one per page."""
+
+def _runs(host_pages: np.ndarray) -> list[tuple[int, int, int]]:
+    found = runs(host_pages)
+    assert found is not None
+    return found
+
+
+def page_first_segments(host_pages: np.ndarray, layers: tuple[int, int], num_layers: int,
+                        layer_page_bytes: int) -> list[Segment]:
+    """The layers ``[a, b)`` of ``host_pages`` of a page_first pool (page ``p`` at ``p *
+    num_layers * layer_page_bytes``) to / from a slot holding them page-major, ``(b - a) *
+    layer_page_bytes`` bytes a page: one segment per run of consecutive host pages."""
     a, b = layers
     seg = (b - a) * layer_page_bytes
     page = num_layers * layer_page_bytes
-    if b - a == num_layers:
-        whole = runs(host_pages)
-        assert whole is not None
-        return [(first * page, i * seg, length * seg) for i, first, length in whole]
-    offs = (host_pages.astype(np.int64) * page + a * layer_page_bytes).tolist()
-    return [(h, i * seg, seg) for i, h in enumerate(offs)]
+    if b - a == num_layers:  # whole pages: a run is one contiguous block on both sides
+        return [(first * page, i * seg, length * seg, 1, length * seg, length * seg)
+                for i, first, length in _runs(host_pages)]
+    return [(first * page + a * layer_page_bytes, i * seg, seg, length, page, seg)
+            for i, first, length in _runs(host_pages)]
+
+
+def layer_first_segments(host_pages: np.ndarray, layers: tuple[int, int], kv: int,
+                         row_bytes: int, host_num_pages: int) -> list[Segment]:
+    """The layers ``[a, b)`` of ``host_pages`` of a layer_first pool ``(L, kv, P, R)`` (``R =
+    row_bytes`` a page and K/V half) to / from a slot holding them as ``(b - a, kv, n, R)``:
+    one segment per run of consecutive host pages, a row per (layer, K/V)."""
+    a, b = layers
+    n = int(host_pages.shape[0])
+    host_pitch, slot_pitch = host_num_pages * row_bytes, n * row_bytes
+    base = a * kv * host_pitch
+    return [(base + first * row_bytes, i * row_bytes, length * row_bytes, (b - a) * kv,
+             host_pitch, slot_pitch) for i, first, length in _runs(host_pages)]
 
 
 def _find_runtime() -> Any:
@@ -75,6 +106,11 @@ def _find_runtime() -> Any:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                        ctypes.c_void_p]
         fn.restype = ctypes.c_int
+        # cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)
+        fn2d = lib.cudaMemcpy2DAsync
+        fn2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn2d.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         _log.debug("cuda_runtime_found", path=name)
@@ -88,36 +124,41 @@ def _find_runtime() -> Any:
 
 class SegmentCopier:
     """Issues segments between one host byte tensor and device byte buffers (see the module
-    docstring). ``raw``: use ``cudaMemcpyAsync`` (CUDA only; default: when the runtime is
-    found)."""
+    docstring). ``raw``: use the CUDA runtime's copies (CUDA only; default: when the runtime
+    is found)."""
 
     def __init__(self, host: torch.Tensor, cuda: bool, raw: bool | None = None) -> None:
         if host.dtype != torch.uint8 or not host.is_contiguous():
             raise ValueError("the host side must be a contiguous uint8 tensor")
         self.host = host.view(-1)
         lib = _find_runtime() if cuda and raw is not False else None
-        self._memcpy = lib.cudaMemcpyAsync if lib is not None else None
         self._lib: Any = lib
-        self.raw = self._memcpy is not None
+        self.raw = lib is not None
 
-    def copy(self, segs: list[tuple[int, int, int]], dev: torch.Tensor, to_host: bool,
-             stream: Any) -> None:
+    def copy(self, segs: list[Segment], dev: torch.Tensor, to_host: bool, stream: Any) -> None:
         """Queue ``segs`` between ``self.host`` and ``dev`` (a flat uint8 buffer) on
         ``stream`` (the current stream; a CUDA stream when raw)."""
-        if self._memcpy is None:
+        if self._lib is None:
             host = self.host
-            for h, d, n in segs:
+            for h, d, width, rows, hp, dp in segs:
+                hv = host[h : h + (rows - 1) * hp + width].as_strided((rows, width), (hp, 1))
+                dv = dev[d : d + (rows - 1) * dp + width].as_strided((rows, width), (dp, 1))
                 if to_host:
-                    host[h : h + n].copy_(dev[d : d + n], non_blocking=True)
+                    hv.copy_(dv, non_blocking=True)
                 else:
-                    dev[d : d + n].copy_(host[h : h + n], non_blocking=True)
+                    dv.copy_(hv, non_blocking=True)
             return
-        memcpy, kind, handle = self._memcpy, _MEMCPY_DEFAULT, stream.cuda_stream
-        hp, dp = self.host.data_ptr(), dev.data_ptr()
-        for h, d, n in segs:
-            rc = (memcpy(hp + h, dp + d, n, kind, handle) if to_host
-                  else memcpy(dp + d, hp + h, n, kind, handle))
+        memcpy, memcpy2d = self._lib.cudaMemcpyAsync, self._lib.cudaMemcpy2DAsync
+        kind, handle = _MEMCPY_DEFAULT, stream.cuda_stream
+        hptr, dptr = self.host.data_ptr(), dev.data_ptr()
+        for h, d, width, rows, hp, dp in segs:
+            dst, dpitch, src, spitch = ((hptr + h, hp, dptr + d, dp) if to_host
+                                        else (dptr + d, dp, hptr + h, hp))
+            if rows == 1:
+                rc = memcpy(dst, src, width, kind, handle)
+            else:
+                rc = memcpy2d(dst, dpitch, src, spitch, width, rows, kind, handle)
             if rc:
                 msg = self._lib.cudaGetErrorString(rc).decode(errors="replace")
-                raise RuntimeError(f"cudaMemcpyAsync of {n} bytes failed: CUDA error {rc} "
+                raise RuntimeError(f"DMA of {rows} x {width} bytes failed: CUDA error {rc} "
                                    f"({msg})")

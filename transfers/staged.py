@@ -50,7 +50,7 @@ from asynccache.errors import ConfigError, TransferError
 from asynccache.transfers import workers
 from asynccache.transfers.bridge import Completion, LoopBridge
 from asynccache.transfers.chunks import RingChunk, ring_chunks
-from asynccache.transfers.dma import SegmentCopier, segments
+from asynccache.transfers.dma import SegmentCopier, layer_first_segments, page_first_segments
 from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
 from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
@@ -62,23 +62,21 @@ STAGING_BYTES = 64 << 20
 STAGING_SLOTS = 4
 #: A pinned page_first host pool whose pages are at least this big is copied by DMA straight
 #: between its pages and the device side of the ring (no CPU gather / scatter): one copy per
-#: run of consecutive host pages, or per page of a layer group.
+#: run of consecutive host pages (:mod:`~asynccache.transfers.dma`).
 DIRECT_MIN_BYTES = 128 << 10
 
 
 def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
     """Whether a staged worker copies by DMA straight from / into ``host`` (see
     :data:`DIRECT_MIN_BYTES`). ``None``: on CUDA with a pinned page_first host pool of large
-    enough pages. ``True`` needs a page_first host pool (every page one contiguous block)."""
+    enough pages. ``True`` forces it for either layout (a layer_first pool's runs move as 2D
+    copies, a row per layer and K/V: not measured on a GPU yet, so not chosen by default)."""
     page_first = getattr(host, "layout", None) == "page_first"
     if direct_dma is None:
         return (cuda and page_first and bool(getattr(host, "pinned", False))
                 and int(host.page_bytes) >= DIRECT_MIN_BYTES)
     if not isinstance(direct_dma, bool):
         raise ConfigError(f"direct_dma must be None, True or False, got {direct_dma!r}")
-    if direct_dma and not page_first:
-        raise ConfigError("direct_dma=True needs a page_first host pool (a layer_first pool's "
-                          f"pages are not contiguous), got layout {getattr(host, 'layout', None)!r}")
     return direct_dma
 
 
@@ -212,9 +210,13 @@ class StagedWorker(WorkerBase):
         self._kv = int(self._dev_u8.shape[1])
         self._rb = int(self._dev_u8.shape[3])
         self.layer_page_bytes = self._kv * self._rb
-        if self.direct:  # page_first: (P, L, KV, page-layer bytes), each page contiguous
-            host_u8 = host.page_view().permute(2, 0, 1, 3).view(torch.uint8)
-            self.copier = SegmentCopier(host_u8, self.cuda)
+        self._page_first = host.layout == "page_first"
+        self._host_pages = host.num_pages
+        if self.direct:  # the host pool's bytes in memory order
+            host_view = host.page_view()  # (L, KV, P, rb); page_first: a strided view of
+            if self._page_first:          # (P, L, KV, rb), each page contiguous
+                host_view = host_view.permute(2, 0, 1, 3)
+            self.copier = SegmentCopier(host_view.view(torch.uint8), self.cuda)
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
 
@@ -336,21 +338,31 @@ class StagedWorker(WorkerBase):
 
     def _issue_direct(self, lane: _Lane, job: Job, slot: _Slot, piece: RingChunk,
                       h2d: bool) -> None:
-        """Queue one piece that moves by DMA straight between the pinned page_first host pool
-        and the slot's device buffer, which holds the piece page-major ``(n, layers, KV, rb)``
-        so that every run of consecutive host pages (whole pages) or every page (a layer
-        group) is one contiguous copy on both sides (:mod:`~asynccache.transfers.dma`); the
-        device pool side is one gather (D->H) or scatter (H->D) kernel between the pool and
-        that buffer."""
+        """Queue one piece that moves by DMA straight between the pinned host pool and the
+        slot's device buffer, which holds the piece in the host pool's own order -- page-major
+        ``(n, layers, KV, rb)`` for a page_first pool, ``(layers, KV, n, rb)`` for a layer_first
+        one -- so that every run of consecutive host pages is one (2D) copy
+        (:mod:`~asynccache.transfers.dma`); the device pool side is one gather (D->H) or
+        scatter (H->D) kernel between the pool and that buffer."""
         a, b, lo, hi, _ = piece
         n = hi - lo
         assert slot.dev is not None
-        stage = slot.dev[: n * (b - a) * self.layer_page_bytes].view(n, b - a, self._kv, self._rb)
-        pool = self._dev_u8[a:b].permute(2, 0, 1, 3)  # (P, layers, KV, rb), strided
         dev_pages, host_pages = ((job.dst_pages, job.src_pages) if h2d
                                  else (job.src_pages, job.dst_pages))
         dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
-        segs = segments(host_pages, (a, b), self.num_layers, self.layer_page_bytes)
+        if self._page_first:
+            stage = slot.dev[: n * (b - a) * self.layer_page_bytes].view(n, b - a, self._kv,
+                                                                         self._rb)
+            pool = self._dev_u8[a:b].permute(2, 0, 1, 3)  # (P, layers, KV, rb), strided
+            dim = 0
+            segs = page_first_segments(host_pages, (a, b), self.num_layers,
+                                       self.layer_page_bytes)
+        else:
+            stage = self._stage(slot.dev, b - a, n)  # (layers, KV, n, rb)
+            pool = self._dev_u8[a:b]
+            dim = 2
+            segs = layer_first_segments(host_pages, (a, b), self._kv, self._rb,
+                                        self._host_pages)
         flat, copier, stream = slot.dev, self.copier, lane.copy_stream
         if self.cuda:
             assert slot.idx_dev is not None
@@ -366,9 +378,9 @@ class StagedWorker(WorkerBase):
             if idx_h is not None:
                 idx.copy_(idx_h, non_blocking=True)
             if h2d:
-                pool.index_copy_(0, idx, stage)
+                pool.index_copy_(dim, idx, stage)
             else:
-                torch.index_select(pool, 0, idx, out=stage)
+                torch.index_select(pool, dim, idx, out=stage)
 
         if h2d:  # DMA into the slot, then the scatter; the slot is free after the scatter
             self.streams.launch(stream, lambda: copier.copy(segs, flat, False, stream))

@@ -47,7 +47,7 @@ def test_pools_on_cuda_are_pinned_and_on_device() -> None:
 
 
 @pytest.mark.parametrize(("layout", "direct_dma"), [
-    ("layer_first", None), ("page_first", None), ("page_first", True)])
+    ("layer_first", None), ("page_first", None), ("page_first", True), ("layer_first", True)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
                                          dtype: str) -> None:
@@ -62,7 +62,7 @@ async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
                           staging_bytes=8 * host.page_bytes, staging_slots=2) as engine:
         assert engine.mode == "staged"
         assert engine.worker.direct == bool(direct_dma)  # type: ignore[union-attr]
-        if direct_dma:  # the DMAs are raw cudaMemcpyAsync calls on the runtime torch loaded
+        if direct_dma:  # the DMAs are raw cudaMemcpy(2D)Async calls on the runtime torch loaded
             assert engine.worker.copier.raw  # type: ignore[union-attr]
         for k in (1, 9, 32):
             d = _slots(rng.permutation(32)[:k])

@@ -67,18 +67,24 @@ async def _guard(aw: Any) -> Any:
 
 # --------------------------------------------------------------------------- host-page hazard
 def _kinds(late: LateStreams) -> dict[str, dict[str, Any]]:
-    """Direct (CPU worker), staged on the CPU's streams, staged on late streams, and the two
-    staged ones with direct DMA between a page_first host pool and the device buffers."""
+    """Direct (CPU worker), staged on the CPU's streams, staged on late streams, and the
+    staged ones with direct DMA between the host pool and the device buffers (``*-dma``: a
+    page_first host pool, ``*-dma-layer_first``: a layer_first one; see ``_layout``)."""
     return {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late},
             "staged-dma": {"mode": "staged", "direct_dma": True},
-            "late-dma": {"streams": late, "direct_dma": True}}
+            "late-dma": {"streams": late, "direct_dma": True},
+            "late-dma-layer_first": {"streams": late, "direct_dma": True}}
 
 
-@pytest.mark.parametrize("kind", ["direct", "staged", "late", "late-dma"])
+def _layout(kind: str) -> str:
+    return "page_first" if kind.endswith("dma") else "layer_first"
+
+
+@pytest.mark.parametrize("kind", ["direct", "staged", "late", "late-dma", "late-dma-layer_first"])
 async def test_h2d_after_a_running_d2h_of_the_same_host_pages_loads_the_new_bytes(
     kind: str, late: LateStreams
 ) -> None:
-    dev, host = _pools(seed=3, layout="page_first" if kind.endswith("dma") else "layer_first")
+    dev, host = _pools(seed=3, layout=_layout(kind))
     kw = _kinds(late)
     want = dev.read_slots(_slots([0, 1, 2])).clone()
     async with CopyEngine(dev, host, **kw[kind]) as engine:  # type: ignore[arg-type]
@@ -105,8 +111,8 @@ async def test_d2h_into_host_pages_a_pending_h2d_reads_keeps_the_h2d_bytes(
 
 
 @pytest.mark.parametrize(("kind", "layout"), [
-    (k, lay) for k in ("direct", "staged", "late") for lay in ("layer_first", "page_first")
-] + [("staged-dma", "page_first"), ("late-dma", "page_first")])
+    (k, lay) for k in ("direct", "staged", "late", "staged-dma", "late-dma")
+    for lay in ("layer_first", "page_first")])
 @pytest.mark.parametrize("slot_pages", [1.5, 4])
 async def test_overlapping_copies_take_effect_in_submission_order(
     kind: str, layout: str, slot_pages: float, late: LateStreams
@@ -418,15 +424,23 @@ def test_runs_cut_at_every_break_in_consecutive_ids() -> None:
 
 
 def test_segments_are_the_byte_ranges_of_runs_and_layer_groups() -> None:
-    from asynccache.transfers.dma import segments
+    from asynccache.transfers.dma import layer_first_segments, page_first_segments
 
     pages = np.array([5, 6, 7, 2, 9, 10])
-    # 4 layers of 10 bytes a page: page p at 40 p; whole pages merge runs
-    assert segments(pages, (0, 4), 4, 10) == [(200, 0, 120), (80, 120, 40), (360, 160, 80)]
-    # layers 1..3 of each page: 20 bytes at 40 p + 10, one segment a page
-    assert segments(pages, (1, 3), 4, 10) == [
-        (210, 0, 20), (250, 20, 20), (290, 40, 20), (90, 60, 20), (370, 80, 20), (410, 100, 20)]
-    assert segments(np.array([], dtype=np.int64), (0, 4), 4, 10) == []
+    # page_first, 4 layers of 10 bytes a page: page p at 40 p; a run of whole pages is one
+    # row (host offset, slot offset, width, rows, host pitch, slot pitch)
+    assert page_first_segments(pages, (0, 4), 4, 10) == [
+        (200, 0, 120, 1, 120, 120), (80, 120, 40, 1, 40, 40), (360, 160, 80, 1, 80, 80)]
+    # layers 1..3: 20 bytes at 40 p + 10 a page, a run one 2D copy of a row per page
+    assert page_first_segments(pages, (1, 3), 4, 10) == [
+        (210, 0, 20, 3, 40, 20), (90, 60, 20, 1, 40, 20), (370, 80, 20, 2, 40, 20)]
+    assert page_first_segments(np.array([], dtype=np.int64), (0, 4), 4, 10) == []
+    # layer_first (L, 2, 12 pages, 10 bytes): (layer l, K/V k, page p) at ((2 l + k) 12 + p) 10;
+    # the slot holds (layers, 2, n, 10): a run is one 2D copy of a row per (layer, K/V)
+    assert layer_first_segments(pages[:4], (1, 3), 2, 10, 12) == [
+        (290, 0, 30, 4, 120, 40), (260, 30, 10, 4, 120, 40)]
+    assert layer_first_segments(pages, (0, 4), 2, 10, 12) == [
+        (50, 0, 30, 8, 120, 60), (20, 30, 10, 8, 120, 60), (90, 40, 20, 8, 120, 60)]
 
 
 def test_segment_copier_moves_exactly_the_segments_on_the_cpu() -> None:
@@ -436,10 +450,16 @@ def test_segment_copier_moves_exactly_the_segments_on_the_cpu() -> None:
     dev = torch.zeros(16, dtype=torch.uint8)
     copier = SegmentCopier(host, cuda=False)
     assert not copier.raw
-    copier.copy([(10, 0, 4), (40, 4, 8)], dev, False, None)
+    copier.copy([(10, 0, 4, 1, 4, 4), (40, 4, 8, 1, 8, 8)], dev, False, None)
     assert dev.tolist() == [10, 11, 12, 13, *range(40, 48), 0, 0, 0, 0]
-    copier.copy([(0, 4, 2)], dev, True, None)
+    copier.copy([(0, 4, 2, 1, 2, 2)], dev, True, None)
     assert host[:4].tolist() == [40, 41, 2, 3]
+    # 2D: 3 rows of 2 bytes, host rows 10 apart, slot rows 4 apart, both ways
+    dev.zero_()
+    copier.copy([(20, 1, 2, 3, 10, 4)], dev, False, None)
+    assert dev.tolist() == [0, 20, 21, 0, 0, 30, 31, 0, 0, 40, 41, 0, 0, 0, 0, 0]
+    copier.copy([(50, 5, 2, 2, 7, 4)], dev, True, None)
+    assert host[50:60].tolist() == [30, 31, 52, 53, 54, 55, 56, 40, 41, 59]
     with pytest.raises(ValueError, match="contiguous uint8"):
         SegmentCopier(torch.zeros(4, dtype=torch.int32), cuda=False)
 
@@ -460,14 +480,12 @@ def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> No
     assert not wants_direct_dma(None, pool(page_bytes=DIRECT_MIN_BYTES - 1), cuda=True)
     assert not wants_direct_dma(False, pool(), cuda=True)
     assert wants_direct_dma(True, pool(pinned=False), cuda=False)
+    assert wants_direct_dma(True, pool(layout="layer_first"), cuda=True)  # forced only
 
 
 def test_bad_direct_dma_settings_are_config_errors() -> None:
     from asynccache.errors import ConfigError
 
-    dev, host = _pools(layout="layer_first")
-    with pytest.raises(ConfigError, match=r"page_first host pool.*'layer_first'"):
-        CopyEngine(dev, host, mode="staged", direct_dma=True)
     dev, host = _pools(layout="page_first")
     with pytest.raises(ConfigError, match="direct_dma must be None, True or False, got 'yes'"):
         CopyEngine(dev, host, mode="staged", direct_dma="yes")  # type: ignore[arg-type]
@@ -476,26 +494,40 @@ def test_bad_direct_dma_settings_are_config_errors() -> None:
     assert CopyEngine(dev, host, mode="direct", direct_dma=False).mode == "direct"
 
 
-async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(late: LateStreams) -> None:
-    """Runs of consecutive host pages in both directions, a whole copy and a layer-wise load
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(
+    layout: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of consecutive host pages in both directions, whole copies and a layer-wise load
     (one piece per layer), on late streams: every byte where the gather / scatter puts it."""
-    dev, host = _pools(layers=4, layout="page_first", seed=21)
+    import asynccache.transfers.workers as workers
+
+    monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece per layer
+    dev, host = _pools(layers=4, layout=layout, seed=21)
     d = _slots([3, 4, 5, 0, 9, 10, 11, 12, 1])
     h = _slots([20, 21, 22, 23, 5, 6, 39, 0, 1])
-    async with CopyEngine(dev, host, streams=late, direct_dma=True) as engine:
+    async with CopyEngine(dev, host, streams=late, direct_dma=True,
+                          staging_bytes=2 * dev.page_bytes, staging_slots=2) as engine:
         assert engine.worker.direct  # type: ignore[union-attr]
         await _guard(engine.submit_d2h(d, h))
         assert _same(host.read_slots(h), dev.read_slots(d))
         d2 = _slots([14, 15, 16, 17, 18, 19, 2, 7, 8])
         await _guard(engine.submit_h2d(h, d2))
         assert _same(dev.read_slots(d2), host.read_slots(h))
+        h3 = _slots([30, 31, 32, 7, 8, 2])
+        d3 = _slots([20, 21, 22, 23, 6, 13])
+        load = engine.submit_h2d_layerwise(h3, d3)
+        for i in range(4):
+            await _guard(load.layer(i))
+            assert _same(dev.read_slots(d3)[i], host.read_slots(h3)[i])
+        await _guard(load)
         for ring in engine.worker.rings:  # type: ignore[union-attr]
             assert ring.allocated_bytes > 0
             assert ring._free[0].host.numel() == 0
 
 
 # --------------------------------------------------------------------------- device-side layers
-@pytest.mark.parametrize("kind", ["direct", "late", "late-dma"])
+@pytest.mark.parametrize("kind", ["direct", "late", "late-dma", "late-dma-layer_first"])
 async def test_a_forward_waiting_on_the_device_sees_each_layer_in_place(
     kind: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -507,7 +539,7 @@ async def test_a_forward_waiting_on_the_device_sees_each_layer_in_place(
     monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece per layer
     layers = 6
     dev, host = _pools(layers=layers, seed=31,
-                       layout="page_first" if kind.endswith("dma") else "layer_first")
+                       layout=_layout(kind))
     h_src, d_dst = _slots([31, 2, 17, 5, 6, 39]), _slots([3, 4, 5, 20, 1, 9])
     expected = host.read_slots(h_src).clone()
     forward = late.new_stream("forward")
@@ -582,14 +614,14 @@ async def test_wait_layer_times_out_fails_and_checks_its_layer(
 
 
 # --------------------------------------------------------------------------- separate lanes
-@pytest.mark.parametrize("kind", ["staged", "late", "late-dma"])
+@pytest.mark.parametrize("kind", ["staged", "late", "late-dma", "late-dma-layer_first"])
 async def test_a_load_does_not_queue_behind_a_held_back_backup(
     kind: str, late: LateStreams
 ) -> None:
     """A backup waits for a forward kernel that has not run (its fence); a load-back of
     other pages submitted after it must land meanwhile: D->H and H->D have separate lanes
     (threads, staging rings and copy streams), so a load never waits behind backups."""
-    dev, host = _pools(seed=41, layout="page_first" if kind.endswith("dma") else "layer_first")
+    dev, host = _pools(seed=41, layout=_layout(kind))
     side = late.new_stream("forward")
     gate = threading.Event()
     _kernel_writes(late, side, dev, [0, 1], 7.0, gate)
@@ -607,14 +639,14 @@ async def test_a_load_does_not_queue_behind_a_held_back_backup(
     assert bool((host.read_slots(_slots([0, 1])) == 7.0).all())
 
 
-@pytest.mark.parametrize("kind", ["late", "late-dma"])
+@pytest.mark.parametrize("kind", ["late", "late-dma", "late-dma-layer_first"])
 async def test_copies_of_the_same_device_pages_in_the_two_lanes_keep_submission_order(
     kind: str, late: LateStreams
 ) -> None:
     """A backup reads device pages that a later load overwrites (the pages were freed and
     reused), and a later backup reads pages an earlier load writes: the lanes must order
     them by device page, or the backups copy the wrong KV."""
-    dev, host = _pools(seed=42, layout="page_first" if kind.endswith("dma") else "layer_first")
+    dev, host = _pools(seed=42, layout=_layout(kind))
     old = dev.read_slots(_slots([4, 5])).clone()
     loaded = host.read_slots(_slots([20, 21])).clone()
     async with CopyEngine(dev, host, **_kinds(late)[kind]) as engine:  # type: ignore[arg-type]
