@@ -113,7 +113,9 @@ class LayerReadiness:
     event recorded right after it on that work's stream (CUDA), or as each layer lands (CPU
     pools: ``None``, nothing is left to wait for on a device). :meth:`wait` blocks the calling
     thread only until layer ``i`` is queued, then makes ``stream`` wait for the event on the
-    device: a forward can queue layer ``i``'s kernels while the layer is still copying.
+    device: a forward can queue layer ``i``'s kernels while the layer is still copying. Once
+    the load landed, :meth:`retire` hands the events back for reuse (a wait then has nothing
+    left to wait for).
     """
 
     __slots__ = ("_current", "_cv", "_dead", "_error", "_events", "_flush", "queued_layers")
@@ -143,6 +145,15 @@ class LayerReadiness:
             self._error = exc
             self._cv.notify_all()
 
+    def retire(self) -> list[Any]:
+        """The load's device work is complete: forget its events and return them (each once)
+        for reuse. A stream's ``wait_event`` is queued under the same lock, so an event is
+        never recorded again between a waiter reading it and waiting on it."""
+        with self._cv:
+            events = list({id(e): e for e in self._events if e is not None}.values())
+            self._events = [None] * len(self._events)
+        return events
+
     def wait(self, i: int, stream: Any = None, timeout: float | None = None) -> None:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self._events):
             raise InvalidInputError(f"layer {i!r} out of range [0, {len(self._events)})")
@@ -162,8 +173,8 @@ class LayerReadiness:
                 raise TransferError(f"layer {i} of the load failed: {self._error}") \
                     from self._error
             event = self._events[i]
-        if event is not None:
-            (stream if stream is not None else self._current()).wait_event(event)
+            if event is not None:
+                (stream if stream is not None else self._current()).wait_event(event)
 
 
 class LayerwiseHandle(CopyHandle):

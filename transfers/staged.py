@@ -37,6 +37,7 @@ runs late on another thread, which is what the ordering tests use.
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import time
@@ -228,6 +229,8 @@ class StagedWorker(WorkerBase):
 
         self.lanes = [lane("out"), lane("in")] if separate_lanes else [lane("all")]
         self._stopped = 0  # lanes whose completer stopped
+        # Layer readiness events of landed loads, for reuse (deque: thread-safe append / pop).
+        self._layer_events: collections.deque[Any] = collections.deque()
         self.threads = [self._helper_thread()]  # shares large staging gathers / scatters
         for ln in self.lanes:
             lane_name = "" if len(self.lanes) == 1 else f"{ln.name}-"
@@ -329,7 +332,10 @@ class StagedWorker(WorkerBase):
                 return
             if job.ready is not None and out.layers_after > 0:
                 # the layers' device work is queued: a forward may wait for it on the device
-                done = self.streams.event()
+                try:
+                    done = self._layer_events.pop()
+                except IndexError:
+                    done = self.streams.event()
                 done.record(lane.kernel_stream if self.direct else lane.copy_stream)
                 job.ready.queued(out.layers_after, done)
             lane.issued.put(out)
@@ -488,6 +494,8 @@ class StagedWorker(WorkerBase):
                     items: list[Completion] = []
                     if job.layer_futs is not None:
                         items = self.layers_through(job, self.num_layers)
+                    if job.ready is not None:  # every layer's device work is complete
+                        self._layer_events.extend(job.ready.retire())
                     self.finish(job, self.result(job, time.perf_counter() - job.started), None,
                                 items)
                 elif item.layers_after > job.layers_done:

@@ -657,3 +657,34 @@ async def test_copies_of_the_same_device_pages_in_the_two_lanes_keep_submission_
         assert engine.ordered_by_device_pages == 2
     assert _same(host.read_slots(_slots([0, 1])), old)
     assert _same(host.read_slots(_slots([3, 2])), loaded)
+
+
+@pytest.mark.parametrize("kind", ["late", "late-dma"])
+async def test_layer_events_are_reused_across_loads(
+    kind: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The events of a load's layers go back to a pool once the load landed: later loads
+    allocate none, and waiting on a landed layer still returns (nothing left to wait for)."""
+    import asynccache.transfers.workers as workers
+
+    monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece, one event per layer
+    made: list[Any] = []
+    real_event = late.event
+
+    def counting() -> Any:
+        made.append(real_event())
+        return made[-1]
+
+    monkeypatch.setattr(late, "event", counting)
+    dev, host = _pools(layers=4, seed=51, layout=_layout(kind))
+    forward = late.new_stream("forward")
+    async with CopyEngine(dev, host, **_kinds(late)[kind]) as engine:  # type: ignore[arg-type]
+        counts = []
+        for i in range(5):
+            load = engine.submit_h2d_layerwise(_slots([i, i + 5]), _slots([2 * i, 2 * i + 1]))
+            await _guard(load)
+            counts.append(len(made))
+            await asyncio.to_thread(load.wait_layer, 3, forward, timeout=HANG_GUARD_S)
+            assert _same(dev.read_slots(_slots([2 * i, 2 * i + 1])),
+                         host.read_slots(_slots([i, i + 5])))
+        assert counts[1:] == [counts[0]] * 4, counts
