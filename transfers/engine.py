@@ -409,7 +409,7 @@ class CopyEngine:
         self._check_riders()
         job, src, dst = self._job("h2d", host_idx, device_idx, layerwise=False, after=after,
                                   hand_over=not self._riders)
-        handle = CopyHandle("h2d", job.fut, src, dst, job.num_bytes)
+        handle = CopyHandle("h2d", job.fut, src, dst, job.num_bytes, job.ready)
         if not self._riders:
             return handle
         return GroupHandle([handle, *self._ride(job, src, dst, after)])
@@ -487,7 +487,7 @@ class CopyEngine:
     def _handle(job: Job, src: np.ndarray, dst: np.ndarray) -> CopyHandle:
         if job.layer_futs is not None:
             return LayerwiseHandle(job.fut, job.layer_futs, src, dst, job.num_bytes, job.ready)
-        return CopyHandle(job.op, job.fut, src, dst, job.num_bytes)
+        return CopyHandle(job.op, job.fut, src, dst, job.num_bytes, job.ready)
 
     @property
     def riders(self) -> tuple[CopyEngine, ...]:
@@ -561,6 +561,8 @@ class CopyEngine:
                 lf.add_done_callback(_mark_retrieved)
             ready = LayerReadiness(len(layer_futs), self.streams.current, self._flush_here,
                                    self._worker_death)
+        elif op == "h2d":  # a whole load: device-side readiness of the copy as one "layer"
+            ready = LayerReadiness(1, self.streams.current, self._flush_here, self._worker_death)
         seq = self._seq
         self._seq += 1
         deps = self._hazards.note(seq, dst_pages if op == "d2h" else src_pages,

@@ -63,7 +63,8 @@ class CopyHandle:
     ``src_indices`` / ``dst_indices`` are the slot indices as submitted (numpy int64).
     """
 
-    __slots__ = ("_fut", "dst_indices", "num_bytes", "num_tokens", "op", "src_indices")
+    __slots__ = ("_fut", "_ready", "dst_indices", "num_bytes", "num_tokens", "op",
+                 "src_indices")
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class CopyHandle:
         src_indices: np.ndarray,
         dst_indices: np.ndarray,
         num_bytes: int,
+        ready: LayerReadiness | None = None,
     ) -> None:
         self.op = op
         self._fut = fut
@@ -79,6 +81,7 @@ class CopyHandle:
         self.dst_indices = dst_indices
         self.num_tokens = int(src_indices.shape[0])
         self.num_bytes = num_bytes
+        self._ready = ready  # H->D copies: device-side readiness (whole copy or per layer)
 
     def __await__(self) -> Generator[Any, None, CopyResult]:
         return _await_shielded(self._fut)
@@ -101,6 +104,16 @@ class CopyHandle:
         """Call ``fn(handle)`` on the loop once the copy is finished."""
         self._fut.add_done_callback(lambda _f: fn(self))
 
+    def wait_device(self, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Make ``stream`` (default: the current stream) wait *on the device* until the whole
+        copy is in place, blocking this thread only until its device work is queued (CUDA;
+        CPU pools: until it is in place). H->D copies only; a failed copy raises
+        :class:`TransferError`."""
+        if self._ready is None:
+            raise InvalidInputError(f"this {self.op} copy has no device-side readiness "
+                                    "(H->D copies have it)")
+        self._ready.wait(self._ready.num_layers - 1, stream, timeout)
+
     def __repr__(self) -> str:
         state = "finished" if self._fut.done() else "pending"
         return f"<{type(self).__name__} {self.op} tokens={self.num_tokens} {state}>"
@@ -119,6 +132,11 @@ class LayerReadiness:
     """
 
     __slots__ = ("_current", "_cv", "_dead", "_error", "_events", "_flush", "queued_layers")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the load (1 for a whole copy: it is ready at once)."""
+        return len(self._events)
 
     def __init__(self, num_layers: int, current: Callable[[], Any], flush: Callable[[], None],
                  dead: Callable[[], BaseException | None]) -> None:
@@ -183,7 +201,7 @@ class LayerwiseHandle(CopyHandle):
     Layers complete in order. ``await handle`` / ``await handle.done()`` wait for all of them.
     """
 
-    __slots__ = ("_layers", "_ready")
+    __slots__ = ("_layers",)
 
     def __init__(
         self,
@@ -194,9 +212,8 @@ class LayerwiseHandle(CopyHandle):
         num_bytes: int,
         ready: LayerReadiness | None = None,
     ) -> None:
-        super().__init__("h2d_layerwise", fut, src_indices, dst_indices, num_bytes)
+        super().__init__("h2d_layerwise", fut, src_indices, dst_indices, num_bytes, ready)
         self._layers = layer_futs
-        self._ready = ready
 
     @property
     def num_layers(self) -> int:
@@ -237,6 +254,47 @@ class GroupHandle(CopyHandle):
                          sum(p.num_bytes for p in parts))
         self.parts = tuple(parts)
 
+    def wait_device(self, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Every part, see :meth:`CopyHandle.wait_device`."""
+        for part in self.parts:
+            part.wait_device(stream, timeout=timeout)
+
+
+class LayeredGroup(GroupHandle):
+    """A hybrid load: a layer-wise KV load (``parts[0]``, with its riders) and copies loaded
+    whole (SWA KV, Mamba states). Layer ``i`` is in place once the KV load's layer ``i`` and
+    every whole copy are: a forward starts layer 0 without waiting for the KV's later layers."""
+
+    __slots__ = ()
+
+    def __init__(self, parts: Sequence[CopyHandle]) -> None:
+        if not parts or not isinstance(parts[0], LayerwiseHandle):
+            raise InvalidInputError("a LayeredGroup's first part must be a layer-wise load")
+        super().__init__(parts)
+
+    @property
+    def kv(self) -> LayerwiseHandle:
+        kv = self.parts[0]
+        assert isinstance(kv, LayerwiseHandle)
+        return kv
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.num_layers
+
+    def layer(self, i: int) -> Awaitable:
+        """An awaitable resolving once layer ``i`` of the KV load and every whole copy are
+        in place (the first error of those, if any failed)."""
+        kv_layer = self.kv.layer(i)
+        return Awaitable(_all_of([kv_layer._fut, *(p._fut for p in self.parts[1:])]))
+
+    def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Layer ``i`` of the KV load (and its riders) and every whole copy, on the device;
+        see :meth:`LayerwiseHandle.wait_layer`."""
+        self.kv.wait_layer(i, stream, timeout=timeout)
+        for part in self.parts[1:]:
+            part.wait_device(stream, timeout=timeout)
+
 
 class LayerwiseGroup(LayerwiseHandle):
     """A layer-wise load with the copies that ride it (sidecar pools, see
@@ -258,6 +316,10 @@ class LayerwiseGroup(LayerwiseHandle):
         :meth:`LayerwiseHandle.wait_layer`."""
         for part in self.parts:
             part.wait_layer(i, stream, timeout=timeout)
+
+    def wait_device(self, stream: Any = None, *, timeout: float | None = None) -> None:
+        for part in self.parts:
+            part.wait_device(stream, timeout=timeout)
 
 
 def _joined(parts: Sequence[CopyHandle]) -> asyncio.Future[Any]:
@@ -286,6 +348,29 @@ def _joined(parts: Sequence[CopyHandle]) -> asyncio.Future[Any]:
     for p in parts:
         p.add_done_callback(one_done)
     return fut
+
+
+def _all_of(futs: Sequence[asyncio.Future[Any]]) -> asyncio.Future[Any]:
+    """A future resolved once every one of ``futs`` is: the first one's result, or the first
+    error among them (in order)."""
+    out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    out.add_done_callback(_retrieve)
+    left = [len(futs)]
+
+    def one_done(_f: asyncio.Future[Any]) -> None:
+        left[0] -= 1
+        if left[0] or out.done():
+            return
+        for f in futs:
+            if f.cancelled() or f.exception() is not None:
+                out.set_exception(f.exception() if not f.cancelled()
+                                  else TransferError("a part of the load was cancelled"))
+                return
+        out.set_result(futs[0].result())
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    return out
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

@@ -330,14 +330,16 @@ class StagedWorker(WorkerBase):
                 out.error, out.last = exc, True
                 lane.issued.put(out)  # the completer syncs the slot, gives it back, fails the job
                 return
-            if job.ready is not None and out.layers_after > 0:
-                # the layers' device work is queued: a forward may wait for it on the device
+            upto = out.layers_after if layerwise else (1 if out.last else 0)
+            if job.ready is not None and upto > 0:
+                # the layers' (a whole load's) device work is queued: a forward may wait for
+                # it on the device
                 try:
                     done = self._layer_events.pop()
                 except IndexError:
                     done = self.streams.event()
                 done.record(lane.kernel_stream if self.direct else lane.copy_stream)
-                job.ready.queued(out.layers_after, done)
+                job.ready.queued(upto, done)
             lane.issued.put(out)
         if h2d and not self.direct:
             self.mark_host_done(job)  # every host page is in staging now

@@ -312,6 +312,8 @@ class WorkerBase:
         self, job: Job, res: CopyResult | None, err: BaseException | None, items: list[Completion]
     ) -> None:
         """Post ``items`` then the job's own completion, after its bookkeeping, in one batch."""
+        if job.ready is not None and res is not None:  # in place (no-op if said when queued)
+            job.ready.queued(job.ready.num_layers, None)
         self.mark_host_done(job, settled=True)
         if job.on_done is not None:
             items.append((None, functools.partial(job.on_done, res, err), None))

@@ -19,7 +19,12 @@ from asynccache.engine.tiering import Tiering
 from asynccache.errors import InvalidInputError, PoolExhaustedError, TransferError
 from asynccache.logs import get_logger
 from asynccache.transfers.engine import CopyEngine
-from asynccache.transfers.handles import CopyHandle, LayerwiseGroup, LayerwiseHandle
+from asynccache.transfers.handles import (
+    CopyHandle,
+    LayeredGroup,
+    LayerwiseGroup,
+    LayerwiseHandle,
+)
 from asynccache.transfers.hybrid_copies import GroupHandle
 from asynccache.tree import LoadBackTicket, LockReceipt, MatchResult
 
@@ -45,26 +50,32 @@ class LoadBack:
     error: BaseException | None = None
     abandoned: bool = False
     committed: Any = None  # multi-rank: a coroutine function that ticks until it is committed
-    # Hybrid caches: the FULL, SWA and Mamba copies together; ``layer(i)`` then waits for all.
+    # Hybrid caches: the FULL, SWA and Mamba copies together (a LayeredGroup when the FULL
+    # copy is layer-wise: ``layer(i)`` waits for its layer i and the whole SWA / Mamba copies).
     group: CopyHandle | None = None
     # The layer-wise loads of the KV pool's sidecars, by name (they ride the KV copy).
     sidecars: dict[str, LayerwiseHandle] = field(default_factory=dict)
 
     def layer(self, i: int) -> Any:
+        """An awaitable for layer ``i`` in place (a hybrid load: the KV's layer ``i`` and the
+        SWA / Mamba copies, which load whole; a load of components only: the whole load)."""
+        if isinstance(self.group, LayeredGroup):
+            return self.group.layer(i)
         if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
             return (self.group or self.handle).done()
         return self.handle.layer(i)
 
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
         """From the forward's thread: make ``stream`` (default: the current stream) wait *on
-        the device* until layer ``i`` is in place (with the KV pool's sidecars), blocking this
-        thread only until the layer's copy is queued. CPU pools: returns once it is in place.
-        A failed copy raises :class:`TransferError`; coroutines ``await layer(i)`` instead."""
-        if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
-            raise InvalidInputError(
-                "this load is not layer by layer (a hybrid cache's FULL/SWA/Mamba load, or one "
-                "loaded whole): await lb.layer(i) or lb.wait() instead")
-        self.handle.wait_layer(i, stream, timeout=timeout)
+        the device* until layer ``i`` is in place (with the KV pool's sidecars, and a hybrid
+        load's SWA / Mamba copies, which load whole), blocking this thread only until the
+        layer's copy is queued. CPU pools: returns once it is in place. A failed copy raises
+        :class:`TransferError`; coroutines ``await layer(i)`` instead."""
+        target = self.group if self.group is not None else self.handle
+        if isinstance(target, LayerwiseHandle | LayeredGroup):
+            target.wait_layer(i, stream, timeout=timeout)
+        else:  # loaded whole (a hybrid load of SWA / Mamba copies only): all of it
+            target.wait_device(stream, timeout=timeout)
 
     def sidecar_layer(self, name: str, i: int) -> Any:
         """An awaitable for layer ``i`` of sidecar ``name`` (a draft model's layer ``i``);
@@ -205,7 +216,8 @@ class LoadBacks:
             if len(ticket.device_slots):
                 copies.insert(0, self._copier().submit_h2d_layerwise(ticket.host_slots,
                                                                    ticket.device_slots))
-            group = GroupHandle(copies)
+            group = (LayeredGroup(copies) if isinstance(copies[0], LayerwiseHandle)
+                     else GroupHandle(copies))
             handle = copies[0]
             total = match.device_prefix_len + match.host_hit_length
             tail = self.tree.tail_slots(match.best_node, total) if total else None

@@ -417,3 +417,39 @@ async def test_alloc_device_waits_for_hybrid_write_backs(make_cache: Any) -> Non
     want["swa"] = want["swa"][:, :, len(TOKENS) - 4 :]
     assert_same(served(cache, lb.device_indices, swa_tail=4), want)
     cache.release_load(lb)
+
+
+async def test_a_forward_waits_for_each_layer_of_a_hybrid_load_back(make_cache: Any) -> None:
+    """``lb.wait_layer(i)`` of a FULL+SWA+Mamba load-back from the forward's thread: once it
+    returns, the FULL layer i, the SWA window and the Mamba state are in place (CPU pools)."""
+    from asynccache.transfers.handles import LayeredGroup
+
+    cache, want = await cache_and_write(make_cache, "full+swa+mamba")
+    cache.evict(len(TOKENS))
+    zero_device(cache)
+    hy = cache.hybrid
+    req = cache.admit([*TOKENS, 1])
+    lb = cache.begin_load_back_request(req)
+    assert lb is not None and isinstance(lb.group, LayeredGroup)
+    layers = cache.device_pool.shape.num_layers
+    seen: dict[Any, Any] = {}
+
+    def forward() -> None:
+        for layer in range(layers):
+            lb.wait_layer(layer, timeout=30.0)
+            seen[layer] = cache.device_pool.kv[layer].clone()
+            if layer == 0:
+                seen["swa"] = hy.swa_pool.kv.clone()
+                seen["mamba"] = hy.mamba_pool.states.clone()
+
+    await asyncio.wait_for(asyncio.to_thread(forward), 30.0)
+    await asyncio.wait_for(cache.finish_load_back_request(req, lb), 30.0)
+    assert_same(served(cache, req.slots), want)
+    slots = torch.from_numpy(req.slots)
+    for layer in range(layers):
+        assert torch.equal(seen[layer][:, slots], cache.device_pool.kv[layer][:, slots])
+    swa = torch.from_numpy(hy.swa_map.translate(req.slots))
+    assert torch.equal(seen["swa"][:, :, swa], hy.swa_pool.kv[:, :, swa])
+    m = cache.match_prefix(TOKENS, cow_mamba=True)
+    assert torch.equal(seen["mamba"][m.mamba_cow_slot], hy.mamba_pool.states[m.mamba_cow_slot])
+    cache.abort_req(req)

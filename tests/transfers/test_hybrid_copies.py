@@ -148,3 +148,78 @@ async def test_state_copies_wait_for_the_kernel_that_writes_them(kind: str, late
     finally:
         await copier.aclose()
     assert not [t for t in threading.enumerate() if t.name.startswith("asynccache-states")]
+
+
+# --------------------------------------------------------------------------- hybrid layers
+async def test_a_hybrid_load_layer_waits_for_its_kv_layer_and_the_whole_copies() -> None:
+    """LayeredGroup: layer i = the KV load's layer i plus every copy loaded whole (SWA KV,
+    Mamba states), not the KV's later layers; the first error among those fails it."""
+    from asynccache.errors import TransferError
+    from asynccache.transfers.handles import CopyHandle, LayeredGroup, LayerwiseHandle
+
+    loop = asyncio.get_running_loop()
+    idx = np.arange(2)
+    layer_futs = [loop.create_future() for _ in range(3)]
+    kv = LayerwiseHandle(loop.create_future(), layer_futs, idx, idx, 96)
+    swa = CopyHandle("h2d", loop.create_future(), idx, idx, 32)
+    group = LayeredGroup([kv, swa])
+    assert group.num_layers == 3 and group.num_bytes == 128
+    first = asyncio.ensure_future(_awaited(group.layer(0)))
+    layer_futs[0].set_result("kv layer 0")
+    await asyncio.sleep(0)
+    assert not first.done()  # the SWA copy is not in place yet
+    swa._fut.set_result("swa")
+    assert await _guarded(first) == "kv layer 0"
+    assert not group.layer(1).finished and not group.finished  # later KV layers: not waited
+    layer_futs[1].set_exception(TransferError("layer 1 lost"))
+    with pytest.raises(TransferError, match="layer 1 lost"):
+        await _guarded(_awaited(group.layer(1)))
+    with pytest.raises(InvalidInputError, match="first part must be a layer-wise load"):
+        LayeredGroup([swa, kv])
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
+async def test_a_forward_waiting_on_the_device_sees_a_hybrid_layer_in_place(late: Any) -> None:
+    """wait_layer(i, stream) of a hybrid load from the forward's thread: a kernel queued on
+    that stream after it reads the KV's layer i and the whole SWA copy as loaded (late
+    streams: the copies run later, out of order)."""
+    from asynccache.transfers.handles import LayeredGroup
+
+    ps = 2
+    full_shape = KVShape(4, 2, 4, torch.float32)
+    swa_shape = KVShape(1, 2, 4, torch.float32)
+    fdev, fhost = DevicePool(full_shape, 8, ps, device="cpu"), HostPool(full_shape, 8, ps)
+    sdev, shost = DevicePool(swa_shape, 8, ps, device="cpu"), HostPool(swa_shape, 8, ps)
+    for pool, seed in ((fhost, 8), (shost, 9)):
+        g = torch.Generator().manual_seed(seed)
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
+    f_src, f_dst = np.array([4, 5, 0, 1]), np.array([2, 3, 6, 7])
+    s_src, s_dst = np.array([6, 7]), np.array([0, 1])
+    want_f, want_s = fhost.read_slots(f_src).clone(), shost.read_slots(s_src).clone()
+    forward = late.new_stream("forward")
+    seen: dict[Any, Any] = {}
+    async with CopyEngine(fdev, fhost, streams=late) as full, \
+            CopyEngine(sdev, shost, streams=late) as swa:
+        group = LayeredGroup([full.submit_h2d_layerwise(f_src, f_dst),
+                              swa.submit_h2d(s_src, s_dst)])
+
+        def run_forward() -> None:
+            for i in range(4):
+                group.wait_layer(i, forward, timeout=30.0)
+
+                def attention(i: int = i) -> None:
+                    seen[i] = fdev.read_slots(f_dst)[i].clone()
+                    seen["swa", i] = sdev.read_slots(s_dst).clone()
+
+                late.launch(forward, attention)
+            forward.synchronize()
+
+        await asyncio.to_thread(run_forward)
+        await _guarded(group)
+        group.wait_device(forward)  # landed: nothing left to wait for
+    for i in range(4):
+        assert torch.equal(seen[i], want_f[i]), f"KV layer {i} read before it was in place"
+        assert torch.equal(seen["swa", i], want_s), f"SWA read before it was in place ({i})"
