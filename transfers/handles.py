@@ -362,9 +362,11 @@ def _all_of(futs: Sequence[asyncio.Future[Any]]) -> asyncio.Future[Any]:
         if left[0] or out.done():
             return
         for f in futs:
-            if f.cancelled() or f.exception() is not None:
-                out.set_exception(f.exception() if not f.cancelled()
-                                  else TransferError("a part of the load was cancelled"))
+            if f.cancelled():
+                out.set_exception(TransferError("a part of the load was cancelled"))
+                return
+            if (exc := f.exception()) is not None:
+                out.set_exception(exc)
                 return
         out.set_result(futs[0].result())
 
