@@ -337,3 +337,28 @@ async def test_an_engine_on_the_last_visible_device() -> None:
             await load.layer(i)
         await load
         assert _same(dev.read_slots(d), want)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str) -> None:
+    """Separate lanes on the GPU: a backup fenced behind a long kernel on a side stream; a
+    layer-wise load of other pages submitted after it lands first, bit-exact, and the
+    backup then copies what the kernel wrote."""
+    shape = KVShape(2, 8, 128, "fp16")  # 128 KiB pages: page_first goes by direct DMA
+    dev = DevicePool(shape, 64 * PAGE, PAGE)
+    host = HostPool(shape, 64 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
+    _fill(host.kv, 5)
+    b, ld = _slots(np.arange(32)), _slots(np.arange(32, 64))
+    side, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    async with CopyEngine(dev, host) as engine:
+        assert engine.separate_lanes
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)  # ~0.3 s on a 1.5-2 GHz GPU
+            dev.kv[:, :, : 32 * PAGE].fill_(3.0)
+        backup = engine.submit_d2h(b, b, after=side)
+        load = engine.submit_h2d_layerwise(ld, ld, after=idle)
+        await load
+        assert not backup.finished
+        assert _same(dev.read_slots(ld), host.read_slots(ld))
+        await backup
+    assert bool((host.read_slots(b) == 3.0).all())
