@@ -27,6 +27,12 @@ Variants (each one's options in its ``--policies`` entry, ``lhd:CLASSES:OPT:...`
 * ``h=H``: rank by the hits within the next H x mean eviction age per time spent, instead of
   LHD's hits until eviction.
 * ``last`` / ``insert``: age since the last use or since the insert.
+* ``arc``: the hybrid: ``arc``'s adaptive once/reused split (a page is reused once matched or
+  re-inserted from a ghost; a ghost hit moves the once target ``p`` by the ARC rule), the
+  victim of the once class the lowest hit density of the sampled once leaves (the classes
+  then split the once pages: ``seg``, ``tail``...), of the reused class the least recently
+  used of the sampled reused leaves. One ghost list of ``g`` x capacity (``g=4`` is about
+  ``arc``'s two lists of 2 x).
 
 Classes (``+``-separated parts, multiplied):
 
@@ -35,6 +41,8 @@ Classes (``+``-separated parts, multiplied):
 * ``tail``: the page is the last whole page of the request that last used it, or not.
 * ``seg``: log2 of the length of the new segment the page was inserted in (bucketed).
 * ``depth``: log2 of the page's depth in the prompt (bucketed).
+* ``par``: per-prefix popularity: the use count of the deepest matched page of the request
+  that inserted the page (the prefix its segment extends): 0-1, 2-3, 4-15, 16+.
 * ``oracle``: future knowledge, a ceiling and not a policy: whether the page is used again
   after its current use (the "dead page" oracle of docs/eviction.md). With ``gh`` it checks
   that the hit-density machinery can use a perfect class.
@@ -94,7 +102,11 @@ class LHDCache:
     def __init__(self, capacity: int, npages: int, classes: tuple[str, ...], sample: int,
                  ghost: float, age: str, seed: int, ghost_hits: bool = False,
                  horizon: float = 0.0, mono: bool = False, carry: bool = False,
-                 decay: float = 0.9) -> None:
+                 arc: bool = False, decay: float = 0.9) -> None:
+        self.arc = arc  # hybrid: arc's adaptive once/reused split, hit density inside "once"
+        self.p = 0.5 * capacity
+        self.nreused = 0
+        self.ghost_n = [0, 0]  # ghosts of once / reused pages
         self.horizon = horizon
         self.mono = mono
         self.carry = carry
@@ -114,6 +126,8 @@ class LHDCache:
         self.seg = bytearray(n)
         self.depth = bytearray(n)
         self.x = bytearray(n)  # an externally given class per page (analysis only)
+        self.reused = bytearray(n)  # arc's class: matched, or re-inserted from a ghost
+        self.par = bytearray(n)  # uses of the prefix the page's segment extended (bucketed)
         self.extra: list[int] | None = None  # per position of the current request
         self.parent = [-1] * n
         self.children = [0] * n
@@ -127,7 +141,7 @@ class LHDCache:
         # class index layout
         self.dims = []
         for c in classes:
-            self.dims.append({"uses": 4, "tail": 2, "seg": 4, "depth": 4, "x": 4, "oracle": 2}[c])
+            self.dims.append({"uses": 4, "tail": 2, "seg": 4, "depth": 4, "x": 4, "oracle": 2, "par": 4}[c])
         ncls = 1
         for d in self.dims:
             ncls *= d
@@ -151,6 +165,8 @@ class LHDCache:
                 v = self.tail[k]
             elif name == "seg":
                 v = self.seg[k]
+            elif name == "par":
+                v = self.par[k]
             elif name in ("x", "oracle"):
                 v = self.x[k]
             else:
@@ -260,25 +276,41 @@ class LHDCache:
             dens[a] = known = hits / time
 
     # ---- eviction
+    def _pick(self, now: int, want: int) -> int:
+        """The lowest-density leaf of ``--sample`` sampled (of arc class ``want`` unless -1;
+        the reused class in LRU order)."""
+        leaves, locked, reused = self.leaves, self.locked, self.reused
+        best = -1
+        best_key = None
+        n = len(leaves)
+        tries = got = 0
+        limit = (16 if want >= 0 else 4) * self.sample
+        while got < self.sample and tries < limit:
+            tries += 1
+            k = leaves[self.rng.randrange(n)]
+            if k in locked or (want >= 0 and reused[k] != want):
+                continue
+            got += 1
+            if want == 1:
+                key = (0.0, self.last[k])
+            else:
+                key = (self.dens[self.cls(k)][self.agebin(k, now)], self.last[k])
+            if best_key is None or key < best_key:
+                best_key, best = key, k
+        return best
+
     def _evict_one(self, now: int) -> bool:
         leaves, locked = self.leaves, self.locked
         if not leaves:
             return False
         best = -1
-        best_key = None
-        n = len(leaves)
-        tries = 0
-        got = 0
-        while got < self.sample and tries < 4 * self.sample:
-            tries += 1
-            k = leaves[self.rng.randrange(n)]
-            if k in locked:
-                continue
-            got += 1
-            d = self.dens[self.cls(k)][self.agebin(k, now)]
-            key = (d, self.last[k])
-            if best_key is None or key < best_key:
-                best_key, best = key, k
+        if self.arc:
+            first = 0 if self.size - self.nreused > self.p else 1
+            best = self._pick(now, first)
+            if best < 0:
+                best = self._pick(now, 1 - first)
+        else:
+            best = self._pick(now, -1)
         if best < 0:
             cand = [k for k in leaves if k not in locked]
             if not cand:
@@ -294,9 +326,15 @@ class LHDCache:
         self.size -= 1
         self._leaf_del(k)
         if self.ghost_cap:
-            self.ghost[k] = (self.uses[k], c, b, self.born[k] if self.age_insert else self.last[k])
+            r = self.reused[k]
+            self.ghost[k] = (self.uses[k], c, b, self.born[k] if self.age_insert else self.last[k],
+                             r)
+            self.ghost_n[r] += 1
             if len(self.ghost) > self.ghost_cap:
-                self.ghost.popitem(last=False)
+                self.ghost_n[self.ghost.popitem(last=False)[1][4]] -= 1
+        if self.reused[k]:
+            self.reused[k] = 0
+            self.nreused -= 1
         par = self.parent[k]
         if par >= 0 and self.cached[par]:
             self.children[par] -= 1
@@ -320,10 +358,15 @@ class LHDCache:
             self._tick()
             self.uses[k] += 1
             self.last[k] = t
+            if not self.reused[k]:
+                self.reused[k] = 1
+                self.nreused += 1
             self.tail[k] = i == L - 1
             if self.extra is not None:
                 self.x[k] = self.extra[i]
         seg = min(3, max(0, (L - m).bit_length() - 3))
+        pu = self.uses[keys[m - 1]] if m else 0
+        pcls = 0 if pu <= 1 else 1 if pu <= 3 else 2 if pu <= 15 else 3
         for i in range(m, L):
             while self.size >= self.capacity and self._evict_one(t):
                 pass
@@ -339,6 +382,14 @@ class LHDCache:
             self.uses[k] = 1
             if g is not None:
                 self.uses[k] = g[0] + 1
+                self.ghost_n[g[4]] -= 1
+                self.reused[k] = 1
+                self.nreused += 1
+                once_g, reused_g = self.ghost_n
+                if g[4]:  # arc: a ghost of a reused page shrinks the once target
+                    self.p = max(0.0, self.p - max(1.0, once_g / max(1, reused_g)))
+                else:
+                    self.p = min(self.capacity, self.p + max(1.0, reused_g / max(1, once_g)))
                 if self.ghost_hits:
                     # the evicted page came back: had it stayed, this was a hit of its class
                     # at this age, not an eviction at the earlier one
@@ -347,6 +398,7 @@ class LHDCache:
                     self.evicts[g[1]][g[2]] = max(0.0, self.evicts[g[1]][g[2]] - 1)
             self.tail[k] = i == L - 1
             self.seg[k] = seg
+            self.par[k] = pcls
             self.depth[k] = min(3, max(0, i.bit_length() - 3))
             if self.extra is not None:
                 self.x[k] = self.extra[i]
@@ -370,7 +422,7 @@ def run(ps: list[Prompt], npages: int, capacity: int, spec: dict) -> float:
     else:
         cache = LHDCache(capacity, npages, tuple(spec["classes"].split("+")), spec["sample"],
                          spec["ghost"], spec["age"], spec["seed"], spec["ghost_hits"], spec["horizon"],
-                         spec["mono"], spec["carry"])
+                         spec["mono"], spec["carry"], spec["arc"])
     extra = None
     if pol == "lhd" and "oracle" in spec["classes"].split("+"):
         # future knowledge (a ceiling, not a policy): is the page used again after this use?
@@ -411,7 +463,8 @@ def main() -> None:
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--policies", default=(
         "lru,arc,split:0.5,split:0.02,lhd:uses,lhd:uses+tail,lhd:uses:g=1:gh:mono,"
-        "lhd:uses:g=2:gh:mono,lhd:oracle:g=2:gh"),
+        "lhd:uses:g=2:gh:mono,lhd:uses:g=4:gh:mono:arc,lhd:seg:g=4:gh:mono:arc,"
+        "lhd:oracle:g=2:gh"),
                     help="comma-separated: lru, arc (2x ghosts), lhd (with the flags below); "
                          "lhd:CLASSES[:OPT...] sets a variant's own options: last|insert (age), "
                          "g=GHOST, gh (ghost hits), h=HORIZON; e.g. lhd:uses+tail:insert:g=2")
@@ -445,7 +498,7 @@ def main() -> None:
             spec = dict(name=p, policy="lhd", classes=args.classes, age=args.age,
                         sample=args.sample, ghost=args.ghost, seed=args.seed,
                         ghost_hits=args.ghost_hits, horizon=args.horizon, mono=False,
-                        carry=False)
+                        carry=False, arc=False)
             for i, opt in enumerate(parts[1:]):
                 if opt in ("last", "insert"):
                     spec["age"] = opt
@@ -455,6 +508,8 @@ def main() -> None:
                     spec["mono"] = True
                 elif opt == "carry":
                     spec["carry"] = True
+                elif opt == "arc":
+                    spec["arc"] = True
                 elif opt.startswith("g="):
                     spec["ghost"] = float(opt[2:])
                 elif opt.startswith("h="):
