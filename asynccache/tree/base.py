@@ -292,16 +292,16 @@ class TreeBase:
     def _touch_path(self, path: list[Node]) -> None:
         """A match walked ``path`` (root first): stamp each node's access, deepest newest, and
         re-file the queued ones under access-ordered policies."""
-        if not path:
-            return
-        base = self._clock
-        for i, n in enumerate(path):
-            n.last_access = base + i + 1
-        self._clock = base + len(path)
-        if self._touch_requeues:
-            for n in path:
-                if n.aux[0] is not None or n.aux[1] is not None or n.aux[2] is not None:
+        clock = self._clock
+        requeue = self._touch_requeues
+        for n in path:  # one pass: a node's re-filing reads only its own stamp
+            clock += 1
+            n.last_access = clock
+            if requeue:
+                aux = n.aux
+                if aux[DLEAF] is not None or aux[HLEAF] is not None or aux[HDUP] is not None:
                     self._requeue(n)
+        self._clock = clock
 
     def _child_key(self, parent: Node, page: bytes, ns: Any) -> Any:
         if parent is self._root and ns is not DEFAULT_NAMESPACE:

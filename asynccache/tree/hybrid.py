@@ -21,7 +21,7 @@ from asynccache.tree.components.layout import ACCT, LOCK, STAMP
 from asynccache.tree.config import _check_count
 from asynccache.tree.events import Medium
 from asynccache.tree.keys import DEFAULT_NAMESPACE, RadixKey
-from asynccache.tree.node import DLEAF, HDUP, Node, frozen, state_slot
+from asynccache.tree.node import DLEAF, HDUP, Node, frozen, joined, state_slot
 from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, MatchResult
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def match(tree: TreeBase, key: RadixKey, cow_mamba: bool) -> MatchResult:
         indices = path[0].value
         assert indices is not None
     else:
-        indices = np.concatenate([n.value for n in path[:best_count]])
+        indices = joined([n.value for n in path[:best_count]])
     full_hit = off >> sh
     res = MatchResult(
         device_indices=indices,
@@ -271,7 +271,7 @@ def insert(
     swa = tree._swa
     mamba = tree._mamba
     floor_a = -(-floor // ps) * ps
-    res = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
+    res = InsertResult(0, n_tok, 0)  # (prefix_len, cached_len, last_node)
     frees = res.device_frees
     swa_frees: list[np.ndarray] = []
     si = -1

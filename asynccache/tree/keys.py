@@ -92,6 +92,10 @@ def encode_tokens(tokens: Any) -> bytes:
     if kind is list or kind is tuple:
         if _ARRAY_I_OK:
             try:  # one C pass: ints (and numpy ints) in [0, 2**32)
+                if kind is list:  # fromlist reads the list directly (a quarter fewer steps)
+                    ids = array("I")
+                    ids.fromlist(tokens)
+                    return ids.tobytes()
                 return array("I", tokens).tobytes()
             except (OverflowError, TypeError, ValueError):
                 pass  # find and name the bad value below
@@ -131,7 +135,10 @@ _INT_TYPECODES: Final = frozenset("bBhHiIlLqQ")
 _LITTLE: Final = sys.byteorder == "little"
 _U32: Final = np.dtype("<u4")
 _I32: Final = np.dtype("<i4")
-_count_nonzero = np.count_nonzero
+try:  # the C function np.count_nonzero calls for a whole array, without its Python wrapper
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # numpy < 2
+    _count_nonzero = np.count_nonzero
 _min_of = np.minimum.reduce
 
 

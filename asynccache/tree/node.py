@@ -111,6 +111,13 @@ def frozen(slots: np.ndarray) -> np.ndarray:
     return np.frombuffer(slots.tobytes(), slots.dtype)
 
 
+def joined(parts: list[Any]) -> np.ndarray:
+    """The slot arrays ``parts`` (the tree's own: contiguous int64) end to end, as one read-only
+    array over a bytes copy (bytes.join reads each array's buffer: for the few parts of a match
+    path, two fifths cheaper than np.concatenate)."""
+    return np.frombuffer(b"".join(parts), np.int64)
+
+
 # One read-only table of state slot numbers: a node's Mamba state is a one-element view of it
 # (a view costs a fifth of a fresh one-element array, on every insert of a Mamba tree).
 _STATES_MAX = 1 << 20

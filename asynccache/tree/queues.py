@@ -180,7 +180,11 @@ class StampQueue:
         if old is not None:
             if old == stamp:
                 return
-            self._remove(old, node.id)
+            if self._dups:
+                self._remove(old, node.id)
+            else:  # no equal stamps anywhere (the usual case): _remove's last branch
+                assert self._ids.get(old) == node.id, "queue entry does not match its node"
+                self._clear(old)
         else:
             self._live += 1
         node.aux[slot] = stamp

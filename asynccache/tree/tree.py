@@ -24,7 +24,7 @@ from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.host_tier import HostTier
 from asynccache.tree.keys import DEFAULT_NAMESPACE, BigramKey, RadixKey
-from asynccache.tree.node import DLEAF, Node, frozen, state_slot
+from asynccache.tree.node import DLEAF, Node, frozen, joined, state_slot
 from asynccache.tree.results import (
     EMPTY_SLOTS,
     EvictResult,
@@ -97,7 +97,7 @@ class RadixTree(HostTier):
         elif len(values) == 1:
             indices = values[0]
         else:
-            indices = np.concatenate(values)
+            indices = joined(values)
         return MatchResult(  # positional: device_indices ... full_kv_hit_length
             indices,
             len(indices),
@@ -197,7 +197,7 @@ class RadixTree(HostTier):
         root = self._root
         node = root
         off = 0
-        result = InsertResult(prefix_len=0, cached_len=n_tok, last_node=0)
+        result = InsertResult(0, n_tok, 0)  # (prefix_len, cached_len, last_node)
         frees = result.device_frees
         children = root.children
         ck = self._child_key(root, data[:pb], ns)

@@ -123,3 +123,36 @@ def test_namespaces_and_bigrams_from_fast_paths() -> None:
     big = BigramKey(array("q", tokens))
     assert big.pairs == [(3, 1), (1, 4), (4, 1), (1, 5)]
     assert big.data == BigramKey(tokens).data
+
+
+# A list's ids take array.fromlist, a tuple's the array constructor: both must give the bytes
+# and name the bad value exactly as the element-by-element path does.
+_LIST_ITEMS = st.one_of(
+    st.integers(0, MAX),
+    st.sampled_from([-1, MAX + 1, 2**64, -(2**63), True, False, 2.0, "3", None]),
+    st.integers(0, MAX).map(np.int64),
+    st.integers(0, 2**16 - 1).map(np.uint16),
+    st.sampled_from([np.int64(-1), np.uint64(MAX + 1)]),
+)
+
+
+@given(st.lists(_LIST_ITEMS, max_size=30))
+def test_list_and_tuple_keys_match_the_element_by_element_path(items) -> None:
+    from asynccache.tree.keys import _encode_slow
+
+    try:
+        want: bytes | str = _encode_slow(items)
+    except InvalidInputError as exc:
+        want = str(exc)
+    for form in (items, tuple(items)):
+        try:
+            got: bytes | str = RadixKey(form).data
+        except InvalidInputError as exc:
+            got = str(exc)
+        assert got == want, type(form)
+
+
+def test_a_failed_list_key_leaves_nothing_behind() -> None:
+    with pytest.raises(InvalidInputError, match=r"token id -7 at position 2 "):
+        RadixKey([1, 2, -7, 4])
+    assert RadixKey([1, 2, 7, 4]).data == _want([1, 2, 7, 4])

@@ -358,3 +358,25 @@ def test_radix_key_reused_for_match_and_insert(alloc) -> None:
     m = tree.match_prefix(key)
     assert m.device_prefix_len == 4
     assert tree.match_prefix([1, 2, 3, 4]).device_prefix_len == 0
+
+
+def test_a_match_over_several_nodes_joins_their_slots_read_only() -> None:
+    """The match concatenates its path's slot arrays with bytes.join (node.joined): the same
+    int64 values as np.concatenate, in a read-only array that aliases no node's slots."""
+    from asynccache.tree.node import joined
+
+    parts = [np.arange(3, dtype=np.int64), np.array([2**40, 0], np.int64), np.array([7], np.int64)]
+    out = joined(parts)
+    assert out.dtype == np.int64 and not out.flags.writeable
+    assert np.array_equal(out, np.concatenate(parts))
+    assert joined([parts[0]]).tolist() == [0, 1, 2]
+    for ps in (1, 4):
+        tree = RadixTree(page_size=ps)
+        tree.insert(RadixKey(list(range(16))), np.arange(100, 116, dtype=np.int64))
+        tree.insert(RadixKey(list(range(8)) + [50] * 8), np.arange(200, 216, dtype=np.int64))
+        tree.insert(RadixKey(list(range(12)) + [60] * 4), np.arange(300, 316, dtype=np.int64))
+        m = tree.match_prefix(RadixKey(list(range(16))))
+        assert m.device_prefix_len == 16
+        assert m.device_indices.tolist() == list(range(100, 116))
+        assert not m.device_indices.flags.writeable
+        tree.sanity_check()
