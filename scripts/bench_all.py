@@ -58,6 +58,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if "ratio_to_raw_copy_same_footprint" in cache:
             add("cache bytes/s vs raw copy over the pools' footprint",
                 cache["ratio_to_raw_copy_same_footprint"], 0.7)
+    transfers = results.get("transfers", {}).get("result")
+    if transfers and "lanes" in transfers:
+        add("transfers: layer-wise load behind a backup, separate lanes / one lane",
+            transfers["lanes"]["load_latency_ratio"], 1.0, higher_is_better=False)
     replay = results.get("replay", {}).get("result")
     if replay:
         add("replay fraction of the infinite-cache bound",
@@ -81,7 +85,7 @@ def main() -> None:
     tree_args = quick + (["--sglang-python", args.sglang_python] if args.sglang_python else [])
     results = {
         "tree": run("bench_tree.py", tree_args),
-        "transfers": run("bench_transfers.py", quick),
+        "transfers": run("bench_transfers.py", [*quick, "--lanes"]),
         "bridge": run("bench_bridge.py", quick),
         "cache": run("bench_cache.py", quick),
         "storage": run("bench_storage.py", quick),
