@@ -325,34 +325,21 @@ class LayerwiseGroup(LayerwiseHandle):
 def _joined(parts: Sequence[CopyHandle]) -> asyncio.Future[Any]:
     """A future resolved once every part finished: the first failed part's error, else one
     result for all (the first part's tokens, the summed bytes, the longest duration)."""
-    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    fut.add_done_callback(_retrieve)
     first = parts[0]
-    left = [len(parts)]
 
-    def one_done(_h: CopyHandle) -> None:
-        left[0] -= 1
-        if left[0] or fut.done():
-            return
-        for p in parts:
-            try:
-                p.result()
-            except BaseException as exc:  # the part's own error
-                fut.set_exception(exc)
-                return
+    def combined() -> CopyResult:
         results = [p.result() for p in parts]
-        fut.set_result(CopyResult(
+        return CopyResult(
             first.op, first.num_tokens, sum(p.num_bytes for p in parts),
-            min(r.queued_s for r in results), max(r.duration_s for r in results)))
+            min(r.queued_s for r in results), max(r.duration_s for r in results))
 
-    for p in parts:
-        p.add_done_callback(one_done)
-    return fut
+    return _all_of([p._fut for p in parts], combined)
 
 
-def _all_of(futs: Sequence[asyncio.Future[Any]]) -> asyncio.Future[Any]:
-    """A future resolved once every one of ``futs`` is: the first one's result, or the first
-    error among them (in order)."""
+def _all_of(futs: Sequence[asyncio.Future[Any]],
+            combined: Callable[[], Any] | None = None) -> asyncio.Future[Any]:
+    """A future resolved once every one of ``futs`` is: the first error among them (in
+    order), else ``combined()`` (default: the first one's result)."""
     out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     out.add_done_callback(_retrieve)
     left = [len(futs)]
@@ -363,12 +350,12 @@ def _all_of(futs: Sequence[asyncio.Future[Any]]) -> asyncio.Future[Any]:
             return
         for f in futs:
             if f.cancelled():
-                out.set_exception(TransferError("a part of the load was cancelled"))
+                out.set_exception(TransferError("a part of the copy was cancelled"))
                 return
             if (exc := f.exception()) is not None:
                 out.set_exception(exc)
                 return
-        out.set_result(futs[0].result())
+        out.set_result(futs[0].result() if combined is None else combined())
 
     for f in futs:
         f.add_done_callback(one_done)

@@ -228,6 +228,7 @@ class StagedWorker(WorkerBase):
             return _Lane(lane_name, streams, ring, self.direct)
 
         self.lanes = [lane("out"), lane("in")] if separate_lanes else [lane("all")]
+        self.queues = [ln.jobs for ln in self.lanes]
         self._stopped = 0  # lanes whose completer stopped
         # Layer readiness events of landed loads, for reuse (deque: thread-safe append / pop).
         self._layer_events: collections.deque[Any] = collections.deque()
@@ -255,21 +256,16 @@ class StagedWorker(WorkerBase):
 
     def submit_many(self, jobs: list[Job]) -> None:
         if not self.separate_lanes:
-            self.lanes[0].jobs.put(jobs)
+            super().submit_many(jobs)
             return
         for ln in self.lanes:
             mine = [j for j in jobs if self.lane_of(j.op) is ln]
             if mine:
                 ln.jobs.put(mine)
 
-    def stop(self, drained: Any) -> None:
-        for ln in self.lanes:
-            ln.jobs.put(Stop(drained))
-
     def _stop_others(self) -> None:
-        self._half.put(None)
+        super()._stop_others()
         for ln in self.lanes:
-            ln.jobs.put(Stop(None))
             ln.issued.put(Stop(None))
 
     def _stage(self, buf: torch.Tensor, layers: int, n: int) -> torch.Tensor:

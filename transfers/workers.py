@@ -143,7 +143,7 @@ class WorkerBase:
         self.bridge = bridge
         self.name = name
         self.num_layers = device.shape.num_layers
-        self.jobs = JobQueue()
+        self.queues: list[JobQueue] = []  # each consuming thread's jobs (set by the subclass)
         self.threads: list[threading.Thread] = []
         self.on_death = on_death
         # Guards host_done flags, staging slots and ``dead``; notified when any changes.
@@ -186,7 +186,8 @@ class WorkerBase:
             self.on_death(err)
 
     def _stop_others(self) -> None:
-        self.jobs.put(Stop(None))
+        for q in self.queues:
+            q.put(Stop(None))
         self._half.put(None)
 
     def check_alive(self) -> None:
@@ -269,10 +270,11 @@ class WorkerBase:
 
     def submit_many(self, jobs: list[Job]) -> None:
         """Hand ``jobs`` over in submission order, with one wake-up of the consuming thread."""
-        self.jobs.put(jobs)
+        self.queues[0].put(jobs)
 
     def stop(self, drained: Any) -> None:
-        self.jobs.put(Stop(drained))
+        for q in self.queues:
+            q.put(Stop(drained))
 
     def join(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -347,6 +349,8 @@ class DirectWorker(WorkerBase):
         self._dev_np = as_numpy_bytes(device.page_view())
         self._host_np = as_numpy_bytes(host.page_view())
         self._layer_page_bytes = device.page_bytes // self.num_layers
+        self.jobs = JobQueue()
+        self.queues = [self.jobs]
         self.threads = [self._thread(self._run, "worker"), self._helper_thread()]
 
     def _run(self) -> None:
