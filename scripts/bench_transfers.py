@@ -67,6 +67,11 @@ TARGET_RATIO = 0.8
 TARGET_PAGE_BYTES = 256 << 10
 
 
+#: Copies submitted together in a case's in-flight measurement (CUDA: the pools hold three
+#: batches, each in-flight copy writes pages of its own).
+IN_FLIGHT = 3
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto``: CUDA when available, else CPU."""
     if name == "auto":
@@ -167,11 +172,15 @@ async def measure_case(
     base: Baseline,
     reps: int,
     helper: ThreadPoolExecutor | None,
+    in_flight: list[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """The engine and the baselines interleaved in ``reps`` rounds (A B in even rounds, B A in
     odd ones): best GB/s of each, and per round the ratio engine / baseline of that round's
     two times (``rounds``) with its median (``ratio``): a load spike moves one pair, not the
-    comparison."""
+    comparison. ``in_flight``: destinations (disjoint) of copies of ``src`` submitted together
+    and awaited together, as a scheduler backs up or loads several requests at once: their
+    bytes / time against the same round's ``copy_`` rate (``ratio_in_flight``) -- the fixed
+    cost of one copy (thread hand-offs, issuing, the wake-up) overlaps the others' transfers."""
     submit = {
         "d2h": engine.submit_d2h,
         "h2d": engine.submit_h2d,
@@ -193,6 +202,16 @@ async def measure_case(
             times["one_thread"].append(
                 await loop.run_in_executor(helper, base.one_thread_copy, nbytes))
 
+    async def in_flight_once() -> None:
+        assert in_flight is not None
+        t = time.perf_counter()
+        await asyncio.gather(*(submit(src, d) for d in in_flight))
+        times["in_flight"].append(time.perf_counter() - t)
+
+    if in_flight:
+        times["in_flight"] = []
+        await in_flight_once()  # warm-up
+        times["in_flight"].clear()
     for i in range(reps):
         if i % 2:
             await baselines_once()
@@ -200,10 +219,18 @@ async def measure_case(
         else:
             await engine_once()
             await baselines_once()
-    out: dict[str, Any] = {k: nbytes / min(v) / 1e9 for k, v in times.items() if v}
+        if in_flight:
+            await in_flight_once()
+    k_in = len(in_flight or ())
+    out: dict[str, Any] = {k: nbytes * (k_in if k == "in_flight" else 1) / min(v) / 1e9
+                           for k, v in times.items() if v}
+    if in_flight:
+        rounds = [k_in * b / e for b, e in zip(times["copy_"], times["in_flight"], strict=True)]
+        out["rounds_in_flight"] = [round(r, 3) for r in rounds]
+        out["ratio_in_flight"] = statistics.median(rounds)
     eng = times["engine"]
     for k in ("copy_", "one_thread"):
-        if times[k]:
+        if times.get(k):
             rounds = [b / e for b, e in zip(times[k], eng, strict=True)]
             out[f"rounds_{k}"] = [round(r, 3) for r in rounds]
             out[f"ratio_{k}"] = statistics.median(rounds)
@@ -211,14 +238,18 @@ async def measure_case(
 
 
 def copy_path(engine: CopyEngine) -> str:
-    """How ``engine`` moves pages: "dma" (straight between a page_first pool's pages and the
-    device), "dma-layer_first" (the same from a layer_first pool, 2D copies), "staging" (CPU
-    gather / scatter through pinned staging) or "cpu" (CPU pools, copied page to page)."""
+    """How ``engine`` moves pages: "cpu" (CPU pools, copied page to page), "staging" (CPU
+    gather / scatter through pinned staging), or on the direct path between the pinned pool's
+    pages and the device side of the ring: "dma" (a DMA per run of host pages), "zc" (a
+    zero-copy kernel per piece) or "auto" (chosen per piece); "-layer_first" for a
+    layer_first host pool (2D copies)."""
     if engine.mode == "direct":
         return "cpu"
-    if not getattr(engine.worker, "direct", False):
+    worker = engine.worker
+    if not getattr(worker, "direct", False):
         return "staging"
-    return "dma" if engine.host_pool.layout == "page_first" else "dma-layer_first"
+    kind = {None: "auto", False: "dma", True: "zc"}[getattr(worker, "zero_copy", None)]
+    return kind if engine.host_pool.layout == "page_first" else f"{kind}-layer_first"
 
 
 async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -228,12 +259,14 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     models = ["qwen2.5-0.5b", "llama3-8b"] if quick else ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
     page_sizes = [16, 256] if quick else [16, 32, 64, 128, 256]
     patterns = ["gather", "random"] if quick else ["contiguous", "gather", "random"]
-    # page_first twice: as the engine chooses (direct DMA for large pinned pages on CUDA),
-    # then forced through the CPU staging: the two copy paths side by side in one run; on
-    # CUDA layer_first twice too: as chosen (staging) and forced to direct DMA (2D copies)
+    # page_first as the engine chooses (the direct path for large pinned pages on CUDA, a
+    # zero-copy kernel or DMAs per piece), then forced through the CPU staging; on CUDA also
+    # forced to DMAs only and to zero-copy kernels only, and layer_first the same ways (as
+    # chosen: staging): the copy paths side by side in one run
     layouts = ["layer_first", "page_first", "page_first-staged"]
     if cuda:
-        layouts.insert(1, "layer_first-dma")
+        layouts[1:1] = ["layer_first-dma", "layer_first-zc"]
+        layouts[4:4] = ["page_first-dma", "page_first-zc"]
     batch_bytes = (32 << 20) if quick else (48 << 20)
     if args.profile == "gpu_check":
         page_sizes, patterns = [16, 64, 256], ["contiguous", "random"]
@@ -264,9 +297,16 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                     layout, _, forced = variant.partition("-")
                     host = HostPool(shape, pool_pages * ps, ps, layout=layout)  # type: ignore[arg-type]
                     direct = {"staged": False, "dma": True}.get(forced)
-                    async with CopyEngine(dev, host, direct_dma=direct) as engine:
+                    zero_copy = {"dma": False, "zc": True}.get(forced)
+                    async with CopyEngine(dev, host, direct_dma=direct,
+                                          zero_copy=zero_copy) as engine:
                         for pattern in patterns:
                             sp, dp = pages_for(pattern, n, pool_pages, rng)
+                            # IN_FLIGHT copies at once, each to pages of its own
+                            order = (np.arange(pool_pages) if pattern == "contiguous"
+                                     else rng.permutation(pool_pages))
+                            dsts = [slots(order[k * n : (k + 1) * n], ps)
+                                    for k in range(IN_FLIGHT)]
                             for op in ("d2h", "h2d", "h2d_layerwise"):
                                 nbytes = n * page_bytes
                                 g = await measure_case(
@@ -278,6 +318,7 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     base,
                                     reps,
                                     helper,
+                                    dsts if cuda or args.profile == "smoke" else None,
                                 )
                                 case = {
                                     "model": model,
@@ -299,6 +340,10 @@ async def bench_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     # best engine round over best copy_ (the old figure)
                                     "ratio_best": round(g["engine"] / g["copy_"], 3),
                                 }
+                                if "ratio_in_flight" in g:
+                                    case["in_flight"] = IN_FLIGHT
+                                    case["in_flight_GBps"] = round(g["in_flight"], 2)
+                                    case["ratio_in_flight"] = round(g["ratio_in_flight"], 3)
                                 if "one_thread" in g:
                                     case["one_thread_GBps"] = round(g["one_thread"], 2)
                                     case["ratio_one_thread"] = round(g["ratio_one_thread"], 3)
@@ -470,6 +515,11 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 "median_ratio": round(statistics.median(c["ratio"] for c in big), 3),
                 "cases": len(big),
             }
+            if all("ratio_in_flight" in c for c in big):
+                by_path[f"{op}/{path}"]["in_flight_min_ratio"] = min(
+                    c["ratio_in_flight"] for c in big)
+                by_path[f"{op}/{path}"]["in_flight_median_ratio"] = round(
+                    statistics.median(c["ratio_in_flight"] for c in big), 3)
     out["by_path"] = by_path
     return out
 

@@ -10,6 +10,14 @@ Three questions, each answered by interleaved timings (A B A B, medians) in one 
 3. The copy engine on a page_first pool (llama3-8b, 2 MiB pages), whole copies of 48 MiB and
    512 MiB, direct DMA against the CPU staging path: the fixed cost per copy against the
    per-byte rate.
+4. Zero-copy kernels: a gather (``index_select``) reading pinned host pages straight over the
+   link into device memory, and a scatter (``index_copy_``) writing device pages straight into
+   pinned host pages -- one kernel per batch whatever the fragmentation, against the pinned
+   ``copy_`` peak, for pages of 64 KiB ... 2 MiB in random order.
+5. Where a 48 MiB direct-DMA copy spends its time: a ``torch.profiler`` timeline of the
+   engine (CPU threads, CUDA runtime calls, GPU copies and kernels) summarised per copy (the
+   lead before the first GPU work, the GPU span and busy time, the tail to the coroutine), and
+   the engine's time for 8 ... 192 MiB fitted as fixed cost + bytes / rate.
 
     python scripts/probe_dma.py [--jsonl PATH]      # prints one JSON object; needs CUDA
 """
@@ -118,19 +126,162 @@ async def engine_paths(batch_bytes: int, reps: int) -> dict[str, Any]:
     return out
 
 
+def host_on_device(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the bytes of pinned CPU tensor ``host``, no copy: kernels that read
+    or write it go over the link (unified addressing: registered host memory has the same
+    address on the device)."""
+
+    class _View:
+        __cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": np.dtype(str(host.dtype).removeprefix("torch.")).str,
+            "data": (host.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+
+    return torch.as_tensor(_View(), device="cuda")
+
+
+def zero_copy(batch_bytes: int, page_bytes: int, reps: int) -> dict[str, Any]:
+    words = page_bytes // 8
+    n = batch_bytes // page_bytes
+    pool_pages = 4 * n
+    host = torch.empty(pool_pages, words, dtype=torch.int64)
+    host.copy_(torch.arange(pool_pages * words, dtype=torch.int64).view(pool_pages, words))
+    register_host_memory(host)
+    alias = host_on_device(host)
+    dev = torch.empty(n, words, dtype=torch.int64, device="cuda")
+    pages = torch.from_numpy(np.random.default_rng(2).permutation(pool_pages)[:n].copy())
+    idx = pages.cuda()
+    flat_dev = dev.view(-1)
+    contiguous = host[:n].view(-1)
+    gather = lambda: torch.index_select(alias, 0, idx, out=dev)  # noqa: E731
+    scatter = lambda: alias.index_copy_(0, idx, dev)  # noqa: E731
+    _timed(gather)
+    ok_gather = bool(torch.equal(dev.cpu(), host[pages]))
+    dev.add_(1)
+    _timed(scatter)
+    ok_scatter = bool(torch.equal(host[pages], dev.cpu()))
+    times: dict[str, list[float]] = {k: [] for k in ("gather", "scatter", "copy_h2d", "copy_d2h")}
+    for i in range(reps):
+        pairs = [("gather", gather), ("copy_h2d", lambda: flat_dev.copy_(contiguous, non_blocking=True)),
+                 ("scatter", scatter), ("copy_d2h", lambda: contiguous.copy_(flat_dev, non_blocking=True))]
+        for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
+            times[name].append(_timed(fn))
+    gb = {k: batch_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {"page_bytes": page_bytes, "pages": n, "bit_exact": ok_gather and ok_scatter,
+            **{f"{k}_GBps": round(v, 2) for k, v in gb.items()},
+            "gather_ratio": round(gb["gather"] / gb["copy_h2d"], 3),
+            "scatter_ratio": round(gb["scatter"] / gb["copy_d2h"], 3)}
+
+
+async def timeline(reps: int) -> dict[str, Any]:
+    """The profile of direct-DMA copies of 48 MiB (see the module docstring, 5.)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    shape = KVShape(32, 8, 128, "fp16")  # llama3-8b, 2 MiB pages of 16 tokens
+    ps = 16
+    page = shape.bytes_per_page(ps)
+    most = 192 * MIB // page
+    dev = DevicePool(shape, 2 * most * ps, ps)
+    host = HostPool(shape, 2 * most * ps, ps, layout="page_first")
+    out: dict[str, Any] = {}
+
+    def sl(first: int, n: int) -> np.ndarray:
+        return np.arange(first * ps, (first + n) * ps)
+
+    async with CopyEngine(dev, host, direct_dma=True) as engine:
+        fit: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+        for mib in (8, 24, 48, 96, 192):
+            n = mib * MIB // page
+            for op in ("d2h", "h2d"):
+                submit = engine.submit_d2h if op == "d2h" else engine.submit_h2d
+                await submit(sl(0, n), sl(most, n))
+                ts = []
+                for _ in range(reps):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    await submit(sl(0, n), sl(most, n))
+                    ts.append(time.perf_counter() - t)
+                fit[op].append((n * page, statistics.median(ts)))
+        for op, pts in fit.items():
+            x = np.array([p[0] for p in pts], dtype=float)
+            y = np.array([p[1] for p in pts])
+            slope, fixed = np.polyfit(x, y, 1)
+            out[f"{op}_fit"] = {"fixed_us": round(fixed * 1e6, 1),
+                                "rate_GBps": round(1 / slope / 1e9, 2),
+                                "points_ms": [(b // MIB, round(t * 1e3, 3)) for b, t in pts]}
+        n = 48 * MIB // page
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                for op in ("d2h", "h2d"):
+                    submit = engine.submit_d2h if op == "d2h" else engine.submit_h2d
+                    torch.cuda.synchronize()
+                    with record_function(f"probe.{op}.{i}"):
+                        await submit(sl(0, n), sl(most, n))
+    path = "/tmp/probe_timeline.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    out["trace"] = path
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "kernel",
+                                                                         "gpu_memset")]
+    rt = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    per = []
+    for m in (e for e in events if str(e.get("name", "")).startswith("probe.")):
+        a, b = m["ts"], m["ts"] + m["dur"]
+        g = sorted((e for e in gpu if a <= e["ts"] <= b), key=lambda e: e["ts"])
+        r = sorted((e for e in rt if a <= e["ts"] <= b), key=lambda e: e["ts"])
+        if not g:
+            per.append({"copy": m["name"], "us": m["dur"], "gpu": 0})
+            continue
+        per.append({
+            "copy": m["name"], "us": round(m["dur"], 1),
+            "lead_us": round(g[0]["ts"] - a, 1),
+            "first_runtime_call_us": round(r[0]["ts"] - a, 1) if r else None,
+            "gpu_span_us": round(g[-1]["ts"] + g[-1]["dur"] - g[0]["ts"], 1),
+            "gpu_busy_us": round(sum(e["dur"] for e in g), 1),
+            "tail_us": round(b - g[-1]["ts"] - g[-1]["dur"], 1),
+            "gpu_ops": [(e["cat"][:6], e["name"][:40], round(e["ts"] - a, 1), round(e["dur"], 1))
+                        for e in g][:12],
+            "runtime_calls": [(e["name"][:28], e.get("tid"), round(e["ts"] - a, 1),
+                               round(e["dur"], 1)) for e in r][:24],
+        })
+    out["copies"] = per
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--only", choices=["pinned", "chunked", "engine", "zero_copy",
+                                           "timeline"], nargs="*", default=None,
+                        help="the sections to run (default: all)")
     args = parser.parse_args()
+    only = set(args.only or ("pinned", "chunked", "engine", "zero_copy", "timeline"))
     if not torch.cuda.is_available():
         print("probe_dma: needs CUDA", file=sys.stderr)
         sys.exit(2)
     res: dict[str, Any] = {"probe": "dma", "device": torch.cuda.get_device_name(0)}
-    res["pinned_256MiB_GBps"] = pinned_kinds(256 * MIB, args.reps)
-    res["chunked_256MiB"] = [chunked(256 * MIB, c, args.reps)
-                             for c in (256 << 10, MIB, 4 * MIB, 16 * MIB)]
-    res["engine"] = [asyncio.run(engine_paths(b, args.reps)) for b in (48 * MIB, 512 * MIB)]
+    sections = {
+        "pinned_256MiB_GBps": ("pinned", lambda: pinned_kinds(256 * MIB, args.reps)),
+        "chunked_256MiB": ("chunked", lambda: [chunked(256 * MIB, c, args.reps)
+                                               for c in (256 << 10, MIB, 4 * MIB, 16 * MIB)]),
+        "engine": ("engine", lambda: [asyncio.run(engine_paths(b, args.reps))
+                                      for b in (48 * MIB, 512 * MIB)]),
+        "zero_copy_48MiB": ("zero_copy", lambda: [zero_copy(48 * MIB, p, args.reps)
+                                                  for p in (64 << 10, 256 << 10, 2 * MIB)]),
+        "timeline": ("timeline", lambda: asyncio.run(timeline(args.reps))),
+    }
+    for key, (name, fn) in sections.items():
+        if name in only:
+            try:
+                res[key] = fn()
+            except Exception as exc:  # a probe reports what failed and goes on
+                res[key] = {"error": repr(exc)}
+            print(json.dumps({key: res[key]}), flush=True)
     line = json.dumps(res)
     if args.jsonl:
         with open(args.jsonl, "a") as f:

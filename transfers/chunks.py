@@ -176,11 +176,14 @@ def ring_chunks(
     """Cut a staged copy of ``n`` pages into pieces that fit one staging slot of
     ``slot_bytes`` (which holds at least one page of one layer), listed layer-major.
 
-    A whole copy takes all layers of as many pages as fit; a layer-wise load takes one layer at
-    a time, or several small ones together (a group of at least ``group_bytes``, bounded by the
-    slot), so that each layer is ready as soon as it is copied. A group whose pages do not fit
-    one slot is cut by pages (all its layers per piece), or, when not even one page of all its
-    layers fits, one layer at a time.
+    A whole copy takes all layers of as many pages as fit; a layer-wise load takes its first
+    layer alone, or several small ones together (a group of at least ``group_bytes``), so that
+    the first layers are ready as soon as they are copied; each later group has twice the
+    layers of the one before, bounded by the slot: a piece costs the issuing thread ~0.1 ms
+    whatever its size (measured on an H200), and a forward needs the later layers later. A
+    group whose pages do not fit one slot is cut by pages (all its layers per piece); when not
+    even one page of all its layers fits, by layers (as many layers of all the pages as fit),
+    and when not even one layer of all the pages fits, one layer of some pages at a time.
     """
     if n == 0:
         return []
@@ -188,18 +191,23 @@ def ring_chunks(
         raise ValueError(f"a staging slot of {slot_bytes} bytes cannot hold one page of one "
                          f"layer ({layer_page_bytes} bytes)")
     per_layer = n * layer_page_bytes
+    most = slot_bytes // per_layer if per_layer <= slot_bytes else 1  # layers in one slot
     if layerwise:
-        g = -(-group_bytes // per_layer)
-        g = max(1, min(num_layers, g, slot_bytes // per_layer if per_layer <= slot_bytes else 1))
+        g = max(1, min(num_layers, -(-group_bytes // per_layer), most))
     else:
-        g = num_layers
+        g = most = num_layers
     out: list[RingChunk] = []
-    for a in range(0, num_layers, g):
+    a = 0
+    while a < num_layers:
         b = min(num_layers, a + g)
+        g = min(2 * g, max(most, 1))
         pieces: list[Chunk]
         k = slot_bytes // ((b - a) * layer_page_bytes)  # pages per piece, all layers a..b
         if k >= 1:
             pieces = [(a, b, lo, min(n, lo + k)) for lo in range(0, n, k)]
+        elif per_layer <= slot_bytes:  # as many layers of all the pages as fit
+            q = slot_bytes // per_layer
+            pieces = [(la, min(b, la + q), 0, n) for la in range(a, b, q)]
         else:
             m = slot_bytes // layer_page_bytes
             pieces = [(la, la + 1, lo, min(n, lo + m)) for la in range(a, b)
@@ -207,4 +215,5 @@ def ring_chunks(
         for i, (la, lb, lo, hi) in enumerate(pieces):
             last = layerwise and i == len(pieces) - 1
             out.append((la, lb, lo, hi, b if last else -1))
+        a = b
     return out

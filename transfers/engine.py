@@ -108,6 +108,12 @@ class CopyEngine:
     (default): on CUDA with a pinned page_first host pool whose pages are at least
     :data:`~asynccache.transfers.staged.DIRECT_MIN_BYTES`; ``True`` forces it (a page_first
     host pool only; on CPU pools it runs the same plan with CPU copies, for tests).
+    ``zero_copy``: on the direct path, whether a piece moves over the link by one kernel that
+    reads (H->D) or writes (D->H) the pinned host pages themselves instead of a DMA per run of
+    pages. ``None`` (default): per piece, when its runs are short
+    (:func:`~asynccache.transfers.dma.prefers_zero_copy`); ``True``: always (implies the direct
+    path, ``direct_dma=True``); ``False``: DMA only. The kernels take SMs from the model while
+    they run (DMA uses the copy engines only).
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class CopyEngine:
         staging_slots: int = STAGING_SLOTS,
         direct_dma: bool | None = None,
         separate_lanes: bool = True,
+        zero_copy: bool | None = None,
     ) -> None:
         if not isinstance(device_pool, KVPool) or device_pool.kind != "device":
             raise ConfigError(f"device_pool must be a DevicePool, got {device_pool!r}")
@@ -152,6 +159,13 @@ class CopyEngine:
         for what, v in (("staging_bytes", staging_bytes), ("staging_slots", staging_slots)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{what} must be a positive int, got {v!r}")
+        if zero_copy is not None and not isinstance(zero_copy, bool):
+            raise ConfigError(f"zero_copy must be None, True or False, got {zero_copy!r}")
+        if zero_copy:
+            if direct_dma is False:
+                raise ConfigError("zero_copy=True moves pieces on the direct path; it cannot "
+                                  "be combined with direct_dma=False")
+            direct_dma = True
         if direct_dma is not None:
             if mode == "direct" and direct_dma:
                 raise ConfigError("direct_dma=True applies to mode='staged', not mode='direct'")
@@ -165,6 +179,7 @@ class CopyEngine:
         self._on_complete = on_complete
         self._staging = (staging_bytes, staging_slots)
         self._direct_dma = direct_dma
+        self._zero_copy = zero_copy
         if not isinstance(separate_lanes, bool):
             raise ConfigError(f"separate_lanes must be True or False, got {separate_lanes!r}")
         # Staged: D->H and H->D in lanes of their own (a load never waits behind backups).
@@ -207,7 +222,8 @@ class CopyEngine:
                                         staging_bytes=self._staging[0],
                                         staging_slots=self._staging[1],
                                         direct_dma=self._direct_dma,
-                                        separate_lanes=self.separate_lanes)
+                                        separate_lanes=self.separate_lanes,
+                                        zero_copy=self._zero_copy)
         else:
             self._worker = DirectWorker(self.device_pool, self.host_pool, self._bridge,
                                         self.name, self._on_death)

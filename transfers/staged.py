@@ -51,7 +51,16 @@ from asynccache.errors import ConfigError, TransferError
 from asynccache.transfers import workers
 from asynccache.transfers.bridge import Completion, LoopBridge
 from asynccache.transfers.chunks import RingChunk, ring_chunks
-from asynccache.transfers.dma import SegmentCopier, layer_first_segments, page_first_segments
+from asynccache.transfers.dma import (
+    SegmentCopier,
+    as_words,
+    device_alias,
+    layer_first_segments,
+    page_first_segments,
+    prefers_zero_copy,
+    run_count,
+    zero_copy_views,
+)
 from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
 from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
@@ -84,16 +93,19 @@ def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
 class _Slot:
     """One staging slot: pinned host bytes, device bytes, page indices, an event."""
 
-    __slots__ = ("dev", "event", "host", "idx_dev", "idx_host", "link")
+    __slots__ = ("dev", "event", "host", "idx_dev", "idx_host", "idx_np", "link", "views")
 
     def __init__(self, host: torch.Tensor, dev: torch.Tensor | None, idx_host: torch.Tensor,
                  idx_dev: torch.Tensor | None, event: Any) -> None:
         self.host = host
         self.dev = dev
         self.idx_host = idx_host
+        self.idx_np = idx_host.numpy()
         self.idx_dev = idx_dev
         self.event = event
         self.link: Any = None  # direct DMA: the hand-over between the kernel and copy streams
+        # direct: the views of a piece's bytes by (first layer, end layer, pages), built once
+        self.views: dict[tuple[int, int, int], tuple[Any, ...]] = {}
 
 
 class StagingRing:
@@ -147,7 +159,9 @@ class StagingRing:
 
     def _new(self) -> _Slot:
         host = torch.empty(0 if self.direct else self.slot_bytes, dtype=torch.uint8)
-        idx_host = torch.empty(self.max_pages, dtype=torch.int64)
+        # direct: the device pages, then the host pages (zero-copy pieces index both)
+        idx_len = self.max_pages * (2 if self.direct else 1)
+        idx_host = torch.empty(idx_len, dtype=torch.int64)
         if self.cuda:  # exactly these bytes (torch's pinned allocator rounds up)
             register_host_memory(host)
             register_host_memory(idx_host)
@@ -155,7 +169,7 @@ class StagingRing:
         if self.cuda or self.direct:
             dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
         if self.cuda:
-            idx_dev = torch.empty(self.max_pages, dtype=torch.int64, device=self.device)
+            idx_dev = torch.empty(idx_len, dtype=torch.int64, device=self.device)
         slot = _Slot(host, dev, idx_host, idx_dev, self.streams.event())
         if self.direct:
             slot.link = self.streams.event()
@@ -201,7 +215,7 @@ class StagedWorker(WorkerBase):
                  on_death: Callable[[TransferError], None] | None = None, *,
                  streams: Streams, staging_bytes: int = STAGING_BYTES,
                  staging_slots: int = STAGING_SLOTS, direct_dma: bool | None = None,
-                 separate_lanes: bool = True) -> None:
+                 separate_lanes: bool = True, zero_copy: bool | None = None) -> None:
         super().__init__(device, host, bridge, name, on_death)
         self.streams = streams
         self.cuda = streams.kind == "cuda"
@@ -217,7 +231,12 @@ class StagedWorker(WorkerBase):
             host_view = host.page_view()  # (L, KV, P, rb); page_first: a strided view of
             if self._page_first:          # (P, L, KV, rb), each page contiguous
                 host_view = host_view.permute(2, 0, 1, 3)
-            self.copier = SegmentCopier(host_view.view(torch.uint8), self.cuda)
+            host_bytes = host_view.view(torch.uint8)
+            self.copier = SegmentCopier(host_bytes, self.cuda)
+            # zero-copy pieces: kernels index the pool's pinned bytes (on CPU pools: the
+            # same index ops on the bytes themselves)
+            self._host_alias = device_alias(host_bytes) if self.cuda else host_bytes
+        self.zero_copy = zero_copy
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
 
@@ -350,54 +369,94 @@ class StagedWorker(WorkerBase):
         scatter (H->D) kernel between the pool and that buffer."""
         a, b, lo, hi, _ = piece
         n = hi - lo
-        assert slot.dev is not None
         dev_pages, host_pages = ((job.dst_pages, job.src_pages) if h2d
                                  else (job.src_pages, job.dst_pages))
         dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
+        views = slot.views.get((a, b, n))
+        if views is None:
+            views = self._direct_views(slot, a, b, n)
+        wpool, wstage, dim, hside, sside, hdim = views
+        zero_copy = self.zero_copy
+        if zero_copy is None:
+            nbytes = n * (b - a) * self.layer_page_bytes
+            zero_copy = prefers_zero_copy(run_count(host_pages), nbytes)
+        segs: list[Any] = []
+        if not zero_copy:
+            if self._page_first:
+                segs = page_first_segments(host_pages, (a, b), self.num_layers,
+                                           self.layer_page_bytes)
+            else:
+                segs = layer_first_segments(host_pages, (a, b), self._kv, self._rb,
+                                            self._host_pages)
+        flat, copier, stream = slot.dev, self.copier, lane.copy_stream
+        if self.cuda:
+            assert slot.idx_dev is not None
+            m = 2 * n if zero_copy else n
+            slot.idx_np[:n] = dev_pages
+            if zero_copy:
+                slot.idx_np[n:m] = host_pages
+            idx_h, idx_all = slot.idx_host[:m], slot.idx_dev[:m]
+            idx, hidx = idx_all[:n], idx_all[n:]
+        else:
+            idx_h, idx_all = None, None
+            idx, hidx = torch.from_numpy(dev_pages), torch.from_numpy(host_pages)
+
+        def upload() -> None:  # the first stream of the piece brings the indices over
+            if idx_h is not None:
+                idx_all.copy_(idx_h, non_blocking=True)
+
+        def device_side() -> None:
+            if h2d:
+                wpool.index_copy_(dim, idx, wstage)
+            else:
+                torch.index_select(wpool, dim, idx, out=wstage)
+
+        if zero_copy:
+            def link_side() -> None:
+                if h2d:
+                    torch.index_select(hside, hdim, hidx, out=sside)
+                else:
+                    hside.index_copy_(hdim, hidx, sside)
+        else:
+            def link_side() -> None:
+                copier.copy(segs, flat, not h2d, stream)
+
+        kernels, link = lane.kernel_stream, slot.link
+        assert kernels is not None
+        if h2d:  # into the slot over the link, then the scatter; free after the scatter
+            self.streams.launch(stream, lambda: (upload(), link_side()))
+            link.record(stream)
+            kernels.wait_event(link)
+            self.streams.launch(kernels, device_side)
+            slot.event.record(kernels)
+        else:  # the gather, then out of the slot over the link; free after that
+            self.streams.launch(kernels, lambda: (upload(), device_side()))
+            link.record(kernels)
+            stream.wait_event(link)
+            self.streams.launch(stream, link_side)
+            slot.event.record(stream)
+
+    def _direct_views(self, slot: _Slot, a: int, b: int, n: int) -> tuple[Any, ...]:
+        """(pool words, slot words, pool page dim, zero-copy host side, slot side, host page
+        dim) of a direct piece of layers ``[a, b)`` x ``n`` pages in ``slot``:
+        built once per shape and slot (views cost microseconds each, a piece needs seven)."""
+        assert slot.dev is not None
         if self._page_first:
             stage = slot.dev[: n * (b - a) * self.layer_page_bytes].view(n, b - a, self._kv,
                                                                          self._rb)
             pool = self._dev_u8[a:b].permute(2, 0, 1, 3)  # (P, layers, KV, rb), strided
             dim = 0
-            segs = page_first_segments(host_pages, (a, b), self.num_layers,
-                                       self.layer_page_bytes)
         else:
             stage = self._stage(slot.dev, b - a, n)  # (layers, KV, n, rb)
             pool = self._dev_u8[a:b]
             dim = 2
-            segs = layer_first_segments(host_pages, (a, b), self._kv, self._rb,
-                                        self._host_pages)
-        flat, copier, stream = slot.dev, self.copier, lane.copy_stream
-        if self.cuda:
-            assert slot.idx_dev is not None
-            slot.idx_host[:n].numpy()[:] = dev_pages
-            idx_h, idx = slot.idx_host[:n], slot.idx_dev[:n]
-        else:
-            idx_h, idx = None, torch.from_numpy(dev_pages)
-
-        kernels, link = lane.kernel_stream, slot.link
-        assert kernels is not None
-
-        def gather_or_scatter() -> None:
-            if idx_h is not None:
-                idx.copy_(idx_h, non_blocking=True)
-            if h2d:
-                pool.index_copy_(dim, idx, stage)
-            else:
-                torch.index_select(pool, dim, idx, out=stage)
-
-        if h2d:  # DMA into the slot, then the scatter; the slot is free after the scatter
-            self.streams.launch(stream, lambda: copier.copy(segs, flat, False, stream))
-            link.record(stream)
-            kernels.wait_event(link)
-            self.streams.launch(kernels, gather_or_scatter)
-            slot.event.record(kernels)
-        else:  # the gather, then the DMA out of the slot; free after the DMA
-            self.streams.launch(kernels, gather_or_scatter)
-            link.record(kernels)
-            stream.wait_event(link)
-            self.streams.launch(stream, lambda: copier.copy(segs, flat, True, stream))
-            slot.event.record(stream)
+        hside, sside, hdim = zero_copy_views(self._host_alias, stage, self._page_first,
+                                             (a, b), self._kv, self._rb)
+        views = (as_words(pool), as_words(stage), dim, hside, sside, hdim)
+        if len(slot.views) >= 64:  # many copy sizes: start over rather than grow
+            slot.views.clear()
+        slot.views[(a, b, n)] = views
+        return views
 
     def _issue_d2h(self, lane: _Lane, job: Job, slot: _Slot,
                    piece: RingChunk) -> Callable[[], None]:
@@ -414,7 +473,7 @@ class StagedWorker(WorkerBase):
 
             def work() -> None:
                 idx_d.copy_(idx_h, non_blocking=True)
-                torch.index_select(pool, 2, idx_d, out=dstage)
+                torch.index_select(as_words(pool), 2, idx_d, out=as_words(dstage))
                 hstage.copy_(dstage, non_blocking=True)
         else:
             idx = torch.from_numpy(src_pages)
@@ -450,7 +509,7 @@ class StagedWorker(WorkerBase):
             def work() -> None:
                 idx_d.copy_(idx_h, non_blocking=True)
                 dstage.copy_(hstage, non_blocking=True)
-                pool.index_copy_(2, idx_d, dstage)
+                as_words(pool).index_copy_(2, idx_d, as_words(dstage))
         else:
             idx = torch.from_numpy(dst_pages)
 

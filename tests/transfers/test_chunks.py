@@ -113,13 +113,20 @@ def test_ring_chunks_fit_a_slot_and_cover_every_layer_page_once() -> None:
     c = ring_chunks(5, 4, lpb, 300, layerwise=False, group_bytes=1)
     assert all((b - a) * (hi - lo) * lpb <= 300 for a, b, lo, hi, _ in c)
     assert _covers(c, 5, 4) and {b - a for a, b, *_ in c} == {1}
+    # ... but when a layer of every page fits, as many whole layers as fit
+    c = ring_chunks(2, 8, lpb, 700, layerwise=False, group_bytes=1)
+    assert c == [(0, 3, 0, 2, -1), (3, 6, 0, 2, -1), (6, 8, 0, 2, -1)]
     # layer-wise: one layer per group, the last piece of each says the layers now complete
     c = ring_chunks(5, 3, lpb, 300, layerwise=True, group_bytes=1)
     assert [x for x in c if x[4] >= 0] == [(0, 1, 3, 5, 1), (1, 2, 3, 5, 2), (2, 3, 3, 5, 3)]
     assert _covers(c, 5, 3)
-    # small layers are grouped (a group of >= group_bytes, bounded by the slot)
+    # small layers are grouped (a first group of >= group_bytes, each later one twice the
+    # layers of the one before, bounded by the slot: 5 layers of 2 pages)
     c = ring_chunks(2, 8, lpb, 1000, layerwise=True, group_bytes=400)
-    assert c == [(0, 2, 0, 2, 2), (2, 4, 0, 2, 4), (4, 6, 0, 2, 6), (6, 8, 0, 2, 8)]
+    assert c == [(0, 2, 0, 2, 2), (2, 6, 0, 2, 6), (6, 8, 0, 2, 8)]
+    c = ring_chunks(1, 32, lpb, 3200, layerwise=True, group_bytes=1)
+    assert [(a, b) for a, b, *_ in c] == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 32)]
+    assert _covers(c, 1, 32)
     assert ring_chunks(0, 4, lpb, 1000, layerwise=True, group_bytes=1) == []
     with pytest.raises(ValueError, match="cannot hold one page of one layer"):
         ring_chunks(1, 1, 500, 400, layerwise=False, group_bytes=1)

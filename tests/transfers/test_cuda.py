@@ -46,11 +46,12 @@ def test_pools_on_cuda_are_pinned_and_on_device() -> None:
     assert host.pinned and host.kv.is_pinned()
 
 
-@pytest.mark.parametrize(("layout", "direct_dma"), [
-    ("layer_first", None), ("page_first", None), ("page_first", True), ("layer_first", True)])
+@pytest.mark.parametrize(("layout", "direct_dma", "zero_copy"), [
+    ("layer_first", None, None), ("page_first", None, None), ("page_first", True, False),
+    ("layer_first", True, False), ("page_first", True, True), ("layer_first", True, True)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
-                                         dtype: str) -> None:
+                                         zero_copy: bool | None, dtype: str) -> None:
     shape = KVShape(4, 2, 64, dtype)
     dev = DevicePool(shape, 32 * PAGE, PAGE)
     host = HostPool(shape, 48 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
@@ -58,7 +59,7 @@ async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
     _fill(host.kv, 2)
     rng = np.random.default_rng(0)
     # a small ring: whole-page pieces of a few pages, and layer-by-layer pieces
-    async with CopyEngine(dev, host, direct_dma=direct_dma,
+    async with CopyEngine(dev, host, direct_dma=direct_dma, zero_copy=zero_copy,
                           staging_bytes=8 * host.page_bytes, staging_slots=2) as engine:
         assert engine.mode == "staged"
         assert engine.worker.direct == bool(direct_dma)  # type: ignore[union-attr]
@@ -105,12 +106,15 @@ async def test_d2h_is_fenced_behind_the_compute_stream(layout: str) -> None:
         assert bool((host.kv == 3.0).all())
 
 
-async def test_many_concurrent_cuda_copies_retire_in_order() -> None:
+@pytest.mark.parametrize("separate_lanes", [True, False])
+async def test_many_concurrent_cuda_copies_retire_in_order(separate_lanes: bool) -> None:
+    """In submission order per lane: every copy with one lane, the D->H and the H->D copies
+    each with two (a load does not wait behind a backup to retire)."""
     shape = KVShape(2, 2, 64, "fp16")
     dev = DevicePool(shape, 16 * PAGE, PAGE)
     host = HostPool(shape, 16 * PAGE, PAGE)
     order: list[int] = []
-    async with CopyEngine(dev, host) as engine:
+    async with CopyEngine(dev, host, separate_lanes=separate_lanes) as engine:
         handles = []
         for i in range(64):
             p = np.array([i % 16])
@@ -123,13 +127,18 @@ async def test_many_concurrent_cuda_copies_retire_in_order() -> None:
             handles.append(h)
         await asyncio.gather(*handles)
         await asyncio.sleep(0)
-    assert order == list(range(64))
+    if separate_lanes:
+        assert [i for i in order if i % 2] == list(range(1, 64, 2))
+        assert [i for i in order if not i % 2] == list(range(0, 64, 2))
+    else:
+        assert order == list(range(64))
 
 
-@pytest.mark.parametrize(("layout", "direct_dma"), [
-    ("layer_first", None), ("page_first", False), ("page_first", True)])
+@pytest.mark.parametrize(("layout", "direct_dma", "zero_copy"), [
+    ("layer_first", None, None), ("page_first", False, None), ("page_first", True, False),
+    ("page_first", True, True), ("layer_first", True, True)])
 async def test_overlapping_cuda_copies_take_effect_in_submission_order(
-    layout: str, direct_dma: bool | None
+    layout: str, direct_dma: bool | None, zero_copy: bool | None
 ) -> None:
     """120 random copies over few pages, none awaited before the next is submitted: the
     pools end as a sequential model says (host-page hazards, one copy stream)."""
@@ -140,7 +149,7 @@ async def test_overlapping_cuda_copies_take_effect_in_submission_order(
     _fill(host.kv, 6)
     model = {"dev": dev.page_view().cpu().clone(), "host": host.page_view().clone()}
     rng = np.random.default_rng(7)
-    async with CopyEngine(dev, host, direct_dma=direct_dma,
+    async with CopyEngine(dev, host, direct_dma=direct_dma, zero_copy=zero_copy,
                           staging_bytes=6 * host.page_bytes, staging_slots=2) as engine:
         handles = []
         for _ in range(120):
@@ -362,3 +371,21 @@ async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str) -> N
         assert _same(dev.read_slots(ld), host.read_slots(ld))
         await backup
     assert bool((host.read_slots(b) == 3.0).all())
+
+
+def test_device_alias_reads_and_writes_the_pinned_bytes() -> None:
+    from asynccache.transfers.dma import device_alias
+    from asynccache.transfers.pools import register_host_memory
+
+    host = torch.arange(4096, dtype=torch.int64).view(64, 64)
+    register_host_memory(host)
+    alias = device_alias(host)
+    assert alias.is_cuda and alias.data_ptr() == host.data_ptr()
+    pages = torch.tensor([5, 63, 0, 17], device="cuda")
+    got = torch.index_select(alias, 0, pages)
+    assert torch.equal(got.cpu(), host[pages.cpu()])
+    alias.index_copy_(0, pages, torch.full((4, 64), -1, dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+    assert bool((host[pages.cpu()] == -1).all()) and int(host[1, 0]) == 64
+    with pytest.raises(Exception, match="not registered"):
+        device_alias(torch.zeros(16))  # plain (pageable) memory

@@ -389,14 +389,16 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
     import asynccache.transfers.workers as workers
 
     monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one layer per group
-    if mode == "staged":  # the staged pipeline issues one piece per layer
+    bad = 2  # the first layer whose copy fails
+    if mode == "staged":  # the staged pipeline issues pieces of 1, 2, 1 layers
         from asynccache.transfers.staged import StagedWorker
 
         real = StagedWorker._issue_h2d
+        bad = 1
 
         def flaky(self: StagedWorker, lane: Any, job: Any, slot: Any, piece: Any) -> None:
-            if piece[0] == 2:
-                raise RuntimeError("layer 2 exploded")
+            if piece[0] == 1:
+                raise RuntimeError("layer 1 exploded")
             real(self, lane, job, slot, piece)
 
         monkeypatch.setattr(StagedWorker, "_issue_h2d", flaky)
@@ -415,13 +417,13 @@ async def test_layerwise_failure_midway_fails_the_remaining_layers(
     h_src, d_dst = _slots(np.array([4, 9])), _slots(np.array([0, 1]))
     async with CopyEngine(dev, host, mode=mode) as engine:  # type: ignore[arg-type]
         handle = engine.submit_h2d_layerwise(h_src, d_dst)
-        assert [(await handle.layer(i)).layer for i in range(2)] == [0, 1]
-        for i in (2, 3):
-            with pytest.raises(TransferError, match="layer 2 exploded"):
+        assert [(await handle.layer(i)).layer for i in range(bad)] == list(range(bad))
+        for i in range(bad, 4):
+            with pytest.raises(TransferError, match=f"layer {bad} exploded"):
                 await handle.layer(i)
-        with pytest.raises(TransferError, match="layer 2 exploded"):
+        with pytest.raises(TransferError, match=f"layer {bad} exploded"):
             await handle
-        assert _same(dev.read_slots(d_dst)[:2], host.read_slots(h_src)[:2])
+        assert _same(dev.read_slots(d_dst)[:bad], host.read_slots(h_src)[:bad])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -69,18 +69,22 @@ async def _guard(aw: Any) -> Any:
 def _kinds(late: LateStreams) -> dict[str, dict[str, Any]]:
     """Direct (CPU worker), staged on the CPU's streams, staged on late streams, and the
     staged ones with direct DMA between the host pool and the device buffers (``*-dma``: a
-    page_first host pool, ``*-dma-layer_first``: a layer_first one; see ``_layout``)."""
+    page_first host pool, ``*-dma-layer_first``: a layer_first one; see ``_layout``) and
+    with zero-copy kernels instead of the DMAs (``*-zc``)."""
     return {"direct": {"mode": "direct"}, "staged": {"mode": "staged"}, "late": {"streams": late},
-            "staged-dma": {"mode": "staged", "direct_dma": True},
-            "late-dma": {"streams": late, "direct_dma": True},
-            "late-dma-layer_first": {"streams": late, "direct_dma": True}}
+            "staged-dma": {"mode": "staged", "direct_dma": True, "zero_copy": False},
+            "late-dma": {"streams": late, "direct_dma": True, "zero_copy": False},
+            "late-dma-layer_first": {"streams": late, "direct_dma": True, "zero_copy": False},
+            "late-zc": {"streams": late, "zero_copy": True},
+            "late-zc-layer_first": {"streams": late, "zero_copy": True}}
 
 
 def _layout(kind: str) -> str:
-    return "page_first" if kind.endswith("dma") else "layer_first"
+    return "page_first" if kind.endswith(("dma", "zc")) else "layer_first"
 
 
-@pytest.mark.parametrize("kind", ["direct", "staged", "late", "late-dma", "late-dma-layer_first"])
+@pytest.mark.parametrize("kind", ["direct", "staged", "late", "late-dma", "late-dma-layer_first",
+                                  "late-zc", "late-zc-layer_first"])
 async def test_h2d_after_a_running_d2h_of_the_same_host_pages_loads_the_new_bytes(
     kind: str, late: LateStreams
 ) -> None:
@@ -111,7 +115,7 @@ async def test_d2h_into_host_pages_a_pending_h2d_reads_keeps_the_h2d_bytes(
 
 
 @pytest.mark.parametrize(("kind", "layout"), [
-    (k, lay) for k in ("direct", "staged", "late", "staged-dma", "late-dma")
+    (k, lay) for k in ("direct", "staged", "late", "staged-dma", "late-dma", "late-zc")
     for lay in ("layer_first", "page_first")])
 @pytest.mark.parametrize("slot_pages", [1.5, 4])
 async def test_overlapping_copies_take_effect_in_submission_order(
@@ -483,6 +487,61 @@ def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> No
     assert wants_direct_dma(True, pool(layout="layer_first"), cuda=True)  # forced only
 
 
+def test_zero_copy_is_preferred_for_pieces_of_short_runs() -> None:
+    from asynccache.transfers.dma import ZERO_COPY_BELOW, prefers_zero_copy, run_count
+
+    assert run_count(np.array([], dtype=np.int64)) == 0
+    assert run_count(np.array([4])) == 1
+    assert run_count(np.array([4, 5, 6, 9, 10, 3, 2])) == 4
+    big = ZERO_COPY_BELOW
+    assert not prefers_zero_copy(0, 0)
+    assert not prefers_zero_copy(1, 10)  # one run: one DMA
+    assert prefers_zero_copy(2, 20)
+    assert not prefers_zero_copy(2, 2 * big)
+    assert prefers_zero_copy(3, 3 * big - 1)
+
+
+@pytest.mark.parametrize(("zero_copy", "contiguous", "dmas"), [
+    (None, True, True), (None, False, False), (False, False, True), (True, True, False)])
+async def test_zero_copy_replaces_the_dmas_of_the_pieces_it_takes(
+    zero_copy: bool | None, contiguous: bool, dmas: bool, late: LateStreams,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Left to choose, the engine moves a piece of scattered host pages by one kernel and a
+    run of consecutive pages by one DMA; forced, it does what it is told. Bit-exact both."""
+    from asynccache.transfers.dma import SegmentCopier
+
+    issued: list[int] = []
+    real = SegmentCopier.copy
+
+    def counting(self: Any, segs: Any, *args: Any) -> None:
+        issued.append(len(segs))
+        real(self, segs, *args)
+
+    monkeypatch.setattr(SegmentCopier, "copy", counting)
+    dev, host = _pools(layout="page_first", seed=23)
+    h = _slots(np.arange(10, 16) if contiguous else np.array([30, 2, 17, 5, 9, 38]))
+    d = _slots(np.array([3, 0, 7, 1, 12, 5]))
+    async with CopyEngine(dev, host, streams=late, direct_dma=True,
+                          zero_copy=zero_copy) as engine:
+        await _guard(engine.submit_d2h(d, h))
+        assert _same(host.read_slots(h), dev.read_slots(d))
+        d2 = _slots(np.array([20, 21, 4, 9, 11, 2]))
+        await _guard(engine.submit_h2d(h, d2))
+        assert _same(dev.read_slots(d2), host.read_slots(h))
+    assert bool(issued) == dmas, issued
+
+
+def test_bad_zero_copy_settings_are_config_errors() -> None:
+    from asynccache.errors import ConfigError
+
+    dev, host = _pools(layout="page_first")
+    with pytest.raises(ConfigError, match="zero_copy must be None, True or False, got 1"):
+        CopyEngine(dev, host, mode="staged", zero_copy=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cannot be combined with direct_dma=False"):
+        CopyEngine(dev, host, mode="staged", zero_copy=True, direct_dma=False)
+
+
 def test_bad_direct_dma_settings_are_config_errors() -> None:
     from asynccache.errors import ConfigError
 
@@ -494,19 +553,21 @@ def test_bad_direct_dma_settings_are_config_errors() -> None:
     assert CopyEngine(dev, host, mode="direct", direct_dma=False).mode == "direct"
 
 
+@pytest.mark.parametrize("zero_copy", [False, True, None])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(
-    layout: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
+    layout: str, zero_copy: bool | None, late: LateStreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Runs of consecutive host pages in both directions, whole copies and a layer-wise load
-    (one piece per layer), on late streams: every byte where the gather / scatter puts it."""
+    (one piece per layer), on late streams: every byte where the gather / scatter puts it --
+    by DMA segments, by zero-copy kernels, and as chosen per piece."""
     import asynccache.transfers.workers as workers
 
     monkeypatch.setattr(workers, "LAYER_GROUP_BYTES", 1)  # one piece per layer
     dev, host = _pools(layers=4, layout=layout, seed=21)
     d = _slots([3, 4, 5, 0, 9, 10, 11, 12, 1])
     h = _slots([20, 21, 22, 23, 5, 6, 39, 0, 1])
-    async with CopyEngine(dev, host, streams=late, direct_dma=True,
+    async with CopyEngine(dev, host, streams=late, direct_dma=True, zero_copy=zero_copy,
                           staging_bytes=2 * dev.page_bytes, staging_slots=2) as engine:
         assert engine.worker.direct  # type: ignore[union-attr]
         await _guard(engine.submit_d2h(d, h))
@@ -527,7 +588,8 @@ async def test_direct_dma_moves_whole_runs_and_layer_groups_bit_exact(
 
 
 # --------------------------------------------------------------------------- device-side layers
-@pytest.mark.parametrize("kind", ["direct", "late", "late-dma", "late-dma-layer_first"])
+@pytest.mark.parametrize("kind", ["direct", "late", "late-dma", "late-dma-layer_first",
+                                  "late-zc", "late-zc-layer_first"])
 async def test_a_forward_waiting_on_the_device_sees_each_layer_in_place(
     kind: str, late: LateStreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -614,7 +676,8 @@ async def test_wait_layer_times_out_fails_and_checks_its_layer(
 
 
 # --------------------------------------------------------------------------- separate lanes
-@pytest.mark.parametrize("kind", ["staged", "late", "late-dma", "late-dma-layer_first"])
+@pytest.mark.parametrize("kind", ["staged", "late", "late-dma", "late-dma-layer_first",
+                                  "late-zc"])
 async def test_a_load_does_not_queue_behind_a_held_back_backup(
     kind: str, late: LateStreams
 ) -> None:
@@ -639,7 +702,8 @@ async def test_a_load_does_not_queue_behind_a_held_back_backup(
     assert bool((host.read_slots(_slots([0, 1])) == 7.0).all())
 
 
-@pytest.mark.parametrize("kind", ["late", "late-dma", "late-dma-layer_first"])
+@pytest.mark.parametrize("kind", ["late", "late-dma", "late-dma-layer_first", "late-zc",
+                                  "late-zc-layer_first"])
 async def test_copies_of_the_same_device_pages_in_the_two_lanes_keep_submission_order(
     kind: str, late: LateStreams
 ) -> None:
