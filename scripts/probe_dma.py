@@ -252,20 +252,133 @@ async def timeline(reps: int) -> dict[str, Any]:
     return out
 
 
+async def py_timeline(reps: int, device: str = "cuda") -> dict[str, Any]:
+    """Where the engine's threads spend a 48 MiB copy, in Python: the calls of the submit,
+    issue and completion paths wrapped with timestamps (no profiler: its own cost per op
+    distorts a timeline of ~1 ms), for a contiguous copy of 2 MiB pages (DMA) and a scattered
+    one of 192 KiB pages (zero-copy). Per copy: (call, thread, start, duration) in µs from
+    the submit."""
+    import threading
+
+    from asynccache.transfers import staged, workers
+    from asynccache.transfers.bridge import LoopBridge
+    from asynccache.transfers.streams import CudaStreams
+
+    records: list[tuple[str, int, float, float]] = []
+    undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str | None = None) -> None:
+        real = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                records.append((label or name, threading.get_ident(), t0, time.perf_counter()))
+
+        undo.append((owner, name, real))
+        setattr(owner, name, timed)
+
+    for owner, name in [(CopyEngine, "submit_d2h"), (CopyEngine, "submit_h2d"),
+                        (staged.StagedWorker, "_issue"), (staged.StagedWorker, "_issue_direct"),
+                        (staged.StagingRing, "acquire"), (staged.StagingRing, "release"),
+                        (workers.WorkerBase, "wait_deps"), (workers.WorkerBase, "wait_dev_deps"),
+                        (workers.WorkerBase, "finish"), (workers.JobQueue, "next"),
+                        (staged, "check_pairs"), (staged, "ring_chunks"),
+                        (CudaStreams, "launch"), (LoopBridge, "_drain"),
+                        (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "record")]:
+        wrap(owner, name)
+    out: dict[str, Any] = {}
+    try:
+        for label, model, ps, scattered in (("dma_2MiB_contiguous", (32, 8, 128, "fp16"), 16,
+                                               False),
+                                              ("zc_192KiB_random", (24, 2, 64, "bf16"), 16, True)):
+            shape = KVShape(*model)  # type: ignore[arg-type]
+            page = shape.bytes_per_page(ps)
+            n = 48 * MIB // page
+            dev = DevicePool(shape, 2 * n * ps, ps, device=device)
+            host = HostPool(shape, 2 * n * ps, ps, layout="page_first")
+            rng = np.random.default_rng(5)
+            pages = rng.permutation(2 * n)[:n] if scattered else np.arange(n)
+            sl = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+            async with CopyEngine(dev, host, direct_dma=True, mode="staged") as engine:
+                for op in ("d2h", "h2d"):
+                    submit = engine.submit_d2h if op == "d2h" else engine.submit_h2d
+                    for i in range(reps):
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        await asyncio.sleep(0.01)
+                        records.clear()
+                        t0 = time.perf_counter()
+                        await submit(sl, sl)
+                        t1 = time.perf_counter()
+                        if i == reps - 1:
+                            tids: dict[int, str] = {}
+                            for r in records:
+                                tids.setdefault(r[1], f"t{len(tids)}")
+                            out[f"{label}.{op}"] = {
+                                "total_us": round((t1 - t0) * 1e6, 1),
+                                "calls": [(r[0], tids[r[1]], round((r[2] - t0) * 1e6, 1),
+                                           round((r[3] - r[2]) * 1e6, 1))
+                                          for r in sorted(records, key=lambda r: r[2])],
+                            }
+            del dev, host
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
+    return out
+
+
+def blocking() -> dict[str, Any]:
+    """How long a raw DMA call takes to return when its stream still waits behind a ~0.2 s
+    kernel: 1D and 2D copies, both ways, pinned (registered) host memory. An asynchronous call
+    returns in microseconds; one that returns after ~200 ms blocked its thread (and possibly
+    the driver) until the stream reached it."""
+    from asynccache.transfers.dma import _find_runtime
+
+    lib = _find_runtime()
+    if lib is None:
+        return {"error": "no CUDA runtime found"}
+    nbytes = 8 * MIB
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    register_host_memory(host)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    out: dict[str, Any] = {}
+    hp, dp = host.data_ptr(), dev.data_ptr()
+    for name in ("d2h_1d", "d2h_2d", "h2d_1d", "h2d_2d"):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(300_000_000)
+        dst, src = (hp, dp) if name.startswith("d2h") else (dp, hp)
+        t = time.perf_counter()
+        if name.endswith("1d"):
+            rc = lib.cudaMemcpyAsync(dst, src, nbytes // 2, 4, stream.cuda_stream)
+        else:  # 4 rows of 1 MiB, 2 MiB apart on both sides
+            rc = lib.cudaMemcpy2DAsync(dst, 2 * MIB, src, 2 * MIB, MIB, 4, 4, stream.cuda_stream)
+        returned = time.perf_counter() - t
+        stream.synchronize()
+        out[name] = {"rc": rc, "returned_ms": round(returned * 1e3, 3),
+                     "stream_done_ms": round((time.perf_counter() - t) * 1e3, 3)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", choices=["pinned", "chunked", "engine", "zero_copy",
-                                           "timeline"], nargs="*", default=None,
+    sections = ("pinned", "chunked", "engine", "zero_copy", "timeline", "py_timeline",
+                "blocking")
+    parser.add_argument("--only", choices=sections, nargs="*", default=None,
                         help="the sections to run (default: all)")
     args = parser.parse_args()
-    only = set(args.only or ("pinned", "chunked", "engine", "zero_copy", "timeline"))
+    only = set(args.only or sections)
     if not torch.cuda.is_available():
         print("probe_dma: needs CUDA", file=sys.stderr)
         sys.exit(2)
     res: dict[str, Any] = {"probe": "dma", "device": torch.cuda.get_device_name(0)}
-    sections = {
+    runs = {
         "pinned_256MiB_GBps": ("pinned", lambda: pinned_kinds(256 * MIB, args.reps)),
         "chunked_256MiB": ("chunked", lambda: [chunked(256 * MIB, c, args.reps)
                                                for c in (256 << 10, MIB, 4 * MIB, 16 * MIB)]),
@@ -274,8 +387,10 @@ def main() -> None:
         "zero_copy_48MiB": ("zero_copy", lambda: [zero_copy(48 * MIB, p, args.reps)
                                                   for p in (64 << 10, 256 << 10, 2 * MIB)]),
         "timeline": ("timeline", lambda: asyncio.run(timeline(args.reps))),
+        "py_timeline": ("py_timeline", lambda: asyncio.run(py_timeline(args.reps))),
+        "blocking": ("blocking", blocking),
     }
-    for key, (name, fn) in sections.items():
+    for key, (name, fn) in runs.items():
         if name in only:
             try:
                 res[key] = fn()

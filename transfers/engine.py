@@ -103,11 +103,11 @@ class CopyEngine:
     ``separate_lanes``: the staged pipeline runs D->H and H->D copies in lanes of their own
     (threads, copy stream, ring), so a load never waits behind backups; conflicts on the same
     host or device pages are ordered across lanes. ``False``: one lane for every copy.
-    ``direct_dma``: whether the staged pipeline copies by DMA straight between a page_first
-    host pool's pages and the device (no CPU gather / scatter through pinned staging). ``None``
+    ``direct_dma``: whether the staged pipeline moves pages straight between the pinned host
+    pool's pages and the device (no CPU gather / scatter through pinned staging). ``None``
     (default): on CUDA with a pinned page_first host pool whose pages are at least
-    :data:`~asynccache.transfers.staged.DIRECT_MIN_BYTES`; ``True`` forces it (a page_first
-    host pool only; on CPU pools it runs the same plan with CPU copies, for tests).
+    :data:`~asynccache.transfers.staged.DIRECT_MIN_BYTES`; ``True`` forces it (either layout;
+    on CPU pools it runs the same plan with CPU copies, for tests); ``False``: staging.
     ``zero_copy``: on the direct path, whether a piece moves over the link by one kernel that
     reads (H->D) or writes (D->H) the pinned host pages themselves instead of a DMA per run of
     pages. ``None`` (default): per piece, when its runs are short

@@ -84,6 +84,32 @@ class CopyPlan:
             k += 1
 
 
+def _by_destination(src_pages: np.ndarray, dst_pages: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(destinations ascending, their sources, steps between destinations) of two page lists
+    of at least two pairs; :class:`InvalidInputError` when a destination page repeats."""
+    step = np.diff(dst_pages)
+    if (step > 0).all():
+        return dst_pages, src_pages, step
+    order = np.argsort(dst_pages, kind="stable")
+    d, s = dst_pages[order], src_pages[order]
+    step = np.diff(d)
+    if not step.all():
+        dup = int(d[int(np.flatnonzero(step == 0)[0])])
+        raise InvalidInputError(f"destination page {dup} appears twice in one copy")
+    return d, s, step
+
+
+def check_pairs(src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+    """What :func:`make_plan` checks (equal lengths, no destination page twice), without
+    building the plan (the direct copy path moves pages by index and needs none)."""
+    n = int(dst_pages.shape[0])
+    if int(src_pages.shape[0]) != n:
+        raise InvalidInputError(f"source has {src_pages.shape[0]} pages but destination has {n}")
+    if n > 1:
+        _by_destination(src_pages, dst_pages)
+
+
 def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
     """Plan copying page ``src_pages[i]`` to page ``dst_pages[i]`` for every ``i``.
 
@@ -96,16 +122,7 @@ def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:
         return CopyPlan(0, (), ())
     if n == 1:
         return CopyPlan(1, (Segment(int(dst_pages[0]), int(src_pages[0]), 1),), (0,))
-    step = np.diff(dst_pages)
-    if (step > 0).all():
-        d, s = dst_pages, src_pages
-    else:
-        order = np.argsort(dst_pages, kind="stable")
-        d, s = dst_pages[order], src_pages[order]
-        step = np.diff(d)
-        if not step.all():
-            dup = int(d[int(np.flatnonzero(step == 0)[0])])
-            raise InvalidInputError(f"destination page {dup} appears twice in one copy")
+    d, s, step = _by_destination(src_pages, dst_pages)
     cuts = np.flatnonzero((step != 1) | (np.diff(s) != 1)) + 1
     starts = np.concatenate(([0], cuts))
     lengths = np.diff(np.concatenate((starts, [n])))

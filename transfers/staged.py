@@ -61,7 +61,7 @@ from asynccache.transfers.dma import (
     run_count,
     zero_copy_views,
 )
-from asynccache.transfers.plan import as_numpy_bytes, identity_pages, make_plan
+from asynccache.transfers.plan import as_numpy_bytes, check_pairs, identity_pages, make_plan
 from asynccache.transfers.pools import KVPool, register_host_memory
 from asynccache.transfers.streams import Streams
 from asynccache.transfers.workers import Job, JobQueue, Stop, WorkerBase
@@ -70,20 +70,21 @@ from asynccache.transfers.workers import Job, JobQueue, Stop, WorkerBase
 STAGING_BYTES = 64 << 20
 #: Slots in the ring: pieces in flight at once (one being filled while others move).
 STAGING_SLOTS = 4
-#: A pinned page_first host pool whose pages are at least this big is copied by DMA straight
-#: between its pages and the device side of the ring (no CPU gather / scatter): one copy per
-#: run of consecutive host pages (:mod:`~asynccache.transfers.dma`).
+#: A pinned page_first host pool whose pages are at least this big goes the direct way by
+#: default (a DMA per run of host pages, or a zero-copy kernel per piece of short runs).
 DIRECT_MIN_BYTES = 128 << 10
 
 
 def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
-    """Whether a staged worker copies by DMA straight from / into ``host`` (see
-    :data:`DIRECT_MIN_BYTES`). ``None``: on CUDA with a pinned page_first host pool of large
-    enough pages. ``True`` forces it for either layout (a layer_first pool's runs move as 2D
-    copies, a row per layer and K/V: not measured on a GPU yet, so not chosen by default)."""
-    page_first = getattr(host, "layout", None) == "page_first"
+    """Whether a staged worker moves pages straight between ``host``'s own pinned pages and
+    the device side of its ring (no CPU gather / scatter through pinned staging). ``None``: on
+    CUDA with a pinned page_first host pool of pages of at least :data:`DIRECT_MIN_BYTES`.
+    ``True`` forces it, for either layout (a layer_first pool moved 3x faster that way than
+    through staging on an H200, but one GPU run saw a load wait behind a fenced backup there,
+    so it is not the default yet; on CPU pools: the same plan with CPU copies, for tests)."""
     if direct_dma is None:
-        return (cuda and page_first and bool(getattr(host, "pinned", False))
+        return (cuda and getattr(host, "layout", None) == "page_first"
+                and bool(getattr(host, "pinned", False))
                 and int(host.page_bytes) >= DIRECT_MIN_BYTES)
     if not isinstance(direct_dma, bool):
         raise ConfigError(f"direct_dma must be None, True or False, got {direct_dma!r}")
@@ -131,6 +132,16 @@ class StagingRing:
         """Staging bytes allocated on one side (host, and as much on the device on CUDA; only
         the device side with direct DMA)."""
         return self.made * self.slot_bytes
+
+    def fill(self) -> None:
+        """Allocate every slot now. On CUDA the worker does so before its first copy: a
+        device allocation or a host registration made while kernels run keeps the commands
+        issued after it from running beside them (CUDA's implicit synchronization), so a lazy
+        first slot could hold a load behind the model's forward."""
+        with self.worker.cv:
+            missing = self.count - self.made
+            self.made = self.count
+        self._free.extend(self._new() for _ in range(missing))
 
     def acquire(self) -> _Slot:
         cv = self.worker.cv
@@ -262,6 +273,12 @@ class StagedWorker(WorkerBase):
     def thread_init(self) -> None:
         self.streams.thread_init()
 
+    def start(self) -> None:
+        if self.cuda:  # no allocation on the copy path (see StagingRing.fill)
+            for ring in self.rings:
+                ring.fill()
+        super().start()
+
     @property
     def separate_lanes(self) -> bool:
         return len(self.lanes) > 1
@@ -307,7 +324,7 @@ class StagedWorker(WorkerBase):
     def _issue(self, lane: _Lane, job: Job) -> None:
         job.started = job.mark = time.perf_counter()
         # Validates the pair lists (lengths, repeated destinations) before any work is queued.
-        make_plan(job.src_pages, job.dst_pages)
+        check_pairs(job.src_pages, job.dst_pages)
         for fence in job.fences:  # device work of this job (and later ones) waits for them
             lane.copy_stream.wait_event(fence)
             if lane.kernel_stream is not None:

@@ -47,8 +47,9 @@ def test_pools_on_cuda_are_pinned_and_on_device() -> None:
 
 
 @pytest.mark.parametrize(("layout", "direct_dma", "zero_copy"), [
-    ("layer_first", None, None), ("page_first", None, None), ("page_first", True, False),
-    ("layer_first", True, False), ("page_first", True, True), ("layer_first", True, True)])
+    ("layer_first", None, None), ("page_first", None, None), ("layer_first", False, None),
+    ("page_first", False, None), ("page_first", True, False), ("layer_first", True, False),
+    ("page_first", True, True), ("layer_first", True, True)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
                                          zero_copy: bool | None, dtype: str) -> None:
@@ -65,6 +66,8 @@ async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
         assert engine.worker.direct == bool(direct_dma)  # type: ignore[union-attr]
         if direct_dma:  # the DMAs are raw cudaMemcpy(2D)Async calls on the runtime torch loaded
             assert engine.worker.copier.raw  # type: ignore[union-attr]
+        for ring in engine.worker.rings:  # type: ignore[union-attr]
+            assert ring.made == ring.count  # made at start: no allocation on the copy path
         for k in (1, 9, 32):
             d = _slots(rng.permutation(32)[:k])
             h = _slots(rng.permutation(48)[:k])
@@ -89,14 +92,17 @@ async def test_cuda_copies_are_bit_exact(layout: str, direct_dma: bool | None,
     assert not [t for t in threading.enumerate() if t.name.startswith("asynccache-copy")]
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-async def test_d2h_is_fenced_behind_the_compute_stream(layout: str) -> None:
-    shape = KVShape(2, 8, 128, "fp16")  # 128 KiB pages: page_first goes by direct DMA
+@pytest.mark.parametrize(("layout", "direct_dma"), [
+    ("layer_first", None), ("page_first", None), ("page_first", False), ("layer_first", True)])
+async def test_d2h_is_fenced_behind_the_compute_stream(layout: str,
+                                                       direct_dma: bool | None) -> None:
+    shape = KVShape(2, 8, 128, "fp16")  # 128 KiB pages: page_first goes the direct way
     dev = DevicePool(shape, 64 * PAGE, PAGE)
     host = HostPool(shape, 64 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
     d = _slots(np.arange(64))
-    async with CopyEngine(dev, host) as engine:
-        assert engine.worker.direct == (layout == "page_first")  # type: ignore[union-attr]
+    async with CopyEngine(dev, host, direct_dma=direct_dma) as engine:
+        direct = direct_dma if direct_dma is not None else layout == "page_first"
+        assert engine.worker.direct == direct  # type: ignore[union-attr]
         compute = torch.cuda.Stream()
         with torch.cuda.stream(compute):
             torch.cuda._sleep(50_000_000)  # keep the compute stream busy
@@ -276,16 +282,20 @@ async def test_h2d_waits_for_a_kernel_still_reading_its_slots() -> None:
     assert bool((out == 1.0).all()) and bool((dev.kv == 2.0).all())
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-async def test_a_large_copy_goes_through_the_fixed_ring(layout: str) -> None:
+@pytest.mark.parametrize(("layout", "direct_dma"), [
+    ("layer_first", None), ("page_first", None), ("layer_first", True)])
+async def test_a_large_copy_goes_through_the_fixed_ring(layout: str,
+                                                        direct_dma: bool | None) -> None:
     shape = KVShape(8, 8, 128, "bf16")  # 32 KiB per token, 512 KiB pages
     dev = DevicePool(shape, 8192, PAGE)  # 256 MiB
     host = HostPool(shape, 8192, PAGE, layout=layout)  # type: ignore[arg-type]
     _fill(dev.kv, 7)
     d = _slots(np.random.default_rng(0).permutation(8192 // PAGE))
-    async with CopyEngine(dev, host, staging_bytes=16 << 20, staging_slots=4) as engine:
-        # page_first pinned pools of large pages go by DMA straight to / from their pages
-        assert engine.worker.direct == (layout == "page_first")  # type: ignore[union-attr]
+    async with CopyEngine(dev, host, staging_bytes=16 << 20, staging_slots=4,
+                          direct_dma=direct_dma) as engine:
+        # page_first pinned pools of large pages go straight to / from their pages
+        direct = direct_dma if direct_dma is not None else layout == "page_first"
+        assert engine.worker.direct == direct  # type: ignore[union-attr]
         peaks = []
         for copy in (engine.submit_d2h, engine.submit_h2d_layerwise):
             if copy == engine.submit_h2d_layerwise:
@@ -348,8 +358,10 @@ async def test_an_engine_on_the_last_visible_device() -> None:
         assert _same(dev.read_slots(d), want)
 
 
+@pytest.mark.parametrize("zero_copy", [None, True, False])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str) -> None:
+async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str,
+                                                               zero_copy: bool | None) -> None:
     """Separate lanes on the GPU: a backup fenced behind a long kernel on a side stream; a
     layer-wise load of other pages submitted after it lands first, bit-exact, and the
     backup then copies what the kernel wrote."""
@@ -359,7 +371,7 @@ async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str) -> N
     _fill(host.kv, 5)
     b, ld = _slots(np.arange(32)), _slots(np.arange(32, 64))
     side, idle = torch.cuda.Stream(), torch.cuda.Stream()
-    async with CopyEngine(dev, host) as engine:
+    async with CopyEngine(dev, host, zero_copy=zero_copy) as engine:
         assert engine.separate_lanes
         with torch.cuda.stream(side):
             torch.cuda._sleep(500_000_000)  # ~0.3 s on a 1.5-2 GHz GPU

@@ -285,6 +285,14 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(workers, "make_plan", gated)
     monkeypatch.setattr(staged, "make_plan", gated)
+    real_check = staged.check_pairs  # the staged issuer's first call on a job
+
+    def gated_check(*args: Any) -> Any:
+        if not opened.wait(timeout=10):
+            raise RuntimeError("gate never opened")
+        return real_check(*args)
+
+    monkeypatch.setattr(staged, "check_pairs", gated_check)
     yield opened
     opened.set()
 

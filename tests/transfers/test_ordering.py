@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -469,8 +470,6 @@ def test_segment_copier_moves_exactly_the_segments_on_the_cpu() -> None:
 
 
 def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> None:
-    from types import SimpleNamespace
-
     from asynccache.transfers.staged import DIRECT_MIN_BYTES, wants_direct_dma
 
     def pool(layout: str = "page_first", pinned: bool = True,
@@ -485,6 +484,27 @@ def test_direct_dma_is_chosen_for_pinned_page_first_pools_of_large_pages() -> No
     assert not wants_direct_dma(False, pool(), cuda=True)
     assert wants_direct_dma(True, pool(pinned=False), cuda=False)
     assert wants_direct_dma(True, pool(layout="layer_first"), cuda=True)  # forced only
+
+
+def test_a_filled_ring_hands_out_its_slots_without_allocating() -> None:
+    """StagingRing.fill (what a CUDA worker does at start): every slot made at once, and
+    acquire / release reuse them."""
+    from asynccache.transfers.staged import StagingRing
+    from asynccache.transfers.streams import HostStreams
+
+    worker = SimpleNamespace(cv=threading.Condition(), dead=None)
+    ring = StagingRing(worker, HostStreams(), 3, 1024, 8, torch.device("cpu"))  # type: ignore[arg-type]
+    ring.fill()
+    assert ring.made == 3 and len(ring._free) == 3 and ring.allocated_bytes == 3 * 1024
+    made = ring._new
+    ring._new = None  # type: ignore[assignment,method-assign]  # no more slots may be made
+    slots = [ring.acquire() for _ in range(3)]
+    assert len({id(s) for s in slots}) == 3 and ring.in_use == 3
+    for s in slots:
+        ring.release(s)
+    assert ring.in_use == 0 and ring.acquire() in slots
+    ring.fill()  # full already: nothing more
+    assert ring.made == 3 and made is not None
 
 
 def test_zero_copy_is_preferred_for_pieces_of_short_runs() -> None:

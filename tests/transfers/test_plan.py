@@ -56,6 +56,23 @@ def test_empty_single_and_errors() -> None:
         make_plan(_pages([0, 1]), _pages([2]))
 
 
+@pytest.mark.parametrize(("src", "dst", "error"), [
+    ([], [], None), ([4], [9], None), ([3, 1, 2], [9, 4, 5], None),
+    ([0, 1, 3], [2, 5, 2], "destination page 2 appears twice"),
+    ([0, 1], [2], "source has 2 pages but destination has 1")])
+def test_check_pairs_checks_what_make_plan_checks(src: list[int], dst: list[int],
+                                                  error: str | None) -> None:
+    from asynccache.transfers.plan import check_pairs
+
+    if error is None:
+        check_pairs(_pages(src), _pages(dst))
+        make_plan(_pages(src), _pages(dst))
+        return
+    for fn in (check_pairs, make_plan):
+        with pytest.raises(InvalidInputError, match=error):
+            fn(_pages(src), _pages(dst))
+
+
 def test_copy_part_copies_exactly_its_positions_and_layers() -> None:
     # (L=3, 2, P=10, R=4 bytes) views; pairs sorted by destination: 0<-5 1<-6 2<-7 | 6<-1 | 8<-2
     src = np.arange(3 * 2 * 10 * 4, dtype=np.uint8).reshape(3, 2, 10, 4)
