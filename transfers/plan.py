@@ -100,14 +100,22 @@ def _by_destination(src_pages: np.ndarray, dst_pages: np.ndarray
     return d, s, step
 
 
+#: Up to this many pairs, check_pairs looks for a repeated destination with a Python set.
+_SET_CHECK_MAX = 512
+
+
 def check_pairs(src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
     """What :func:`make_plan` checks (equal lengths, no destination page twice), without
     building the plan (the direct copy path moves pages by index and needs none)."""
     n = int(dst_pages.shape[0])
     if int(src_pages.shape[0]) != n:
         raise InvalidInputError(f"source has {src_pages.shape[0]} pages but destination has {n}")
-    if n > 1:
-        _by_destination(src_pages, dst_pages)
+    if n <= 1:
+        return
+    # a set of a few hundred ints costs less than numpy's calls
+    if n <= _SET_CHECK_MAX and len(set(dst_pages.tolist())) == n:
+        return
+    _by_destination(src_pages, dst_pages)  # sorts, and names the repeated page
 
 
 def make_plan(src_pages: np.ndarray, dst_pages: np.ndarray) -> CopyPlan:

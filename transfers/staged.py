@@ -91,6 +91,11 @@ def wants_direct_dma(direct_dma: bool | None, host: Any, cuda: bool) -> bool:
     return direct_dma
 
 
+def _call(stream: Any, fn: Callable[[], None]) -> None:
+    """``Streams.launch`` for work that names its stream itself."""
+    fn()
+
+
 class _Slot:
     """One staging slot: pinned host bytes, device bytes, page indices, an event."""
 
@@ -406,21 +411,23 @@ class StagedWorker(WorkerBase):
                 segs = layer_first_segments(host_pages, (a, b), self._kv, self._rb,
                                             self._host_pages)
         flat, copier, stream = slot.dev, self.copier, lane.copy_stream
+        assert flat is not None
+        uploads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, pinned) index buffers
         if self.cuda:
             assert slot.idx_dev is not None
             m = 2 * n if zero_copy else n
             slot.idx_np[:n] = dev_pages
             if zero_copy:
                 slot.idx_np[n:m] = host_pages
-            idx_h, idx_all = slot.idx_host[:m], slot.idx_dev[:m]
+            idx_all = slot.idx_dev[:m]
+            uploads.append((idx_all, slot.idx_host[:m]))
             idx, hidx = idx_all[:n], idx_all[n:]
         else:
-            idx_h, idx_all = None, None
             idx, hidx = torch.from_numpy(dev_pages), torch.from_numpy(host_pages)
 
         def upload() -> None:  # the first stream of the piece brings the indices over
-            if idx_h is not None:
-                idx_all.copy_(idx_h, non_blocking=True)
+            for dst, src in uploads:
+                dst.copy_(src, non_blocking=True)
 
         def device_side() -> None:
             if h2d:
@@ -438,19 +445,32 @@ class StagedWorker(WorkerBase):
             def link_side() -> None:
                 copier.copy(segs, flat, not h2d, stream)
 
+        # raw DMAs name their stream: no current-stream switch around them
+        on_stream = self.streams.launch if zero_copy or not copier.raw else _call
+
         kernels, link = lane.kernel_stream, slot.link
         assert kernels is not None
+        def upload_and(then: Callable[[], None]) -> Callable[[], None]:
+            def both() -> None:
+                upload()
+                then()
+            return both
+
         if h2d:  # into the slot over the link, then the scatter; free after the scatter
-            self.streams.launch(stream, lambda: (upload(), link_side()))
+            if zero_copy:
+                self.streams.launch(stream, upload_and(link_side))
+            else:  # the upload on the kernel stream, which waits for the DMA anyway
+                self.streams.launch(kernels, upload)
+                on_stream(stream, link_side)
             link.record(stream)
             kernels.wait_event(link)
             self.streams.launch(kernels, device_side)
             slot.event.record(kernels)
         else:  # the gather, then out of the slot over the link; free after that
-            self.streams.launch(kernels, lambda: (upload(), device_side()))
+            self.streams.launch(kernels, upload_and(device_side))
             link.record(kernels)
             stream.wait_event(link)
-            self.streams.launch(stream, link_side)
+            on_stream(stream, link_side)
             slot.event.record(stream)
 
     def _direct_views(self, slot: _Slot, a: int, b: int, n: int) -> tuple[Any, ...]:
