@@ -143,10 +143,10 @@ class StagingRing:
         device allocation or a host registration made while kernels run keeps the commands
         issued after it from running beside them (CUDA's implicit synchronization), so a lazy
         first slot could hold a load behind the model's forward."""
+        made = [self._new() for _ in range(self.count - self.made)]
         with self.worker.cv:
-            missing = self.count - self.made
-            self.made = self.count
-        self._free.extend(self._new() for _ in range(missing))
+            self._free.extend(made)
+            self.made += len(made)
 
     def acquire(self) -> _Slot:
         cv = self.worker.cv
