@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asynccache.transfers.dma import device_alias
 from asynccache.transfers.engine import CopyEngine
 from asynccache.transfers.pools import DevicePool, HostPool, KVShape, register_host_memory
 
@@ -126,23 +127,6 @@ async def engine_paths(batch_bytes: int, reps: int) -> dict[str, Any]:
     return out
 
 
-def host_on_device(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over the bytes of pinned CPU tensor ``host``, no copy: kernels that read
-    or write it go over the link (unified addressing: registered host memory has the same
-    address on the device)."""
-
-    class _View:
-        __cuda_array_interface__ = {
-            "shape": tuple(host.shape),
-            "typestr": np.dtype(str(host.dtype).removeprefix("torch.")).str,
-            "data": (host.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-        }
-
-    return torch.as_tensor(_View(), device="cuda")
-
-
 def zero_copy(batch_bytes: int, page_bytes: int, reps: int) -> dict[str, Any]:
     words = page_bytes // 8
     n = batch_bytes // page_bytes
@@ -150,7 +134,7 @@ def zero_copy(batch_bytes: int, page_bytes: int, reps: int) -> dict[str, Any]:
     host = torch.empty(pool_pages, words, dtype=torch.int64)
     host.copy_(torch.arange(pool_pages * words, dtype=torch.int64).view(pool_pages, words))
     register_host_memory(host)
-    alias = host_on_device(host)
+    alias = device_alias(host)
     dev = torch.empty(n, words, dtype=torch.int64, device="cuda")
     pages = torch.from_numpy(np.random.default_rng(2).permutation(pool_pages)[:n].copy())
     idx = pages.cuda()
