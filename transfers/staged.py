@@ -252,6 +252,14 @@ class StagedWorker(WorkerBase):
             # zero-copy pieces: kernels index the pool's pinned bytes (on CPU pools: the
             # same index ops on the bytes themselves)
             self._host_alias = device_alias(host_bytes) if self.cuda else host_bytes
+            if self._host_alias.device != self._dev_u8.device:
+                # registered under another device's context: torch places the alias there
+                # (the DMAs still work), so this engine's kernels cannot index it
+                if zero_copy:
+                    raise ConfigError(
+                        f"zero_copy=True: the host pool is mapped on "
+                        f"{self._host_alias.device}, not on the engine's {self._dev_u8.device}")
+                zero_copy = False
         self.zero_copy = zero_copy
         per_slot = max(1, staging_bytes // max(1, staging_slots))
         slot_bytes = max(self.layer_page_bytes, min(per_slot, device.nbytes))
@@ -279,10 +287,49 @@ class StagedWorker(WorkerBase):
         self.streams.thread_init()
 
     def start(self) -> None:
-        if self.cuda:  # no allocation on the copy path (see StagingRing.fill)
+        if self.cuda:  # no allocation and no kernel loading on the copy path
             for ring in self.rings:
                 ring.fill()
+            self.warm_up()
         super().start()
+
+    def warm_up(self) -> None:
+        """Run the index kernels of the copy paths once, on a few pages and layer ranges,
+        before any copy: torch loads CUDA kernels lazily (``CUDA_MODULE_LOADING=LAZY``), and
+        loading one may wait for the kernels running on the device, so a first load-back
+        issued while the model's forward runs could wait for that forward. On a lane's own
+        stream (nothing waits for the model there); reads the pools only (the gathers write a
+        slot, the scatters a scratch buffer)."""
+        lane = self.lanes[0]
+        ring, device = lane.ring, self._dev_u8.device
+        layer_ranges = {(0, 1), (0, min(2, self.num_layers)), (0, self.num_layers)}
+        shapes = sorted((a, b, n) for a, b in layer_ranges for n in {1, min(ring.max_pages, 17)}
+                        if (b - a) * n * self.layer_page_bytes <= ring.slot_bytes)
+        slot = ring.acquire()
+
+        def work() -> None:
+            for a, b, n in shapes:
+                pages = torch.zeros(n, dtype=torch.int64, device=device)
+                if self.direct:
+                    wpool, wstage, dim, hside, sside, hdim = self._direct_views(slot, a, b, n)
+                    torch.index_select(wpool, dim, pages, out=wstage)
+                    if self.zero_copy is not False:
+                        torch.index_select(hside, hdim, pages, out=sside)
+                elif slot.dev is not None:
+                    torch.index_select(as_words(self._dev_u8[a:b]), 2, pages,
+                                       out=as_words(self._stage(slot.dev, b - a, n)))
+            for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+                scratch = torch.zeros((2, 1, 4), dtype=dtype, device=device)
+                index = torch.zeros(1, dtype=torch.int64, device=device)
+                scratch.index_copy_(0, index, torch.ones((1, 1, 4), dtype=dtype, device=device))
+                scratch.index_copy_(2, index, torch.ones((2, 1, 1), dtype=dtype, device=device))
+
+        stream = lane.kernel_stream if lane.kernel_stream is not None else lane.copy_stream
+        try:
+            self.streams.launch(stream, work)
+            stream.record_event().synchronize()
+        finally:
+            ring.release(slot)
 
     @property
     def separate_lanes(self) -> bool:

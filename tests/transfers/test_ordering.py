@@ -507,6 +507,27 @@ def test_a_filled_ring_hands_out_its_slots_without_allocating() -> None:
     assert ring.made == 3 and made is not None
 
 
+@pytest.mark.parametrize(("layout", "direct_dma"), [
+    ("layer_first", False), ("page_first", True), ("layer_first", True)])
+async def test_warm_up_runs_the_copy_kernels_and_leaves_the_pools_alone(
+    layout: str, direct_dma: bool
+) -> None:
+    """What a CUDA worker runs at start (torch loads kernels lazily, and loading one may wait
+    for the device): every layer range and piece size it tries, without a byte of either
+    pool changed and with its slot back in the ring."""
+    dev, host = _pools(layers=4, layout=layout, seed=41)
+    before = dev.page_view().clone(), host.page_view().clone()
+    async with CopyEngine(dev, host, mode="staged", direct_dma=direct_dma,
+                          staging_bytes=8 * dev.page_bytes, staging_slots=2) as engine:
+        worker = engine.worker
+        worker.warm_up()  # type: ignore[union-attr]
+        assert worker.lanes[0].ring.in_use == 0  # type: ignore[union-attr]
+        assert _same(dev.page_view(), before[0]) and _same(host.page_view(), before[1])
+        d, h = _slots([3, 9, 1]), _slots([20, 4, 33])
+        await _guard(engine.submit_d2h(d, h))  # and the engine works as before
+        assert _same(host.read_slots(h), dev.read_slots(d))
+
+
 def test_zero_copy_is_preferred_for_pieces_of_short_runs() -> None:
     from asynccache.transfers.dma import ZERO_COPY_BELOW, prefers_zero_copy, run_count
 
