@@ -13,13 +13,17 @@ from typing import Any
 import pytest
 
 from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.staged import StagedWorker
 from asynccache.transfers.streams import LateStreams
 from tests.cache import test_hybrid_host_random, test_lifecycle_random
 
 
-@pytest.fixture
-def late_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CopyEngine]]:
-    """Every CopyEngine made during the test runs staged on one set of late streams."""
+@pytest.fixture(params=["staging", "zero_copy"])
+def late_engines(request: pytest.FixtureRequest,
+                 monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CopyEngine]]:
+    """Every CopyEngine made during the test runs staged on one set of late streams: through
+    the staging path, or on the direct path with every piece zero-copy (the index kernels
+    between the host pool's own bytes and the slots)."""
     streams = LateStreams(delay_s=(0.0, 0.002), seed=5)
     made: list[CopyEngine] = []
     real = CopyEngine.__init__
@@ -27,12 +31,23 @@ def late_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CopyEngine]]:
     def init(self: CopyEngine, device_pool: Any, host_pool: Any, **kw: Any) -> None:
         if kw.get("streams") is None:
             kw["streams"] = streams
+            if request.param == "zero_copy":
+                kw["zero_copy"] = True
         real(self, device_pool, host_pool, **kw)
         made.append(self)
 
+    direct_pieces: list[int] = []
+    real_issue = StagedWorker._issue_direct
+
+    def issue_direct(self: StagedWorker, *args: Any) -> None:
+        direct_pieces.append(1)
+        real_issue(self, *args)
+
     monkeypatch.setattr(CopyEngine, "__init__", init)
+    monkeypatch.setattr(StagedWorker, "_issue_direct", issue_direct)
     yield made
     streams.close()
+    assert bool(direct_pieces) == (request.param == "zero_copy")
 
 
 @pytest.mark.parametrize("seed", range(2))
