@@ -18,12 +18,12 @@ from asynccache.transfers.streams import LateStreams
 from tests.cache import test_hybrid_host_random, test_lifecycle_random
 
 
-@pytest.fixture(params=["staging", "zero_copy"])
+@pytest.fixture(params=["staging", "dma", "zero_copy"])
 def late_engines(request: pytest.FixtureRequest,
                  monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CopyEngine]]:
     """Every CopyEngine made during the test runs staged on one set of late streams: through
-    the staging path, or on the direct path with every piece zero-copy (the index kernels
-    between the host pool's own bytes and the slots)."""
+    the staging path, or on the direct path by DMA segments only or with every piece
+    zero-copy (the index kernels between the host pool's own bytes and the slots)."""
     streams = LateStreams(delay_s=(0.0, 0.002), seed=5)
     made: list[CopyEngine] = []
     real = CopyEngine.__init__
@@ -31,8 +31,9 @@ def late_engines(request: pytest.FixtureRequest,
     def init(self: CopyEngine, device_pool: Any, host_pool: Any, **kw: Any) -> None:
         if kw.get("streams") is None:
             kw["streams"] = streams
-            if request.param == "zero_copy":
-                kw["zero_copy"] = True
+            if request.param != "staging":  # the direct path, by DMA or zero-copy kernels
+                kw["zero_copy"] = request.param == "zero_copy"
+                kw["direct_dma"] = True
         real(self, device_pool, host_pool, **kw)
         made.append(self)
 
@@ -47,7 +48,7 @@ def late_engines(request: pytest.FixtureRequest,
     monkeypatch.setattr(StagedWorker, "_issue_direct", issue_direct)
     yield made
     streams.close()
-    assert bool(direct_pieces) == (request.param == "zero_copy")
+    assert bool(direct_pieces) == (request.param != "staging")
 
 
 @pytest.mark.parametrize("seed", range(2))
