@@ -5,9 +5,9 @@
 #
 #     bash scripts/gpu_check.sh            # writes into $OUT (default ./gpu_check_out)
 #
-# (device tool: timeout_s 450; every step below has its own limit, 380 s in all, so a
+# (device tool: timeout_s 480; every step below has its own limit, 420 s in all, so a
 # hanging step cannot eat the budget, and what was measured comes back; an H200 ran it all in
-# 100 s. $OUT holds nine files: tar them when the tool returns at most eight.)
+# ~120 s. $OUT holds ten files: tar them when the tool returns at most eight.)
 #
 # Exit status: 0 only if the pre-flight passed, every CUDA-marked test passed with none
 # skipped, and every benchmark ran to its end. 2: the pre-flight failed (no CUDA, a CPU
@@ -214,6 +214,14 @@ step bench_lanes 30 "$OUT/bench_lanes.log" \
 step bench_events 30 "$OUT/bench_events.log" \
     "$PY" scripts/bench_bridge.py --events --device "$DEVICE" --jsonl "$RESULTS" \
     $([ "$DRY" = 1 ] && echo --quick)
+
+# 6. Where a copy's fixed cost goes: the engine's calls timestamped and a fixed + bytes / rate
+#    fit (probe_dma.py; CUDA only, so not in the dry run).
+if [ "$DRY" != 1 ]; then
+    step probe_timeline 40 "$OUT/probe_timeline.log" \
+        "$PY" scripts/probe_dma.py --reps 4 --only py_timeline timeline blocking \
+        --jsonl "$RESULTS"
+fi
 
 # Verdict: targets (reported), failures (the exit status).
 "$PY" - "$RESULTS" "$FAILED" <<'EOF'
