@@ -200,7 +200,7 @@ def ring_chunks(
     a = 0
     while a < num_layers:
         b = min(num_layers, a + g)
-        g = min(2 * g, max(most, 1))
+        g = min(2 * g, most)
         pieces: list[Chunk]
         k = slot_bytes // ((b - a) * layer_page_bytes)  # pages per piece, all layers a..b
         if k >= 1:

@@ -441,10 +441,7 @@ class StagedWorker(WorkerBase):
         dev_pages, host_pages = ((job.dst_pages, job.src_pages) if h2d
                                  else (job.src_pages, job.dst_pages))
         dev_pages, host_pages = dev_pages[lo:hi], host_pages[lo:hi]
-        views = slot.views.get((a, b, n))
-        if views is None:
-            views = self._direct_views(slot, a, b, n)
-        wpool, wstage, dim, hside, sside, hdim = views
+        wpool, wstage, dim, hside, sside, hdim = self._direct_views(slot, a, b, n)
         zero_copy = self.zero_copy
         if zero_copy is None:
             nbytes = n * (b - a) * self.layer_page_bytes
@@ -524,6 +521,9 @@ class StagedWorker(WorkerBase):
         """(pool words, slot words, pool page dim, zero-copy host side, slot side, host page
         dim) of a direct piece of layers ``[a, b)`` x ``n`` pages in ``slot``:
         built once per shape and slot (views cost microseconds each, a piece needs seven)."""
+        views = slot.views.get((a, b, n))
+        if views is not None:
+            return views
         assert slot.dev is not None
         if self._page_first:
             stage = slot.dev[: n * (b - a) * self.layer_page_bytes].view(n, b - a, self._kv,
@@ -551,7 +551,7 @@ class StagedWorker(WorkerBase):
         pool = self._dev_u8[a:b]
         if self.cuda:
             assert slot.dev is not None and slot.idx_dev is not None
-            slot.idx_host[:n].numpy()[:] = src_pages
+            slot.idx_np[:n] = src_pages
             idx_h, idx_d = slot.idx_host[:n], slot.idx_dev[:n]
             dstage = self._stage(slot.dev, b - a, n)
 
@@ -586,7 +586,7 @@ class StagedWorker(WorkerBase):
         pool = self._dev_u8[a:b]
         if self.cuda:
             assert slot.dev is not None and slot.idx_dev is not None
-            slot.idx_host[:n].numpy()[:] = dst_pages
+            slot.idx_np[:n] = dst_pages
             idx_h, idx_d = slot.idx_host[:n], slot.idx_dev[:n]
             dstage = self._stage(slot.dev, b - a, n)
 
