@@ -12,7 +12,9 @@ Prints one JSON object. For each page size:
   writes the same bytes page by page with an fsync per batch (the backend's durability
   points); the JSON's ``file.raw`` says what each reference is. ``write_ratio_vs_fastest_raw``
   divides each repetition's write by the fastest of the three raw durable writes of the same
-  repetition (``ratio_per_rep_vs_fastest_raw`` lists them, with the cold read ratios);
+  repetition (``ratio_per_rep_vs_fastest_raw`` lists them, with the cold read ratios). Two
+  more read references say where a cold read's time goes: ``O_DIRECT`` reads of the raw file
+  (the device without readahead) and plain reads of the backend's own object files;
 * S3 backend against a local SeaweedFS (``weed mini`` on 127.0.0.1): put and get against
   plain obstore puts / gets of same-sized objects on the same server, same concurrency and
   batching.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import mmap
@@ -33,6 +36,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -166,6 +170,63 @@ def raw_read(path: Path, chunk_size: int) -> float:
     return gbps(total, time.perf_counter() - t)
 
 
+def raw_read_direct(path: Path, chunk_size: int) -> float | None:
+    """``O_DIRECT`` reads of one file, one request at a time: the device without the page
+    cache's readahead (None where the filesystem refuses ``O_DIRECT``)."""
+    os.sync()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return None
+    buf = mmap.mmap(-1, chunk_size)  # page-aligned, as O_DIRECT needs
+    total = 0
+    t = time.perf_counter()
+    try:
+        while (n := os.readv(fd, [buf])) > 0:
+            total += n
+            if n < chunk_size:
+                break
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        buf.close()
+    return gbps(total, time.perf_counter() - t)
+
+
+def raw_read_objects(paths: list[str], chunk_size: int, threads: int = 2) -> float:
+    """Plain cold reads of the backend's own object files (every byte, 4 MiB reads into
+    reused buffers, ``threads`` at a time): what the filesystem gives for these objects,
+    without the backend's headers, checks and copies. Each file once (a segment has a link
+    per page)."""
+    inodes = {}
+    for p in paths:
+        st = os.stat(p)
+        inodes.setdefault((st.st_dev, st.st_ino), p)
+    paths = list(inodes.values())
+    os.sync()
+    drop_cache(paths)
+    local = threading.local()
+
+    def one(path: str) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = faulted(chunk_size)
+        got = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                got += n
+        finally:
+            os.close(fd)
+        return got
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(one, paths))
+    return gbps(total, time.perf_counter() - t)
+
+
 async def backend_write(b: Any, keys: list[str], pages: list[bytearray], batch: int) -> float:
     settle()
     t = time.perf_counter()
@@ -289,6 +350,7 @@ async def bench_file(
         # batch: the durability points the backend gives (set_batch returns = durable).
         add("raw_write_batch_sync", raw_write(raw_path, n * size, page_chunk, batch * size))
         add("raw_write", raw_write(raw_path, raw_total, chunk))
+        add("raw_read_direct", raw_read_direct(raw_path, 4 * MiB))
         for mode, seg, direct in (
             ("", None, False),
             ("_seg", segment, False),
@@ -302,6 +364,7 @@ async def bench_file(
             add("write" + mode, await backend_write(b, keys, pages, batch))
             add("raw_read" + mode, raw_read(raw_path, 4 * MiB))
             add("read" + mode, await backend_read(b, keys, pages, batch, d))
+            add("raw_read_objects" + mode, raw_read_objects(files_under(d), 4 * MiB))
             await b.clear()
             nf = FileBackend(
                 root / f"nf{mode}{rep}", layout, segment_bytes=seg, direct_io=direct, timeout_s=120
@@ -342,14 +405,18 @@ async def bench_file(
         "write_ratio_batch_sync": paired(rows, "write", "raw_write_batch_sync"),
         "write_ratio_vs_direct": paired(rows, "write", "raw_write_direct"),
         "read_ratio": paired(rows, "read", "raw_read"),
+        "read_ratio_vs_direct": paired(rows, "read", "raw_read_direct"),
+        "read_ratio_vs_objects": paired(rows, "read", "raw_read_objects"),
         "seg_write_ratio": paired(rows, "write_seg", "raw_write"),
         "seg_write_ratio_batch_sync": paired(rows, "write_seg", "raw_write_batch_sync"),
         "seg_write_ratio_vs_direct": paired(rows, "write_seg", "raw_write_direct"),
         "seg_read_ratio": paired(rows, "read_seg", "raw_read_seg"),
+        "seg_read_ratio_vs_objects": paired(rows, "read_seg", "raw_read_objects_seg"),
         "segd_write_ratio": paired(rows, "write_segd", "raw_write"),
         "segd_write_ratio_batch_sync": paired(rows, "write_segd", "raw_write_batch_sync"),
         "segd_write_ratio_vs_direct": paired(rows, "write_segd", "raw_write_direct"),
         "segd_read_ratio": paired(rows, "read_segd", "raw_read_segd"),
+        "segd_read_ratio_vs_objects": paired(rows, "read_segd", "raw_read_objects_segd"),
     }
     out["mac"] = await bench_mac(root, size, total, reps, batch)
     if aio:
@@ -479,6 +546,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "raw_write_direct": "O_DIRECT 4 MiB writes + fsync: the device without the "
                 "page cache (write_ratio_vs_direct)",
                 "raw_read": "cold sequential read of one file in 4 MiB reads (read_ratio)",
+                "raw_read_direct": "O_DIRECT 4 MiB reads of that file, one at a time: the "
+                "device without readahead (read_ratio_vs_direct)",
+                "raw_read_objects": "plain cold reads of the backend's own object files, "
+                "two threads, 4 MiB reads (read_ratio_vs_objects): the filesystem's rate "
+                "for these objects, without headers, checks and copies",
             },
             "modes": {
                 "": "one file per page (segment_bytes=None)",
