@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from asynccache.errors import ConfigError
+from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.transfers.handles import layer_map
 from asynccache.tree.keys import MAX_TOKEN_ID
 from asynccache.tree.queues import POLICIES
 from asynccache.tree.tree import WRITE_POLICIES
@@ -74,6 +75,11 @@ class CacheConfig:
     mamba_state_shape: tuple[int, ...] = (64,)
     swa_host_tokens: int | None = None
     mamba_host_states: int | None = None
+    # Hybrid models: the model's layers in order, each "full", "swa" or "mamba" (None: not
+    # given). With it, a hybrid load-back's `layer(i)` / `wait_layer(i)` wait only for what
+    # model layer i reads: its own layer of the FULL or SWA load, or the whole Mamba state
+    # copy (without it: FULL layer i and the SWA / Mamba copies whole).
+    layer_components: tuple[str, ...] | None = None
     # SWA: at every cache_unfinished_req (chunked prefill), free the SWA slots of the request's
     # own tokens that slid out of the window (keeping window + one page), as release_swa_window.
     swa_free_out_of_window: bool = False
@@ -155,6 +161,7 @@ class CacheConfig:
         for opt in ("swa_tokens", "swa_host_tokens", "mamba_host_states"):
             if getattr(self, opt) is not None:
                 _positive(opt, getattr(self, opt))
+        self._check_layer_components()
         shape = self.mamba_state_shape
         if not isinstance(shape, tuple | list) or not shape or any(
             isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
@@ -174,6 +181,26 @@ class CacheConfig:
             raise ConfigError(f"bad device {self.device!r}: {exc}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+
+    def _check_layer_components(self) -> None:
+        kinds = self.layer_components
+        if kinds is None:
+            return
+        try:
+            layer_map(kinds)
+        except InvalidInputError as exc:
+            raise ConfigError(f"layer_components: {exc}") from None
+        swa = (self.swa_layers, f"swa_layers={self.swa_layers}") if self.sliding_window \
+            else (0, "sliding_window=0: no SWA component")
+        for name, (n, why) in (("full", (self.num_layers, f"num_layers={self.num_layers}")),
+                               ("swa", swa)):
+            if kinds.count(name) != n:
+                raise ConfigError(f"layer_components has {kinds.count(name)} {name!r} layers; "
+                                  f"expected {n} ({why})")
+        if bool(kinds.count("mamba")) != bool(self.mamba_states):
+            raise ConfigError(f"layer_components has {kinds.count('mamba')} 'mamba' layers "
+                              f"with mamba_states={self.mamba_states}")
+        object.__setattr__(self, "layer_components", tuple(kinds))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,39 +261,105 @@ class GroupHandle(CopyHandle):
 
 
 class LayeredGroup(GroupHandle):
-    """A hybrid load: a layer-wise KV load (``parts[0]``, with its riders) and copies loaded
-    whole (SWA KV, Mamba states). Layer ``i`` is in place once the KV load's layer ``i`` and
-    every whole copy are: a forward starts layer 0 without waiting for the KV's later layers."""
+    """A hybrid load: the copies of one load-back by component (``"full"``: the layer-wise KV
+    load with its riders; ``"swa"``: the SWA KV, layer-wise; ``"mamba"``: the states, whole),
+    waited for by layer.
 
-    __slots__ = ()
+    ``layers`` (the model's layers in order, each ``"full"``, ``"swa"`` or ``"mamba"``, as
+    ``CacheConfig.layer_components``): model layer ``i`` is in place once what it reads is —
+    its own layer of its component's load (the k-th ``"full"`` layer is the KV load's layer
+    k, likewise for ``"swa"``), or the whole state copy for a ``"mamba"`` layer, or nothing
+    when this load does not copy that component. Without ``layers``: layer ``i`` is the KV
+    load's layer ``i`` and every other part whole (which needs a ``"full"`` part)."""
 
-    def __init__(self, parts: Sequence[CopyHandle]) -> None:
-        if not parts or not isinstance(parts[0], LayerwiseHandle):
-            raise InvalidInputError("a LayeredGroup's first part must be a layer-wise load")
-        super().__init__(parts)
+    __slots__ = ("_by_name", "_map")
+
+    def __init__(self, parts: Mapping[str, CopyHandle],
+                 layers: Sequence[str] | None = None) -> None:
+        if not isinstance(parts, Mapping):
+            raise InvalidInputError(f"a LayeredGroup's parts are named by component "
+                                    f"({list(COMPONENTS)}), got {type(parts).__name__}")
+        unknown = sorted(set(parts) - set(COMPONENTS))
+        if unknown:
+            raise InvalidInputError(f"unknown components {unknown}; parts are named "
+                                    f"{list(COMPONENTS)}")
+        full = parts.get("full")
+        if layers is None and not isinstance(full, LayerwiseHandle):
+            raise InvalidInputError("a LayeredGroup without a layer map needs a layer-wise "
+                                    "'full' part")
+        super().__init__([parts[n] for n in COMPONENTS if n in parts])
+        self._by_name = dict(parts)
+        self._map: list[tuple[str, int]] | None = None
+        if layers is not None:
+            self._map = layer_map(layers)
+            for name, part in parts.items():
+                need = sum(1 for kind, _ in self._map if kind == name)
+                if isinstance(part, LayerwiseHandle) and part.num_layers != need:
+                    raise InvalidInputError(f"the {name!r} load has {part.num_layers} layers, "
+                                            f"the layer map {need}")
 
     @property
     def kv(self) -> LayerwiseHandle:
-        kv = self.parts[0]
+        kv = self._by_name.get("full")
         assert isinstance(kv, LayerwiseHandle)
         return kv
 
+    def part(self, name: str) -> CopyHandle | None:
+        """The copy of component ``name`` (None: this load does not copy it)."""
+        return self._by_name.get(name)
+
     @property
     def num_layers(self) -> int:
-        return self.kv.num_layers
+        return len(self._map) if self._map is not None else self.kv.num_layers
+
+    def _needs(self, i: int) -> list[tuple[CopyHandle, int | None]]:
+        """What model layer ``i`` waits for: (copy, its layer) pairs, None = the whole copy."""
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers:
+            raise InvalidInputError(f"layer {i!r} out of range [0, {self.num_layers})")
+        if self._map is None:
+            return [(self.kv, i), *((p, None) for p in self.parts if p is not self.kv)]
+        kind, k = self._map[i]
+        part = self._by_name.get(kind)
+        if part is None:
+            return []
+        return [(part, k if isinstance(part, LayerwiseHandle) else None)]
 
     def layer(self, i: int) -> Awaitable:
-        """An awaitable resolving once layer ``i`` of the KV load and every whole copy are
-        in place (the first error of those, if any failed)."""
-        kv_layer = self.kv.layer(i)
-        return Awaitable(_all_of([kv_layer._fut, *(p._fut for p in self.parts[1:])]))
+        """An awaitable resolving once model layer ``i`` is in place (the first error of what
+        it waits for, if any failed)."""
+        futs = [p.layer(k)._fut if isinstance(p, LayerwiseHandle) and k is not None else p._fut
+                for p, k in self._needs(i)]
+        if not futs:  # nothing of this load is read by that layer
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            futs = [done]
+        return Awaitable(futs[0] if len(futs) == 1 else _all_of(futs))
 
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
-        """Layer ``i`` of the KV load (and its riders) and every whole copy, on the device;
-        see :meth:`LayerwiseHandle.wait_layer`."""
-        self.kv.wait_layer(i, stream, timeout=timeout)
-        for part in self.parts[1:]:
-            part.wait_device(stream, timeout=timeout)
+        """Model layer ``i`` on the device (see :meth:`LayerwiseHandle.wait_layer`)."""
+        for part, k in self._needs(i):
+            if isinstance(part, LayerwiseHandle) and k is not None:
+                part.wait_layer(k, stream, timeout=timeout)
+            else:
+                part.wait_device(stream, timeout=timeout)
+
+
+COMPONENTS = ("full", "swa", "mamba")
+
+
+def layer_map(layers: Sequence[str]) -> list[tuple[str, int]]:
+    """Each model layer as (component, its index among that component's layers)."""
+    if isinstance(layers, str) or not layers:
+        raise InvalidInputError(f"a layer map is a non-empty sequence of {list(COMPONENTS)}, "
+                                f"got {layers!r}")
+    seen = dict.fromkeys(COMPONENTS, 0)
+    out = []
+    for i, kind in enumerate(layers):
+        if kind not in seen:
+            raise InvalidInputError(f"layer {i} is {kind!r}; expected one of {list(COMPONENTS)}")
+        out.append((kind, seen[kind]))
+        seen[kind] += 1
+    return out
 
 
 class LayerwiseGroup(LayerwiseHandle):

@@ -378,16 +378,17 @@ class HybridTier:
             assert self.slots.swa_map is not None
             self.slots.swa_map.adopt(*ticket.swa_pairs)
 
-    def submit_h2d(self, ticket: LoadBackTicket) -> list[CopyHandle]:
-        out = []
+    def submit_h2d(self, ticket: LoadBackTicket) -> dict[str, CopyHandle]:
+        """The load-back's SWA (layer by layer) and Mamba (whole) copies, by component."""
+        out: dict[str, CopyHandle] = {}
         for name, dev in ticket.component_device_slots.items():
             host = ticket.component_host_slots[name]
             if name == "swa":
                 assert self.swa_engine is not None
-                out.append(self.swa_engine.submit_h2d(host, dev))
+                out[name] = self.swa_engine.submit_h2d_layerwise(host, dev)
             else:
                 assert self.states is not None
-                out.append(self.states.submit_h2d(host, dev))
+                out[name] = self.states.submit_h2d(host, dev)
         return out
 
     def abort_load(self, ticket: LoadBackTicket, full_frees: list[np.ndarray]) -> None:

@@ -50,15 +50,17 @@ class LoadBack:
     error: BaseException | None = None
     abandoned: bool = False
     committed: Any = None  # multi-rank: a coroutine function that ticks until it is committed
-    # Hybrid caches: the FULL, SWA and Mamba copies together (a LayeredGroup when the FULL
-    # copy is layer-wise: ``layer(i)`` waits for its layer i and the whole SWA / Mamba copies).
+    # Hybrid caches: the FULL, SWA and Mamba copies together, a LayeredGroup when FULL is
+    # loaded or ``CacheConfig.layer_components`` is set (``layer(i)``: see there).
     group: CopyHandle | None = None
     # The layer-wise loads of the KV pool's sidecars, by name (they ride the KV copy).
     sidecars: dict[str, LayerwiseHandle] = field(default_factory=dict)
 
     def layer(self, i: int) -> Any:
-        """An awaitable for layer ``i`` in place (a hybrid load: the KV's layer ``i`` and the
-        SWA / Mamba copies, which load whole; a load of components only: the whole load)."""
+        """An awaitable for layer ``i`` in place. A hybrid load with
+        ``CacheConfig.layer_components``: model layer ``i``'s own layer of the FULL or SWA
+        load, or the whole Mamba state copy; without it: the KV's layer ``i`` and the SWA /
+        Mamba copies whole (a load of components only: the whole load)."""
         if isinstance(self.group, LayeredGroup):
             return self.group.layer(i)
         if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
@@ -67,8 +69,8 @@ class LoadBack:
 
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
         """From the forward's thread: make ``stream`` (default: the current stream) wait *on
-        the device* until layer ``i`` is in place (with the KV pool's sidecars, and a hybrid
-        load's SWA / Mamba copies, which load whole), blocking this thread only until the
+        the device* until layer ``i`` is in place (with the KV pool's sidecars; a hybrid load:
+        what :meth:`layer` waits for), blocking this thread only until the
         layer's copy is queued. CPU pools: returns once it is in place. A failed copy raises
         :class:`TransferError`; coroutines ``await layer(i)`` instead."""
         target = self.group if self.group is not None else self.handle
@@ -212,17 +214,20 @@ class LoadBacks:
             tier = self._tier
             assert tier is not None
             tier.pair(ticket)
-            copies = tier.submit_h2d(ticket)
+            named = tier.submit_h2d(ticket)
             if len(ticket.device_slots):
-                copies.insert(0, self._copier().submit_h2d_layerwise(ticket.host_slots,
-                                                                   ticket.device_slots))
-            group = (LayeredGroup(copies) if isinstance(copies[0], LayerwiseHandle)
-                     else GroupHandle(copies))
+                named = {"full": self._copier().submit_h2d_layerwise(ticket.host_slots,
+                                                                     ticket.device_slots),
+                         **named}
+            layers = self._p.config.layer_components
+            group = (LayeredGroup(named, layers) if layers is not None or "full" in named
+                     else GroupHandle(list(named.values())))
+            copies = list(named.values())
             handle = copies[0]
             total = match.device_prefix_len + match.host_hit_length
             tail = self.tree.tail_slots(match.best_node, total) if total else None
             indices = tail if tail is not None else match.device_indices
-        kv_load = handle if parts is None else copies[0]
+        kv_load = handle if parts is None else named.get("full")
         riders = {}
         if isinstance(kv_load, LayerwiseGroup):
             names = [s.name for s in self._p.sidecars.of("kv") if s.engine is not None]

@@ -453,3 +453,71 @@ async def test_a_forward_waits_for_each_layer_of_a_hybrid_load_back(make_cache: 
     m = cache.match_prefix(TOKENS, cow_mamba=True)
     assert torch.equal(seen["mamba"][m.mamba_cow_slot], hy.mamba_pool.states[m.mamba_cow_slot])
     cache.abort_req(req)
+
+
+async def test_a_layer_mapped_hybrid_load_back_serves_each_model_layer(make_cache: Any) -> None:
+    """``CacheConfig.layer_components``: the load-back copies SWA layer by layer, and
+    ``lb.layer(i)`` / ``lb.wait_layer(i)`` wait for what model layer ``i`` reads — its own
+    FULL or SWA layer, or the whole Mamba state copy; each read is the KV that was cached."""
+    from asynccache.transfers.handles import LayeredGroup, LayerwiseHandle
+
+    layers = ("swa", "full", "mamba", "swa", "full")
+    cache, want = await cache_and_write(make_cache, "full+swa+mamba", swa_layers=2,
+                                        layer_components=layers)
+    cache.evict(len(TOKENS))
+    zero_device(cache)
+    hy = cache.hybrid
+    req = cache.admit([*TOKENS, 1])
+    lb = cache.begin_load_back_request(req)
+    assert lb is not None and isinstance(lb.group, LayeredGroup)
+    assert lb.group.num_layers == 5
+    swa_load = lb.group.part("swa")
+    assert isinstance(swa_load, LayerwiseHandle) and swa_load.num_layers == 2
+    swa_slots = torch.from_numpy(hy.swa_map.translate(req.slots[-len(TOKENS):]))
+    seen: dict[Any, Any] = {}
+
+    def forward() -> None:
+        counts = dict.fromkeys(("full", "swa"), 0)
+        for i, kind in enumerate(layers):
+            lb.wait_layer(i, timeout=30.0)
+            if kind == "mamba":
+                seen[kind] = hy.mamba_pool.states.clone()
+                continue
+            k = counts[kind]
+            counts[kind] += 1
+            pool = cache.device_pool.kv if kind == "full" else hy.swa_pool.kv
+            seen[kind, k] = pool[k].clone()
+
+    await asyncio.wait_for(asyncio.to_thread(forward), 30.0)
+    for i in range(len(layers)):
+        await asyncio.wait_for(lb.layer(i), 30.0)
+    await asyncio.wait_for(cache.finish_load_back_request(req, lb), 30.0)
+    assert_same(served(cache, req.slots), want)
+    slots = torch.from_numpy(req.slots)
+    for k in range(2):
+        assert torch.equal(seen["full", k][:, slots], cache.device_pool.kv[k][:, slots])
+        assert torch.equal(seen["swa", k][:, swa_slots], hy.swa_pool.kv[k][:, swa_slots])
+    m = cache.match_prefix(TOKENS, cow_mamba=True)
+    assert torch.equal(seen["mamba"][m.mamba_cow_slot], hy.mamba_pool.states[m.mamba_cow_slot])
+    cache.abort_req(req)
+
+
+async def test_layer_components_must_match_the_pools(make_cache: Any) -> None:
+    from asynccache.config import CacheConfig
+    from asynccache.errors import ConfigError
+
+    base = {**BASE, **COMBOS["full+swa+mamba"], "num_layers": 2, "swa_layers": 2}
+    ok = CacheConfig(**base, layer_components=["swa", "full", "mamba", "swa", "full"])
+    assert ok.layer_components == ("swa", "full", "mamba", "swa", "full")
+    for bad, msg in (
+        (("full", "swa", "mamba", "swa"), r"1 'full' layers; expected 2 \(num_layers=2\)"),
+        (("full", "swa", "full", "mamba"), r"1 'swa' layers; expected 2 \(swa_layers=2\)"),
+        (("full", "swa", "full", "swa"), "0 'mamba' layers with mamba_states=4"),
+        (("full", "swa", "full", "swa", "moe"), "layer 4 is 'moe'"),
+        ("fsfs", "a layer map is a non-empty sequence"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            CacheConfig(**base, layer_components=bad)
+    with pytest.raises(ConfigError, match=r"sliding_window=0: no SWA component"):
+        CacheConfig(**{**base, "sliding_window": 0}, layer_components=("full", "swa", "full",
+                                                                       "mamba"))

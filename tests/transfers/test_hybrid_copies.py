@@ -162,7 +162,7 @@ async def test_a_hybrid_load_layer_waits_for_its_kv_layer_and_the_whole_copies()
     layer_futs = [loop.create_future() for _ in range(3)]
     kv = LayerwiseHandle(loop.create_future(), layer_futs, idx, idx, 96)
     swa = CopyHandle("h2d", loop.create_future(), idx, idx, 32)
-    group = LayeredGroup([kv, swa])
+    group = LayeredGroup({"full": kv, "swa": swa})
     assert group.num_layers == 3 and group.num_bytes == 128
     first = asyncio.ensure_future(_awaited(group.layer(0)))
     layer_futs[0].set_result("kv layer 0")
@@ -174,23 +174,88 @@ async def test_a_hybrid_load_layer_waits_for_its_kv_layer_and_the_whole_copies()
     layer_futs[1].set_exception(TransferError("layer 1 lost"))
     with pytest.raises(TransferError, match="layer 1 lost"):
         await _guarded(_awaited(group.layer(1)))
-    with pytest.raises(InvalidInputError, match="first part must be a layer-wise load"):
-        LayeredGroup([swa, kv])
+    with pytest.raises(InvalidInputError, match="needs a layer-wise 'full' part"):
+        LayeredGroup({"swa": swa})
+    with pytest.raises(InvalidInputError, match="named by component"):
+        LayeredGroup([kv, swa])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match=r"unknown components \['draft'\]"):
+        LayeredGroup({"full": kv, "draft": swa})
+
+
+async def test_a_mapped_hybrid_layer_waits_only_for_what_that_layer_reads() -> None:
+    """With the model's layer map, model layer i waits for its own layer of its component's
+    load (the k-th "full" layer: the KV load's layer k; likewise "swa"), a "mamba" layer for
+    the whole state copy, and a layer of a component this load does not copy for nothing."""
+    from asynccache.errors import TransferError
+    from asynccache.transfers.handles import CopyHandle, LayeredGroup, LayerwiseHandle
+
+    loop = asyncio.get_running_loop()
+    idx = np.arange(2)
+    kv_l = [loop.create_future() for _ in range(2)]
+    swa_l = [loop.create_future() for _ in range(2)]
+    kv = LayerwiseHandle(loop.create_future(), kv_l, idx, idx, 64)
+    swa = LayerwiseHandle(loop.create_future(), swa_l, idx, idx, 32)
+    states = CopyHandle("h2d", loop.create_future(), idx, idx, 8)
+    layers = ("swa", "full", "mamba", "swa", "full")
+    group = LayeredGroup({"full": kv, "swa": swa, "mamba": states}, layers)
+    assert group.num_layers == 5 and group.num_bytes == 104
+    assert group.part("swa") is swa and group.part("draft") is None
+    waits = {i: asyncio.ensure_future(_awaited(group.layer(i))) for i in range(5)}
+    swa_l[0].set_result("swa 0")
+    await _spin()
+    assert [i for i in range(5) if waits[i].done()] == [0]  # not FULL, not the states
+    assert await waits[0] == "swa 0"
+    kv_l[0].set_result("full 0")
+    await _spin()
+    assert [i for i in range(5) if waits[i].done()] == [0, 1]
+    states._fut.set_result("states")
+    await _spin()
+    assert [i for i in range(5) if waits[i].done()] == [0, 1, 2]
+    swa_l[1].set_exception(TransferError("swa layer 1 lost"))
+    with pytest.raises(TransferError, match="swa layer 1 lost"):
+        await _guarded(waits[3])
+    assert not waits[4].done()
+    kv_l[1].set_result("full 1")
+    assert await waits[4] == "full 1"
+    # A load without SWA (its SWA was on device already): SWA layers wait for nothing.
+    only_kv = LayeredGroup({"full": LayerwiseHandle(loop.create_future(),
+                                                    [loop.create_future() for _ in range(2)],
+                                                    idx, idx, 64)}, layers)
+    assert only_kv.layer(0).finished and only_kv.layer(3).finished
+    assert not only_kv.layer(1).finished
+    only_kv.wait_layer(0)  # nothing to wait for: returns at once
+    with pytest.raises(InvalidInputError, match=r"layer 5 out of range \[0, 5\)"):
+        group.layer(5)
+    with pytest.raises(InvalidInputError, match="the 'swa' load has 2 layers, the layer map 1"):
+        LayeredGroup({"full": kv, "swa": swa}, ("full", "swa", "full"))
+    with pytest.raises(InvalidInputError, match="layer 1 is 'attn'"):
+        LayeredGroup({"full": kv}, ("full", "attn"))
 
 
 async def _awaited(aw: Any) -> Any:
     return await aw
 
 
-async def test_a_forward_waiting_on_the_device_sees_a_hybrid_layer_in_place(late: Any) -> None:
+async def _spin() -> None:
+    """Let done-callbacks and the awaiting tasks run (a few loop iterations)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["whole_swa", "layer_map"])
+async def test_a_forward_waiting_on_the_device_sees_a_hybrid_layer_in_place(
+    late: Any, mapped: bool
+) -> None:
     """wait_layer(i, stream) of a hybrid load from the forward's thread: a kernel queued on
-    that stream after it reads the KV's layer i and the whole SWA copy as loaded (late
-    streams: the copies run later, out of order)."""
-    from asynccache.transfers.handles import LayeredGroup
+    that stream after it reads what layer i needs as loaded (late streams: the copies run
+    later, out of order). Without a layer map: the KV's layer i and the whole SWA copy; with
+    one: the model layer's own FULL or SWA layer, the SWA loaded layer by layer."""
+    from asynccache.transfers.handles import LayeredGroup, layer_map
 
     ps = 2
+    layers = ("swa", "full", "full", "swa", "full", "full") if mapped else None
     full_shape = KVShape(4, 2, 4, torch.float32)
-    swa_shape = KVShape(1, 2, 4, torch.float32)
+    swa_shape = KVShape(2 if mapped else 1, 2, 4, torch.float32)
     fdev, fhost = DevicePool(full_shape, 8, ps, device="cpu"), HostPool(full_shape, 8, ps)
     sdev, shost = DevicePool(swa_shape, 8, ps, device="cpu"), HostPool(swa_shape, 8, ps)
     for pool, seed in ((fhost, 8), (shost, 9)):
@@ -198,21 +263,26 @@ async def test_a_forward_waiting_on_the_device_sees_a_hybrid_layer_in_place(late
         pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
     f_src, f_dst = np.array([4, 5, 0, 1]), np.array([2, 3, 6, 7])
     s_src, s_dst = np.array([6, 7]), np.array([0, 1])
-    want_f, want_s = fhost.read_slots(f_src).clone(), shost.read_slots(s_src).clone()
+    want = {"full": fhost.read_slots(f_src).clone(), "swa": shost.read_slots(s_src).clone()}
     forward = late.new_stream("forward")
     seen: dict[Any, Any] = {}
+    plan = layer_map(layers) if layers else [("full", i) for i in range(4)]
     async with CopyEngine(fdev, fhost, streams=late) as full, \
             CopyEngine(sdev, shost, streams=late) as swa:
-        group = LayeredGroup([full.submit_h2d_layerwise(f_src, f_dst),
-                              swa.submit_h2d(s_src, s_dst)])
+        swa_copy = (swa.submit_h2d_layerwise(s_src, s_dst) if mapped
+                    else swa.submit_h2d(s_src, s_dst))
+        group = LayeredGroup({"full": full.submit_h2d_layerwise(f_src, f_dst),
+                              "swa": swa_copy}, layers)
 
         def run_forward() -> None:
-            for i in range(4):
+            for i, (kind, k) in enumerate(plan):
                 group.wait_layer(i, forward, timeout=30.0)
 
-                def attention(i: int = i) -> None:
-                    seen[i] = fdev.read_slots(f_dst)[i].clone()
-                    seen["swa", i] = sdev.read_slots(s_dst).clone()
+                def attention(i: int = i, kind: str = kind, k: int = k) -> None:
+                    dev, dst = (fdev, f_dst) if kind == "full" else (sdev, s_dst)
+                    seen[kind, k] = dev.read_slots(dst)[k].clone()
+                    if not mapped:  # the SWA copy is whole: every layer sees all of it
+                        seen["swa_all", i] = sdev.read_slots(s_dst).clone()
 
                 late.launch(forward, attention)
             forward.synchronize()
@@ -220,6 +290,7 @@ async def test_a_forward_waiting_on_the_device_sees_a_hybrid_layer_in_place(late
         await asyncio.to_thread(run_forward)
         await _guarded(group)
         group.wait_device(forward)  # landed: nothing left to wait for
-    for i in range(4):
-        assert torch.equal(seen[i], want_f[i]), f"KV layer {i} read before it was in place"
-        assert torch.equal(seen["swa", i], want_s), f"SWA read before it was in place ({i})"
+    for kind, k in plan:
+        assert torch.equal(seen[kind, k], want[kind][k]), f"{kind} layer {k} read early"
+    for i in range(0 if mapped else len(plan)):
+        assert torch.equal(seen["swa_all", i], want["swa"]), f"SWA read early ({i})"
