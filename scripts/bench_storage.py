@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,25 +138,39 @@ def raw_write(path: Path, total: int, chunk: bytes, sync_every: int | None = Non
     return gbps(total, time.perf_counter() - t)
 
 
-def raw_write_direct(path: Path, total: int, chunk: bytes) -> float | None:
-    """Sequential O_DIRECT write + fsync: the device's write limit without the page cache."""
-    buf = mmap.mmap(-1, len(chunk))  # page-aligned, as O_DIRECT needs
-    buf.write(chunk)
+def timed_direct(path: Path, flags: int, size: int, step: Callable[[int, mmap.mmap], int],
+                 fill: bytes = b"") -> float | None:
+    """GB/s of ``step(fd, buf)`` (returns the bytes it moved) on ``path`` opened with
+    ``O_DIRECT``, through a page-aligned buffer of ``size`` bytes starting with ``fill``; None
+    where the filesystem refuses ``O_DIRECT``."""
+    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+    buf.write(fill)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
     except OSError:
-        return None  # the filesystem does not do O_DIRECT
+        buf.close()
+        return None
     t = time.perf_counter()
     try:
-        for _ in range(total // len(chunk)):
-            os.write(fd, buf)
-        os.fsync(fd)
+        moved = step(fd, buf)
     except OSError:
         return None
     finally:
         os.close(fd)
         buf.close()
-    return gbps(total, time.perf_counter() - t)
+    return gbps(moved, time.perf_counter() - t)
+
+
+def raw_write_direct(path: Path, total: int, chunk: bytes) -> float | None:
+    """Sequential O_DIRECT write + fsync: the device's write limit without the page cache."""
+
+    def write(fd: int, buf: mmap.mmap) -> int:
+        for _ in range(total // len(chunk)):
+            os.write(fd, buf)
+        os.fsync(fd)
+        return total
+
+    return timed_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, len(chunk), write, chunk)
 
 
 def raw_read(path: Path, chunk_size: int) -> float:
@@ -174,24 +189,16 @@ def raw_read_direct(path: Path, chunk_size: int) -> float | None:
     """``O_DIRECT`` reads of one file, one request at a time: the device without the page
     cache's readahead (None where the filesystem refuses ``O_DIRECT``)."""
     os.sync()
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return None
-    buf = mmap.mmap(-1, chunk_size)  # page-aligned, as O_DIRECT needs
-    total = 0
-    t = time.perf_counter()
-    try:
+
+    def read(fd: int, buf: mmap.mmap) -> int:
+        total = 0
         while (n := os.readv(fd, [buf])) > 0:
             total += n
             if n < chunk_size:
                 break
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-        buf.close()
-    return gbps(total, time.perf_counter() - t)
+        return total
+
+    return timed_direct(path, os.O_RDONLY, chunk_size, read)
 
 
 def raw_read_objects(paths: list[str], chunk_size: int, threads: int = 2) -> float:

@@ -419,18 +419,26 @@ async def test_alloc_device_waits_for_hybrid_write_backs(make_cache: Any) -> Non
     cache.release_load(lb)
 
 
-async def test_a_forward_waits_for_each_layer_of_a_hybrid_load_back(make_cache: Any) -> None:
-    """``lb.wait_layer(i)`` of a FULL+SWA+Mamba load-back from the forward's thread: once it
-    returns, the FULL layer i, the SWA window and the Mamba state are in place (CPU pools)."""
+async def begin_hybrid_load(make_cache: Any, **kw: Any) -> tuple[Any, dict[str, Any], Any, Any]:
+    """A FULL+SWA+Mamba cache holding TOKENS on host only (device pools zeroed), a request
+    for them and its layer-wise load-back, just begun: (cache, the KV it must serve, request,
+    load-back)."""
     from asynccache.transfers.handles import LayeredGroup
 
-    cache, want = await cache_and_write(make_cache, "full+swa+mamba")
+    cache, want = await cache_and_write(make_cache, "full+swa+mamba", **kw)
     cache.evict(len(TOKENS))
     zero_device(cache)
-    hy = cache.hybrid
     req = cache.admit([*TOKENS, 1])
     lb = cache.begin_load_back_request(req)
     assert lb is not None and isinstance(lb.group, LayeredGroup)
+    return cache, want, req, lb
+
+
+async def test_a_forward_waits_for_each_layer_of_a_hybrid_load_back(make_cache: Any) -> None:
+    """``lb.wait_layer(i)`` of a FULL+SWA+Mamba load-back from the forward's thread: once it
+    returns, the FULL layer i, the SWA window and the Mamba state are in place (CPU pools)."""
+    cache, want, req, lb = await begin_hybrid_load(make_cache)
+    hy = cache.hybrid
     layers = cache.device_pool.shape.num_layers
     seen: dict[Any, Any] = {}
 
@@ -459,17 +467,12 @@ async def test_a_layer_mapped_hybrid_load_back_serves_each_model_layer(make_cach
     """``CacheConfig.layer_components``: the load-back copies SWA layer by layer, and
     ``lb.layer(i)`` / ``lb.wait_layer(i)`` wait for what model layer ``i`` reads — its own
     FULL or SWA layer, or the whole Mamba state copy; each read is the KV that was cached."""
-    from asynccache.transfers.handles import LayeredGroup, LayerwiseHandle
+    from asynccache.transfers.handles import LayerwiseHandle
 
     layers = ("swa", "full", "mamba", "swa", "full")
-    cache, want = await cache_and_write(make_cache, "full+swa+mamba", swa_layers=2,
-                                        layer_components=layers)
-    cache.evict(len(TOKENS))
-    zero_device(cache)
+    cache, want, req, lb = await begin_hybrid_load(make_cache, swa_layers=2,
+                                                   layer_components=layers)
     hy = cache.hybrid
-    req = cache.admit([*TOKENS, 1])
-    lb = cache.begin_load_back_request(req)
-    assert lb is not None and isinstance(lb.group, LayeredGroup)
     assert lb.group.num_layers == 5
     swa_load = lb.group.part("swa")
     assert isinstance(swa_load, LayerwiseHandle) and swa_load.num_layers == 2
