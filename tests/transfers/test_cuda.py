@@ -213,6 +213,45 @@ async def test_a_forward_stream_waits_for_each_layer_on_the_device(layout: str) 
         assert _same(seen[i], expected[i]), f"layer {i}"
 
 
+async def test_a_forward_stream_waits_for_each_model_layer_of_a_mapped_hybrid_load() -> None:
+    """A FULL + SWA load with the model's layer map: ``wait_layer(i, side)`` for each model
+    layer, then a kernel on ``side`` reads that layer's own FULL or SWA layer: it sees the
+    loaded KV (the SWA pool loaded layer by layer by its own engine)."""
+    from asynccache.transfers.handles import LayeredGroup, layer_map
+
+    layers = ("swa", "full", "full", "swa", "full", "swa", "full", "full")
+    full_shape, swa_shape = KVShape(5, 8, 128, "fp16"), KVShape(3, 8, 128, "fp16")
+    fdev, fhost = DevicePool(full_shape, 64 * PAGE, PAGE), HostPool(full_shape, 64 * PAGE, PAGE)
+    sdev, shost = DevicePool(swa_shape, 32 * PAGE, PAGE), HostPool(swa_shape, 32 * PAGE, PAGE)
+    _fill(fhost.kv, 21)
+    _fill(shost.kv, 22)
+    rng = np.random.default_rng(5)
+    fd, fh = _slots(np.arange(32)), _slots(rng.permutation(64)[:32])
+    sd, sh = _slots(np.arange(8)), _slots(rng.permutation(32)[:8])
+    want = {"full": fhost.read_slots(fh), "swa": shost.read_slots(sh)}
+    async with CopyEngine(fdev, fhost) as full, CopyEngine(sdev, shost) as swa:
+        group = LayeredGroup({"full": full.submit_h2d_layerwise(fh, fd),
+                              "swa": swa.submit_h2d_layerwise(sh, sd)}, layers)
+        idx = {"full": torch.from_numpy(fd).cuda(), "swa": torch.from_numpy(sd).cuda()}
+        pools = {"full": fdev, "swa": sdev}
+        side = torch.cuda.Stream()
+        seen: dict[tuple[str, int], torch.Tensor] = {}
+
+        def forward() -> None:
+            torch.cuda.set_device(fdev.device)
+            with torch.cuda.stream(side):
+                for i, (kind, k) in enumerate(layer_map(layers)):
+                    group.wait_layer(i, side, timeout=30)
+                    seen[kind, k] = pools[kind].kv[k].index_select(1, idx[kind])
+            side.synchronize()
+
+        await asyncio.to_thread(forward)
+        await group
+    for (kind, k), got in seen.items():
+        assert _same(got, want[kind][k]), f"{kind} layer {k}"
+    assert len(seen) == len(layers)
+
+
 # --------------------------------------------------------------------------- issue 27
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
