@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import heapq
 import time
@@ -46,6 +47,7 @@ from asynccache.metrics import serve_metrics
 from asynccache.replay.bound import BeladyBound, InfiniteBound
 from asynccache.replay.formats import TraceFormatError, TraceRequest
 from asynccache.replay.kvcheck import ReplayKV
+from asynccache.replay.kvpattern import STORAGE_TAG
 from asynccache.replay.storemodel import TraceTimeStore
 from asynccache.request import CacheRequest
 from asynccache.tree import RadixKey
@@ -302,7 +304,9 @@ class TraceDriver:
     async def _open_storage(self, cache: HierarchicalCache, url: str) -> Any:
         from asynccache.storage.factory import open_backend
 
-        backend = await open_backend(url, cache.storage_layout())
+        layout = cache.storage_layout()  # named apart from other writers' pages (STORAGE_TAG)
+        backend = await open_backend(url, dataclasses.replace(
+            layout, extra=f"{layout.extra}-{STORAGE_TAG}" if layout.extra else STORAGE_TAG))
         try:
             stats = backend.stats() if hasattr(backend, "stats") else {}
             capacity = stats.get("capacity_bytes")

@@ -40,6 +40,10 @@ from asynccache.replay.bound import PrefixHasher
 from asynccache.transfers.pools import KVShape
 
 _U64 = np.uint64
+# Ends the ``extra`` of the replay's storage layout, so that its objects are named apart from
+# any other writer's: an engine's pages of the same tokens hold other KV, and so do a replay's
+# of an earlier pattern. Change it whenever the pattern below changes.
+STORAGE_TAG = "replaykv2"
 INT_VIEW = {2: torch.int16, 4: torch.int32}
 # Bits that keep a value finite and non-negative: float16 (exponent <= 0b01110), bfloat16
 # (exponent <= 0x77) and float32 (exponent <= 0x7E).

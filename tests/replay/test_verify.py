@@ -157,3 +157,39 @@ def test_a_replay_keeps_no_request_after_admitting_it(host_tokens) -> None:
     stats = _run(replayer, TRACE * 30)
     assert stats.completed == 90
     assert replayer.driver._ids == {} and not replayer.driver._side
+
+
+def test_a_store_written_with_other_kv_is_never_served_to_the_replay(tmp_path) -> None:
+    """Objects of the same tokens, model name and geometry written by a cache that is not this
+    replay (an engine, or a replay of an older KV pattern) hold other KV: the replay names its
+    objects with its pattern's tag (``kvpattern.STORAGE_TAG``), so it misses them instead of
+    failing verification."""
+    from asynccache import HierarchicalCache
+    from asynccache.storage.factory import open_backend
+
+    root = tmp_path / "l3"
+    url = f"file://{root}"
+    policy = StoragePolicy(prefetch_threshold=16, prefetch_policy="wait_complete")
+
+    async def write_foreign() -> None:
+        async with HierarchicalCache(_config(device_tokens=256)) as cache:
+            backend = await open_backend(url, cache.storage_layout())
+            try:
+                cache.attach_storage(backend, policy)
+                req = cache.admit(A.tolist())
+                await cache.extend(req, len(A))  # KV left as allocated: not the replay's
+                cache.cache_finished_req(req)
+                await cache.flush()
+                await cache.storage.drain()
+                await cache.detach_storage()
+            finally:
+                await backend.aclose()
+
+    asyncio.run(asyncio.wait_for(write_foreign(), TIMEOUT))
+    foreign = sorted(p.name for p in root.rglob("*.kv"))
+    assert len(foreign) == 16
+    opts = ReplayOptions(max_in_flight=1, storage_url=url, storage_policy=policy)
+    stats = _run(Replayer(_config(device_tokens=256), opts), [TraceRequest("a", 0.0, A)])
+    assert (stats.storage_hit_tokens, stats.computed_tokens) == (0, 64)
+    names = sorted(p.name for p in root.rglob("*.kv"))
+    assert len(names) == 32 and set(foreign) < set(names)  # its own 16, named apart
