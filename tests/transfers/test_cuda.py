@@ -424,6 +424,34 @@ async def test_a_load_lands_while_a_backup_waits_for_its_fence(layout: str,
     assert bool((host.read_slots(b) == 3.0).all())
 
 
+@pytest.mark.parametrize(("layout", "zero_copy"), [
+    ("layer_first", None), ("page_first", None), ("page_first", True), ("page_first", False)])
+async def test_copies_after_start_allocate_no_device_memory(layout: str,
+                                                            zero_copy: bool | None) -> None:
+    """A device allocation (cudaMalloc) issued while a kernel runs keeps later commands of
+    other streams from running beside it (CUDA's implicit synchronization): copies must
+    allocate nothing once the engine started, or a load could wait for the model's forward.
+    Counts the caching allocator's segments (each one a cudaMalloc) around copies of several
+    sizes in both directions, after the first one of each kind (the warm-up is the start)."""
+    shape = KVShape(4, 8, 128, "fp16")  # 128 KiB pages
+    dev = DevicePool(shape, 64 * PAGE, PAGE)
+    host = HostPool(shape, 96 * PAGE, PAGE, layout=layout)  # type: ignore[arg-type]
+    _fill(host.kv, 9)
+    rng = np.random.default_rng(4)
+    async with CopyEngine(dev, host, zero_copy=zero_copy) as engine:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+        for n in (1, 3, 17, 40, 64):
+            d = _slots(rng.permutation(64)[:n])
+            h = _slots(rng.permutation(96)[:n])
+            await engine.submit_h2d_layerwise(h, d)
+            await engine.submit_d2h(d, h)
+            await engine.submit_h2d(h, d)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+    assert after == before, f"the copy path made {after - before} new device segments"
+
+
 def test_device_alias_reads_and_writes_the_pinned_bytes() -> None:
     from asynccache.transfers.dma import device_alias
     from asynccache.transfers.pools import register_host_memory
