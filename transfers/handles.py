@@ -378,10 +378,14 @@ class LayerwiseGroup(LayerwiseHandle):
         self.parts = tuple(parts)
 
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
-        """Layer ``i`` of every part (the KV and its riders), see
-        :meth:`LayerwiseHandle.wait_layer`."""
-        for part in self.parts:
-            part.wait_layer(i, stream, timeout=timeout)
+        """Layer ``i`` of the first part (the KV) and of every rider that has a layer ``i``
+        (a draft model may have fewer layers than the KV), see
+        :meth:`LayerwiseHandle.wait_layer`; ``parts[k].wait_layer(j)`` for a rider's own."""
+        first, *riders = self.parts
+        first.wait_layer(i, stream, timeout=timeout)  # checks i against the KV's layers
+        for part in riders:
+            if i < part.num_layers:
+                part.wait_layer(i, stream, timeout=timeout)
 
     def wait_device(self, stream: Any = None, *, timeout: float | None = None) -> None:
         for part in self.parts:

@@ -69,10 +69,10 @@ class LoadBack:
 
     def wait_layer(self, i: int, stream: Any = None, *, timeout: float | None = None) -> None:
         """From the forward's thread: make ``stream`` (default: the current stream) wait *on
-        the device* until layer ``i`` is in place (with the KV pool's sidecars; a hybrid load:
-        what :meth:`layer` waits for), blocking this thread only until the
-        layer's copy is queued. CPU pools: returns once it is in place. A failed copy raises
-        :class:`TransferError`; coroutines ``await layer(i)`` instead."""
+        the device* until layer ``i`` is in place (with layer ``i`` of each KV sidecar that
+        has one; a hybrid load: what :meth:`layer` waits for), blocking this thread only
+        until the layer's copy is queued. CPU pools: returns once it is in place. A failed
+        copy raises :class:`TransferError`; coroutines ``await layer(i)`` instead."""
         target = self.group if self.group is not None else self.handle
         if isinstance(target, LayerwiseHandle | LayeredGroup):
             target.wait_layer(i, stream, timeout=timeout)
@@ -86,6 +86,21 @@ class LoadBack:
         if h is None:
             return (self.group or self.handle).done()
         return h.layer(i)
+
+    def wait_sidecar_layer(self, name: str, i: int, stream: Any = None, *,
+                           timeout: float | None = None) -> None:
+        """Device-side :meth:`sidecar_layer`: ``stream`` waits for layer ``i`` of sidecar
+        ``name`` (a sidecar of the SWA or Mamba pool, or one this load does not copy: the
+        whole load), blocking this thread only until its copy is queued."""
+        h = self.sidecars.get(name)
+        if h is None:
+            target = self.group if self.group is not None else self.handle
+            target.wait_device(stream, timeout=timeout)
+            return
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h.num_layers:
+            raise InvalidInputError(f"sidecar {name!r}: layer {i!r} out of range "
+                                    f"[0, {h.num_layers})")
+        h.wait_layer(i, stream, timeout=timeout)
 
     async def wait(self) -> None:
         if self.committed is not None:

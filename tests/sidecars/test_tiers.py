@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from asynccache.errors import InvalidInputError
 from asynccache.testing.copyfaults import copy_faults
 
 TOKENS = list(range(1000, 1026))  # 6 whole pages + 2
@@ -64,6 +65,37 @@ async def test_layerwise_load_of_the_draft_sidecar(make_cache, kit):
     await asyncio.wait_for(lb.layer(1), kit.TIMEOUT)
     await asyncio.wait_for(lb.sidecar_layer("draft", 0), kit.TIMEOUT)
     await asyncio.wait_for(lb.sidecar_layer("indexer", 0), kit.TIMEOUT)
+    await asyncio.wait_for(lb.wait(), kit.TIMEOUT)
+    cache_model.check(TOKENS, lb.device_indices, "layer-wise load")
+    cache.release_load(lb)
+
+
+async def test_a_forward_waits_on_every_model_layer_with_fewer_layered_sidecars(make_cache, kit):
+    """The draft and indexer sidecars have one layer, the KV two: ``lb.wait_layer(i)`` from
+    the forward's thread works for every model layer (it waits for the KV's layer ``i`` and
+    for layer ``i`` of each rider that has one), and ``wait_sidecar_layer`` waits for a rider's
+    own layer (a name the load does not copy: the whole load, like ``sidecar_layer``); then
+    every byte read is the cached one."""
+    cache = await make_cache(write_policy="write_through")
+    cache_model = kit.SidecarModel(cache)
+    await kit.serve(cache, cache_model, TOKENS)
+    await asyncio.wait_for(cache.flush(), kit.TIMEOUT)
+    await cache.evict_async(10_000)
+    cache_model.clobber()
+    lb = cache.begin_load_back(cache.match_prefix(TOKENS))
+    assert lb is not None and cache.shape.num_layers == 2
+    assert {n: h.num_layers for n, h in lb.sidecars.items()} == {"draft": 1, "indexer": 1}
+
+    def forward() -> None:
+        for i in range(cache.shape.num_layers):
+            lb.wait_layer(i, timeout=kit.TIMEOUT)
+        for name in lb.sidecars:
+            lb.wait_sidecar_layer(name, 0, timeout=kit.TIMEOUT)
+        with pytest.raises(InvalidInputError, match=r"sidecar 'draft': layer 1 out of range"):
+            lb.wait_sidecar_layer("draft", 1)
+        lb.wait_sidecar_layer("nope", 0, timeout=kit.TIMEOUT)  # not in this load: all of it
+
+    await asyncio.wait_for(asyncio.to_thread(forward), kit.TIMEOUT)
     await asyncio.wait_for(lb.wait(), kit.TIMEOUT)
     cache_model.check(TOKENS, lb.device_indices, "layer-wise load")
     cache.release_load(lb)
