@@ -260,6 +260,24 @@ class GroupHandle(CopyHandle):
             part.wait_device(stream, timeout=timeout)
 
 
+COMPONENTS = ("full", "swa", "mamba")
+
+
+def layer_map(layers: Sequence[str]) -> list[tuple[str, int]]:
+    """Each model layer as (component, its index among that component's layers)."""
+    if isinstance(layers, str) or not layers:
+        raise InvalidInputError(f"a layer map is a non-empty sequence of {list(COMPONENTS)}, "
+                                f"got {layers!r}")
+    seen = dict.fromkeys(COMPONENTS, 0)
+    out = []
+    for i, kind in enumerate(layers):
+        if kind not in seen:
+            raise InvalidInputError(f"layer {i} is {kind!r}; expected one of {list(COMPONENTS)}")
+        out.append((kind, seen[kind]))
+        seen[kind] += 1
+    return out
+
+
 class LayeredGroup(GroupHandle):
     """A hybrid load: the copies of one load-back by component (``"full"``: the layer-wise KV
     load with its riders; ``"swa"``: the SWA KV, layer-wise; ``"mamba"``: the states, whole),
@@ -342,24 +360,6 @@ class LayeredGroup(GroupHandle):
                 part.wait_layer(k, stream, timeout=timeout)
             else:
                 part.wait_device(stream, timeout=timeout)
-
-
-COMPONENTS = ("full", "swa", "mamba")
-
-
-def layer_map(layers: Sequence[str]) -> list[tuple[str, int]]:
-    """Each model layer as (component, its index among that component's layers)."""
-    if isinstance(layers, str) or not layers:
-        raise InvalidInputError(f"a layer map is a non-empty sequence of {list(COMPONENTS)}, "
-                                f"got {layers!r}")
-    seen = dict.fromkeys(COMPONENTS, 0)
-    out = []
-    for i, kind in enumerate(layers):
-        if kind not in seen:
-            raise InvalidInputError(f"layer {i} is {kind!r}; expected one of {list(COMPONENTS)}")
-        out.append((kind, seen[kind]))
-        seen[kind] += 1
-    return out
 
 
 class LayerwiseGroup(LayerwiseHandle):
