@@ -55,12 +55,21 @@ class LoadBack:
     group: CopyHandle | None = None
     # The layer-wise loads of the KV pool's sidecars, by name (they ride the KV copy).
     sidecars: dict[str, LayerwiseHandle] = field(default_factory=dict)
+    # The model's layers (``layer_components`` when given, else the KV's): what ``layer(i)``
+    # accepts, whatever this load copies.
+    num_layers: int | None = None
+
+    def _check(self, i: int) -> None:
+        n = self.num_layers
+        if n is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n):
+            raise InvalidInputError(f"layer {i!r} out of range [0, {n})")
 
     def layer(self, i: int) -> Any:
         """An awaitable for layer ``i`` in place. A hybrid load with
         ``CacheConfig.layer_components``: model layer ``i``'s own layer of the FULL or SWA
         load, or the whole Mamba state copy; without it: the KV's layer ``i`` and the SWA /
         Mamba copies whole (a load of components only: the whole load)."""
+        self._check(i)
         if isinstance(self.group, LayeredGroup):
             return self.group.layer(i)
         if self.group is not None or not isinstance(self.handle, LayerwiseHandle):
@@ -73,6 +82,7 @@ class LoadBack:
         has one; a hybrid load: what :meth:`layer` waits for), blocking this thread only
         until the layer's copy is queued. CPU pools: returns once it is in place. A failed
         copy raises :class:`TransferError`; coroutines ``await layer(i)`` instead."""
+        self._check(i)
         target = self.group if self.group is not None else self.handle
         if isinstance(target, LayerwiseHandle | LayeredGroup):
             target.wait_layer(i, stream, timeout=timeout)
@@ -247,7 +257,9 @@ class LoadBacks:
         if isinstance(kv_load, LayerwiseGroup):
             names = [s.name for s in self._p.sidecars.of("kv") if s.engine is not None]
             riders = dict(zip(names, kv_load.parts[1:], strict=True))
+        cfg = self._p.config
         lb = LoadBack(
+            num_layers=len(cfg.layer_components) if cfg.layer_components else cfg.num_layers,
             sidecars=riders,
             op_id=ticket.op_id,
             node_id=match.best_node,

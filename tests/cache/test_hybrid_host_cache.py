@@ -524,3 +524,27 @@ async def test_layer_components_must_match_the_pools(make_cache: Any) -> None:
     with pytest.raises(ConfigError, match=r"sliding_window=0: no SWA component"):
         CacheConfig(**{**base, "sliding_window": 0}, layer_components=("full", "swa", "full",
                                                                        "mamba"))
+
+
+async def test_a_load_of_components_only_checks_the_layer_index(make_cache: Any) -> None:
+    """With the FULL KV on device and only the SWA window to load (no layer map), ``layer(i)``
+    / ``wait_layer(i)`` wait for the whole load — and still refuse a layer the model does not
+    have, naming it, like a load with a FULL part does."""
+    from asynccache.errors import InvalidInputError
+    from asynccache.transfers.hybrid_copies import GroupHandle
+
+    cache, want = await cache_and_write(make_cache, "full+swa")
+    cache.evict(0, swa_num_tokens=len(TOKENS))  # the SWA side goes; FULL stays on device
+    req = cache.admit([*TOKENS, 1])
+    lb = cache.begin_load_back_request(req)
+    assert lb is not None and type(lb.group) is GroupHandle
+    for bad in (2, -1, 7):
+        with pytest.raises(InvalidInputError, match=rf"layer {bad} out of range \[0, 2\)"):
+            lb.layer(bad)
+        with pytest.raises(InvalidInputError, match=rf"layer {bad} out of range \[0, 2\)"):
+            lb.wait_layer(bad)
+    for i in range(2):
+        await asyncio.wait_for(lb.layer(i), 30.0)
+    await asyncio.wait_for(cache.finish_load_back_request(req, lb), 30.0)
+    assert_same(served(cache, req.slots), want)
+    cache.abort_req(req)
