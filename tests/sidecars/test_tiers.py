@@ -52,16 +52,22 @@ async def test_host_copies_hold_the_sidecar_bytes(make_cache, kit):
                               f"host copy of {sc.name} vs model")
 
 
-async def test_layerwise_load_of_the_draft_sidecar(make_cache, kit):
+async def begin_evicted_load(make_cache, kit):
+    """TOKENS served, backed up, evicted and the device pools clobbered; a layer-wise load of
+    them just begun: (cache, model, load-back)."""
     cache = await make_cache(write_policy="write_through")
     cache_model = kit.SidecarModel(cache)
     await kit.serve(cache, cache_model, TOKENS)
     await asyncio.wait_for(cache.flush(), kit.TIMEOUT)
     await cache.evict_async(10_000)
     cache_model.clobber()
-    m = cache.match_prefix(TOKENS)
-    lb = cache.begin_load_back(m)
+    lb = cache.begin_load_back(cache.match_prefix(TOKENS))
     assert lb is not None and set(lb.sidecars) == {"draft", "indexer"}
+    return cache, cache_model, lb
+
+
+async def test_layerwise_load_of_the_draft_sidecar(make_cache, kit):
+    cache, cache_model, lb = await begin_evicted_load(make_cache, kit)
     await asyncio.wait_for(lb.layer(1), kit.TIMEOUT)
     await asyncio.wait_for(lb.sidecar_layer("draft", 0), kit.TIMEOUT)
     await asyncio.wait_for(lb.sidecar_layer("indexer", 0), kit.TIMEOUT)
@@ -76,14 +82,8 @@ async def test_a_forward_waits_on_every_model_layer_with_fewer_layered_sidecars(
     for layer ``i`` of each rider that has one), and ``wait_sidecar_layer`` waits for a rider's
     own layer (a name the load does not copy: the whole load, like ``sidecar_layer``); then
     every byte read is the cached one."""
-    cache = await make_cache(write_policy="write_through")
-    cache_model = kit.SidecarModel(cache)
-    await kit.serve(cache, cache_model, TOKENS)
-    await asyncio.wait_for(cache.flush(), kit.TIMEOUT)
-    await cache.evict_async(10_000)
-    cache_model.clobber()
-    lb = cache.begin_load_back(cache.match_prefix(TOKENS))
-    assert lb is not None and cache.shape.num_layers == 2
+    cache, cache_model, lb = await begin_evicted_load(make_cache, kit)
+    assert cache.shape.num_layers == 2
     assert {n: h.num_layers for n, h in lb.sidecars.items()} == {"draft": 1, "indexer": 1}
 
     def forward() -> None:
