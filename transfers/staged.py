@@ -456,22 +456,21 @@ class StagedWorker(WorkerBase):
                                             self._host_pages)
         flat, copier, stream = slot.dev, self.copier, lane.copy_stream
         assert flat is not None
-        uploads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, pinned) index buffers
+        pinned_idx: torch.Tensor | None = None  # CUDA: the indices to upload into idx_all
         if self.cuda:
             assert slot.idx_dev is not None
             m = 2 * n if zero_copy else n
             slot.idx_np[:n] = dev_pages
             if zero_copy:
                 slot.idx_np[n:m] = host_pages
-            idx_all = slot.idx_dev[:m]
-            uploads.append((idx_all, slot.idx_host[:m]))
+            idx_all, pinned_idx = slot.idx_dev[:m], slot.idx_host[:m]
             idx, hidx = idx_all[:n], idx_all[n:]
         else:
             idx, hidx = torch.from_numpy(dev_pages), torch.from_numpy(host_pages)
 
         def upload() -> None:  # the first stream of the piece brings the indices over
-            for dst, src in uploads:
-                dst.copy_(src, non_blocking=True)
+            if pinned_idx is not None:
+                idx_all.copy_(pinned_idx, non_blocking=True)
 
         def device_side() -> None:
             if h2d:

@@ -232,6 +232,7 @@ class LoadBacks:
         self._t.ledger.release(slots)  # the tree owns them from here on
         handle: CopyHandle
         group = None
+        cfg = self._p.config
         if parts is None:
             handle = self._copier().submit_h2d_layerwise(ticket.host_slots, ticket.device_slots)
             indices = np.concatenate([match.device_indices, ticket.device_slots])
@@ -244,10 +245,10 @@ class LoadBacks:
                 named = {"full": self._copier().submit_h2d_layerwise(ticket.host_slots,
                                                                      ticket.device_slots),
                          **named}
-            layers = self._p.config.layer_components
-            group = (LayeredGroup(named, layers) if layers is not None or "full" in named
-                     else GroupHandle(list(named.values())))
+            layers = cfg.layer_components
             copies = list(named.values())
+            group = (LayeredGroup(named, layers) if layers is not None or "full" in named
+                     else GroupHandle(copies))
             handle = copies[0]
             total = match.device_prefix_len + match.host_hit_length
             tail = self.tree.tail_slots(match.best_node, total) if total else None
@@ -257,7 +258,6 @@ class LoadBacks:
         if isinstance(kv_load, LayerwiseGroup):
             names = [s.name for s in self._p.sidecars.of("kv") if s.engine is not None]
             riders = dict(zip(names, kv_load.parts[1:], strict=True))
-        cfg = self._p.config
         lb = LoadBack(
             num_layers=len(cfg.layer_components) if cfg.layer_components else cfg.num_layers,
             sidecars=riders,
