@@ -8,9 +8,12 @@ a caller. Slots the tree owns, slots never handed out and slots already freed ar
 an :class:`InvalidInputError` naming the slot, before anything changes: a caller can no longer
 make the tree adopt slots another request is about to be given (wrong KV), nor free the tree's.
 
-Host slots owned by operations (backups in flight, storage writes and prefetches, buffer-mode
-staging, retracted requests) are counted here too: the ledger is the only writer of both counts,
-and :meth:`SlotLedger.check_accounting` is the accounting half of ``sanity_check``.
+Host slots are held the same way by *operations* (backups in flight, storage writes and
+prefetches, buffer-mode staging, retracted requests, a caller's ``take_host``) from ``take_host``
+until they are freed or the tree adopts them: ``free_host`` refuses host slots of the tree's
+host copies, never handed out or already freed, so a caller can no longer free a page a cached
+prefix still reads from. The ledger is the only writer of both counts, and
+:meth:`SlotLedger.check_accounting` is the accounting half of ``sanity_check``.
 
 Synchronous, single-owner (the cache's loop); no I/O.
 """
@@ -24,65 +27,35 @@ from asynccache.transfers.allocator import PageAllocator
 from asynccache.transfers.indices import SlotIndices
 
 
-class SlotLedger:
-    """Per device page: held by a caller or not. The only writer of the caller-held count."""
+class Holdings:
+    """Per page of one pool: held (by a caller or an operation) or not, and how many are."""
 
-    __slots__ = ("_alloc", "_held", "_host", "_pages", "_ps", "_stamp")
+    __slots__ = ("_alloc", "_held", "_holder", "_ps", "_stamp", "pages")
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, holder: str) -> None:
         self._alloc = allocator
         self._ps = allocator.page_size
         self._held = np.zeros(allocator.num_pages, dtype=np.uint8)
         self._stamp = np.zeros(allocator.num_pages, dtype=np.int64)
-        self._pages = 0
-        self._host = 0
+        self._holder = holder  # the end of the "not held" error: who hands slots out
+        self.pages = 0
 
     @property
-    def held_tokens(self) -> int:
-        """Device slots held by callers (handed out, not yet freed or adopted)."""
-        return self._pages * self._ps
-
-    @property
-    def host_tokens(self) -> int:
-        """Host slots operations hold (taken from the host pool, not the tree's)."""
-        return self._host
-
-    def host_taken(self, num_slots: int) -> None:
-        """An operation took ``num_slots`` host slots from the pool."""
-        self._host += num_slots
-
-    def host_returned(self, num_slots: int) -> None:
-        """An operation gave ``num_slots`` host slots back (freed, or adopted by the tree)."""
-        self._host -= num_slots
-
-    def check_accounting(self, tree_device: int, device_used: int,
-                         tree_host: int | None = None, host_used: int | None = None) -> None:
-        """Every allocated slot has one owner: device ``used == tree + callers``, host
-        ``used == tree + operations`` (host figures None: no host pool)."""
-        if device_used != tree_device + self.held_tokens:
-            raise AssertionError(
-                f"device accounting: allocator uses {device_used} slots, tree holds "
-                f"{tree_device} and callers {self.held_tokens}"
-            )
-        if host_used is not None and host_used != (tree_host or 0) + self._host:
-            raise AssertionError(
-                f"host accounting: allocator uses {host_used} slots, tree holds "
-                f"{tree_host} and operations (backups in flight, staging, "
-                f"retracted requests) {self._host}"
-            )
+    def tokens(self) -> int:
+        return self.pages * self._ps
 
     def hand_out(self, slots: np.ndarray) -> None:
-        """``slots`` (whole pages the cache's allocator just returned, so not validated again)
-        now belong to a caller."""
+        """``slots`` (whole pages the allocator just returned, so not validated again) are
+        now held."""
         pages = slots if self._ps == 1 else slots[:: self._ps] // self._ps
         if self._held[pages].any():
             bad = int(pages[int(np.argmax(self._held[pages]))])
             raise AssertionError(f"page {bad} handed out twice")
         self._held[pages] = 1
-        self._pages += len(pages)
+        self.pages += len(pages)
 
-    def check(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """The page ids of ``slots`` if a caller holds all of them (nothing changes), else
+    def check(self, slots: SlotIndices, name: str) -> np.ndarray:
+        """The page ids of ``slots`` if all of them are held (nothing changes), else
         :class:`InvalidInputError` naming the first bad slot."""
         pages = self._alloc.pages_of(slots, name=name)
         n = len(pages)
@@ -92,11 +65,8 @@ class SlotLedger:
         if flags.tobytes() != b"\x01" * n:
             at = int(np.argmin(flags))
             slot = int(pages[at]) * self._ps
-            raise InvalidInputError(
-                f"{name}: slot {slot} (position {at * self._ps}) is not held by the caller: it "
-                "was never handed out by alloc_device / extend, was already freed, or belongs "
-                "to the cache (a cached prefix's slots are the tree's)"
-            )
+            raise InvalidInputError(f"{name}: slot {slot} (position {at * self._ps}) is not "
+                                    f"held by {self._holder}")
         if n > 1:
             order = np.arange(n, dtype=np.int64)
             self._stamp[pages] = order
@@ -108,27 +78,110 @@ class SlotLedger:
                 )
         return pages
 
-    def release(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """The caller gives ``slots`` up (freed, or adopted by the tree): checked as
-        :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
-        free them without validating the slots again)."""
-        pages = self.check(slots, name)
-        self.release_pages(pages)
-        return pages
-
     def release_pages(self, pages: np.ndarray) -> None:
         """Release pages :meth:`check` returned (nothing changed them since)."""
         self._held[pages] = 0
-        self._pages -= len(pages)
+        self.pages -= len(pages)
 
     def take_all(self) -> np.ndarray:
-        """Every slot callers still hold, now held by no one (the cache closes: requests
-        interrupted by it give their slots back)."""
+        """Every slot still held, now held by no one."""
         pages = np.flatnonzero(self._held)
         self._held[:] = 0
-        self._pages = 0
+        self.pages = 0
         if self._ps == 1:
             return pages.astype(np.int64)
         base = pages.astype(np.int64)[:, None] * self._ps
         out: np.ndarray = (base + np.arange(self._ps, dtype=np.int64)).reshape(-1)
         return out
+
+
+_DEVICE_HOLDER = ("the caller: it was never handed out by alloc_device / extend, was already "
+                  "freed, or belongs to the cache (a cached prefix's slots are the tree's)")
+_HOST_HOLDER = ("an operation: it was never handed out by take_host, was already freed, or "
+                "belongs to the cache (a host copy's slots are the tree's)")
+
+
+class SlotLedger:
+    """Device pages held by callers and host pages held by operations. The only writer of
+    both counts."""
+
+    __slots__ = ("_dev", "_host")
+
+    def __init__(self, allocator: PageAllocator, host: PageAllocator | None = None) -> None:
+        self._dev = Holdings(allocator, _DEVICE_HOLDER)
+        self._host = Holdings(host, _HOST_HOLDER) if host is not None else None
+
+    @property
+    def held_tokens(self) -> int:
+        """Device slots held by callers (handed out, not yet freed or adopted)."""
+        return self._dev.tokens
+
+    @property
+    def host_tokens(self) -> int:
+        """Host slots operations hold (taken from the host pool, not the tree's)."""
+        return self._host.tokens if self._host is not None else 0
+
+    def _host_pages(self) -> Holdings:
+        if self._host is None:
+            raise InvalidInputError("this cache has no host pool")
+        return self._host
+
+    def host_taken(self, slots: np.ndarray) -> None:
+        """An operation took ``slots`` (fresh from the host allocator) from the host pool."""
+        self._host_pages().hand_out(slots)
+
+    def check_host(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
+        """The host page ids of ``slots`` if operations hold all of them (nothing changes),
+        else :class:`InvalidInputError` naming the first bad slot."""
+        return self._host_pages().check(slots, name)
+
+    def host_returned(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
+        """An operation gives ``slots`` back (to be freed, or adopted by the tree): checked as
+        :meth:`check_host`, then no longer held. Returns their page ids."""
+        host = self._host_pages()
+        pages = host.check(slots, name)
+        host.release_pages(pages)
+        return pages
+
+    def check_accounting(self, tree_device: int, device_used: int,
+                         tree_host: int | None = None, host_used: int | None = None) -> None:
+        """Every allocated slot has one owner: device ``used == tree + callers``, host
+        ``used == tree + operations`` (host figures None: no host pool)."""
+        if device_used != tree_device + self.held_tokens:
+            raise AssertionError(
+                f"device accounting: allocator uses {device_used} slots, tree holds "
+                f"{tree_device} and callers {self.held_tokens}"
+            )
+        if host_used is not None and host_used != (tree_host or 0) + self.host_tokens:
+            raise AssertionError(
+                f"host accounting: allocator uses {host_used} slots, tree holds "
+                f"{tree_host} and operations (backups in flight, staging, "
+                f"retracted requests) {self.host_tokens}"
+            )
+
+    def hand_out(self, slots: np.ndarray) -> None:
+        """``slots`` (whole pages the cache's allocator just returned, so not validated again)
+        now belong to a caller."""
+        self._dev.hand_out(slots)
+
+    def check(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
+        """The page ids of ``slots`` if a caller holds all of them (nothing changes), else
+        :class:`InvalidInputError` naming the first bad slot."""
+        return self._dev.check(slots, name)
+
+    def release(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
+        """The caller gives ``slots`` up (freed, or adopted by the tree): checked as
+        :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
+        free them without validating the slots again)."""
+        pages = self._dev.check(slots, name)
+        self._dev.release_pages(pages)
+        return pages
+
+    def release_pages(self, pages: np.ndarray) -> None:
+        """Release pages :meth:`check` returned (nothing changed them since)."""
+        self._dev.release_pages(pages)
+
+    def take_all(self) -> np.ndarray:
+        """Every slot callers still hold, now held by no one (the cache closes: requests
+        interrupted by it give their slots back)."""
+        return self._dev.take_all()

@@ -27,6 +27,7 @@ from asynccache.logs import get_logger
 from asynccache.transfers.engine import CopyEngine
 from asynccache.transfers.handles import CopyHandle, LayerwiseHandle
 from asynccache.transfers.hybrid_copies import GroupHandle
+from asynccache.transfers.indices import SlotIndices
 from asynccache.tree import (
     BackupRequest,
     InsertResult,
@@ -52,7 +53,9 @@ class Tiering:
         self.page_size = parts.page_size
         self.commits = commits
         self.copies = CopyTracker()
-        self.ledger = SlotLedger(parts.device_pool.allocator)
+        host = parts.host_pool
+        self.ledger = SlotLedger(parts.device_pool.allocator,
+                                 host.allocator if host is not None else None)
         self.slots: DeviceSlots = device_slots(parts.device_pool, parts.hybrid)
         self.effects = Effects(parts, self.slots, self.start_backups)
         self.copier: CopyEngine | None = None  # the KV copy engine (started with a host pool)
@@ -248,19 +251,23 @@ class Tiering:
             self.evict_host(num_tokens - alloc.available_size)
             slots = alloc.alloc(num_tokens)
         if slots is not None:
-            self.ledger.host_taken(len(slots))
+            self.ledger.host_taken(slots)
         return slots
 
-    def free_host(self, slots: np.ndarray) -> None:
-        """Give back operation-owned host slots from :meth:`take_host`."""
+    def free_host(self, slots: SlotIndices) -> None:
+        """Give back operation-owned host slots from :meth:`take_host`; slots no operation
+        holds (a host copy's, never handed out, already freed) are refused before anything is
+        freed (:class:`InvalidInputError` naming one)."""
         if len(slots):
-            assert self.parts.host_pool is not None
-            self.parts.host_pool.allocator.free(slots)
-            self.ledger.host_returned(len(slots))
+            host = self.parts.host_pool
+            if host is None:
+                raise InvalidInputError("free_host: this cache has no host pool")
+            host.allocator.free_pages(self.ledger.host_returned(slots))
 
-    def host_adopted(self, num_slots: int) -> None:
-        """The tree adopted (or freed itself) ``num_slots`` host slots of an operation."""
-        self.ledger.host_returned(num_slots)
+    def host_adopted(self, slots: np.ndarray) -> None:
+        """The tree adopted (or freed itself) the host ``slots`` of an operation."""
+        if len(slots):
+            self.ledger.host_returned(slots)
 
     # ------------------------------------------------------------------ copies
     def submit_d2h(self, device_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
@@ -373,7 +380,7 @@ class Tiering:
                 _log.warning("backup_failed", node=req.node_id, error=repr(error))
             self._backup_failed(req, "backup_failed")
             return
-        self.host_adopted(len(host))
+        self.host_adopted(host)
         ids = self.tree.commit_backup(req.op_id, host, parts)
         self.effects.ports.node_backed_up(ids)
         result = handle.result()

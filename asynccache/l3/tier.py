@@ -527,9 +527,12 @@ class StorageTier:
                 res = t.tree.insert_host(op.key, op.start, host[:done], **kw)
                 # The tree adopted the slots, but for pages it already had: those it gives
                 # back (still this prefetch's, freed here).
-                t.host_adopted(done - sum(len(dup) for dup in res.device_frees))
-                for dup in res.device_frees:
-                    t.free_host(dup)
+                adopted = host[:done]
+                if res.device_frees:
+                    dups = np.concatenate(res.device_frees)
+                    t.free_host(dups)
+                    adopted = np.setdiff1d(adopted, dups, assume_unique=True)
+                t.host_adopted(adopted)
                 if hy is not None:
                     hy.release(op, inserted=True)
                     hy.tier.free_host(res.component_frees)

@@ -20,10 +20,10 @@ SMALL = {"page_size": 4, "num_layers": 2, "num_heads": 2, "head_dim": 8, "dtype"
 
 
 def test_ledger_counts_host_slots_and_names_the_side_that_drifted() -> None:
-    ledger = SlotLedger(PageAllocator(64, 4))
+    ledger = SlotLedger(PageAllocator(64, 4), PageAllocator(64, 4))
     ledger.hand_out(np.arange(8, dtype=np.int64))
-    ledger.host_taken(12)
-    ledger.host_returned(4)
+    ledger.host_taken(np.arange(16, 28, dtype=np.int64))
+    assert ledger.host_returned(np.arange(20, 24, dtype=np.int64)).tolist() == [5]
     assert (ledger.held_tokens, ledger.host_tokens) == (8, 8)
     ledger.check_accounting(tree_device=16, device_used=24, tree_host=20, host_used=28)
     with pytest.raises(AssertionError, match="device accounting: allocator uses 23 slots, tree "
@@ -32,6 +32,21 @@ def test_ledger_counts_host_slots_and_names_the_side_that_drifted() -> None:
     with pytest.raises(AssertionError, match=r"host accounting: allocator uses 27 slots, tree "
                                              r"holds 20 and operations .* 8"):
         ledger.check_accounting(16, 24, tree_host=20, host_used=27)
+
+
+def test_ledger_refuses_host_slots_no_operation_holds_before_changing_anything() -> None:
+    ledger = SlotLedger(PageAllocator(64, 4), PageAllocator(64, 4))
+    ledger.host_taken(np.arange(0, 8, dtype=np.int64))
+    with pytest.raises(InvalidInputError, match=r"slot 8 \(position 8\) is not held by an "
+                                                r"operation: it was never handed out by take_host"):
+        ledger.host_returned(np.arange(0, 12, dtype=np.int64))
+    with pytest.raises(InvalidInputError, match="slot 4 appears twice"):
+        ledger.host_returned(np.array([4, 5, 6, 7, 4, 5, 6, 7]))
+    assert ledger.host_tokens == 8  # nothing released
+    assert ledger.host_returned(np.arange(0, 8, dtype=np.int64)).tolist() == [0, 1]
+    assert ledger.host_tokens == 0
+    with pytest.raises(InvalidInputError, match="no host pool"):
+        SlotLedger(PageAllocator(64, 4)).host_taken(np.arange(4, dtype=np.int64))
 
 
 def test_ledger_refuses_slots_it_never_handed_out_before_changing_anything() -> None:

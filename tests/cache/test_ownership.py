@@ -149,3 +149,45 @@ async def test_extend_after_close_is_refused(cache_factory, kit) -> None:
         await cache.aclose()
         with pytest.raises(ClosedError):
             await cache.extend(req, 1)
+
+
+def _host_state(cache) -> tuple:
+    return (cache.tree.host_size, cache.host_pool.allocator.used_size, cache.host_in_flight)
+
+
+async def test_free_host_of_the_trees_host_copy_is_rejected(make_cache, kit) -> None:
+    # free_host takes back only what take_host handed out: the host slots of a cached
+    # prefix's host copy are the tree's. Accepting them let the next backup reuse the page
+    # and a later load-back serve another prompt's KV.
+    cache = await make_cache(write_policy="write_through")
+    model = kit.KVModel.of(cache)
+    a = list(range(1000, 1032))
+    await kit.serve(cache, model, a)
+    await cache.flush()
+    assert _host_state(cache) == (32, 32, 0)
+    tree_host = np.flatnonzero(cache.host_pool.allocator.is_allocated(np.arange(256)))[:4]
+    with pytest.raises(InvalidInputError, match=rf"slot {int(tree_host[0])} .*not held by an "
+                                                r"operation.*take_host"):
+        cache.free_host(tree_host)
+    assert _host_state(cache) == (32, 32, 0)
+    cache.sanity_check()
+    await kit.serve(cache, model, list(range(2000, 2032)))  # its backup takes fresh host pages
+    await cache.flush()
+    cache.evict(64)
+    assert cache.match_prefix(a).device_prefix_len == 0
+    req = await kit.serve(cache, model, a)  # loaded back from host: a's own KV
+    assert req.prefix_len == 32
+    cache.sanity_check()
+
+
+async def test_free_host_twice_is_rejected(make_cache) -> None:
+    cache = await make_cache()
+    slots = cache.take_host(8)
+    assert slots is not None and cache.host_in_flight == 8
+    cache.free_host(slots[:4])
+    with pytest.raises(InvalidInputError, match=rf"slot {int(slots[0])} .*not held by an operation"):
+        cache.free_host(slots)
+    assert cache.host_in_flight == 4  # nothing freed by the refused call
+    cache.free_host(slots[4:])
+    assert (cache.host_in_flight, cache.host_pool.allocator.used_size) == (0, 0)
+    cache.sanity_check()
