@@ -62,11 +62,11 @@ class RequestFlow:
               session_id: str | None = None, priority: int = 0) -> CacheRequest:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidInputError(f"priority must be an int, got {priority!r}")
-        gen = None
+        sessions = self.sessions
         if session_id is not None:
-            if self.sessions is None:
+            if sessions is None:
                 raise ConfigError("session_id needs CacheConfig(enable_sessions=True)")
-            gen = self.sessions.ensure(session_id)
+            sessions.generation(session_id)  # checks the id; the session opens on success
         t = self._t
         key = self.tree.key_of(t.key(tokens))  # (EAGLE: the bigram view, built once)
         hy = self._p.hybrid
@@ -82,13 +82,16 @@ class RequestFlow:
             cow = m.mamba_cow_slot
             ops = self._hybrid
             state = ops.mamba_copy_on_write(cow) if cow is not None else ops.alloc_mamba_state()
-            if state is None:
+            if state is None:  # nothing may stay locked: admission failed
                 if receipt is not None:
                     self.tree.unlock(receipt)
+                if host is not None:
+                    self.tree.unlock_host(host)
                 raise PoolExhaustedError(
                     f"request {rid}: no Mamba state slot is free (all "
                     f"{self._p.config.mamba_states} are held by requests or locked nodes)"
                 )
+        gen = sessions.ensure(session_id) if session_id is not None and sessions else None
         return CacheRequest(
             rid=rid, key=key, slots=m.device_indices, prefix_len=m.device_prefix_len,
             last_node=m.last_device_node, best_node=m.best_node,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from asynccache.errors import PoolExhaustedError
 from tests.hybrid_driver import randomize
 
 COMBOS = {
@@ -259,6 +260,25 @@ async def test_a_request_loads_its_hybrid_host_hit_back(make_cache: Any) -> None
     cache.abort_req(req)
     cache.sanity_check()
     assert cache.tree.held_locks == 0
+
+
+async def test_admit_without_a_free_mamba_state_keeps_no_host_lock(make_cache: Any) -> None:
+    # A host hit is locked at admission; when no Mamba state is free the admission fails and
+    # must leave no lock behind, or that host copy can never be evicted again.
+    cache, _ = await cache_and_write(make_cache, "full+mamba")
+    cache.evict(len(TOKENS))
+    assert cache.match_prefix(TOKENS).host_hit_length == len(TOKENS)
+    held = [cache.alloc_mamba_state() for _ in range(4)]
+    assert None not in held
+    with pytest.raises(PoolExhaustedError, match="no Mamba state slot is free"):
+        cache.admit(TOKENS)
+    assert cache.tree.held_locks == 0
+    for state in held:
+        cache.free_mamba_state(state)
+    cache.sanity_check()
+    assert cache.evict_host(len(TOKENS)) == len(TOKENS)
+    assert cache.host_size == 0
+    cache.sanity_check()
 
 
 @pytest.mark.parametrize("combo", sorted(COMBOS))

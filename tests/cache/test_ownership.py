@@ -191,3 +191,16 @@ async def test_free_host_twice_is_rejected(make_cache) -> None:
     cache.free_host(slots[4:])
     assert (cache.host_in_flight, cache.host_pool.allocator.used_size) == (0, 0)
     cache.sanity_check()
+
+
+async def test_admit_of_bad_tokens_opens_no_session(make_cache) -> None:
+    cache = await make_cache(enable_sessions=True)
+    with pytest.raises(InvalidInputError, match="-2"):
+        cache.admit([1, -2, 3, 4], session_id="tenant-x")
+    with pytest.raises(InvalidInputError, match="session"):
+        cache.admit([1, 2, 3, 4], session_id="")
+    assert cache.sessions.open_sessions == 0
+    req = cache.admit([1, 2, 3, 4], session_id="tenant-x")
+    assert cache.sessions.open_sessions == 1
+    cache.abort_req(req)
+    cache.sanity_check()
