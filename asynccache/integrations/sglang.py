@@ -14,11 +14,27 @@ storage config: MLA models share one object per page across TP ranks). Pages get
 checksummed page format and crash-safe index, so a torn or corrupt object is a miss, never
 wrong KV. Keys are SGLang's page hashes (64 hex digits, optionally ``.<pool>``).
 
+SGLang's factory needs ``backend_name``, ``module_path`` and ``class_name``; the adapter needs
+``url`` and ``page_size``; optional: ``kv_dtype``, ``timeout_s`` (default 60), ``layout_extra``,
+``backend_kwargs`` and ``interface_v1``.
+
 SGLang calls the backend from its own threads and has no event loop to offer: the adapter runs
 one private loop in a daemon thread, and every call is a coroutine submitted to it and waited
-for (``timeout_s``). SGLang's controller uses the generic calls (``batch_set`` of host pool
-pages, ``batch_get`` into page tensors, ``batch_exists``), or, with ``"interface_v1": 1`` in the
-extra config, ``batch_set_v1`` / ``batch_get_v1`` over the host pool it registered with
+for. A call past ``timeout_s`` is cancelled on that loop and answers only once the backend call
+has ended, so the caller's pages are never read or written after it returns. A timed-out data
+call degrades like any storage fault, never raising into SGLang: ``batch_get`` / ``get`` give
+``None`` per page, ``batch_set`` / ``set`` ``False``, the v1 calls ``False`` per page,
+``batch_exists`` 0, ``exists`` ``False``; each logs a ``sglang_storage_timeout`` warning and
+counts in ``get_stats()["timeouts"]``. ``clear``, ``delete``, ``close`` and
+``register_mem_pool_host`` raise ``TimeoutError``. A loop so wedged that a cancelled call has not
+ended ``grace_s`` (10 s) past the deadline is given up on (``sglang_storage_loop_wedged`` error
+event, ``get_stats()["timeouts_unfinished"]``): only then can a late backend call still touch
+the pages. After :meth:`AsyncCacheStorage.close` every call raises
+:class:`~asynccache.errors.ClosedError`.
+
+SGLang's controller uses the generic calls (``batch_set`` of host pool pages, ``batch_get``
+into page tensors, ``batch_exists``), or, with ``"interface_v1": 1`` in the extra config,
+``batch_set_v1`` / ``batch_get_v1`` over the host pool it registered with
 ``register_mem_pool_host`` (keys plus the pages' host token indices). Both paths store the same
 object: the page's flat bytes in the order of ``get_data_page(index, flat=True)``, so pages
 written by one are read by the other. A v1 page that is one contiguous piece of the host pool
@@ -39,6 +55,7 @@ Needs the ``sglang`` package (its ``HiCacheStorage`` base class); see
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Coroutine, Sequence
@@ -46,7 +63,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from asynccache.errors import ConfigError, InvalidInputError
+from asynccache.errors import ClosedError, ConfigError, InvalidInputError
+from asynccache.logs import get_logger
 from asynccache.storage.base import Pieces, StorageLayout
 from asynccache.storage.factory import open_backend
 
@@ -61,6 +79,15 @@ except Exception as exc:  # pragma: no cover - only without sglang
 T = TypeVar("T")
 
 _DEFAULT_TIMEOUT_S = 60.0
+#: How long past ``timeout_s`` a caller waits for a cancelled call to end on the adapter's loop
+#: (a cancelled file-backend call ends after at most a memcpy) before giving up on a wedged loop.
+_GRACE_S = 10.0
+
+_log = get_logger("integrations.sglang")
+
+
+class _Unfinished(TimeoutError):
+    """The call's coroutine had not ended when the caller stopped waiting (a wedged loop)."""
 
 
 def layout_for(storage_config: Any, *, page_size: int, kv_dtype: str = "bfloat16",
@@ -111,22 +138,90 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                                  kv_dtype=str(extra.get("kv_dtype", "bfloat16")),
                                  extra=str(extra.get("layout_extra", "")))
         self.mem_pool_host: Any = None
+        self.grace_s = _GRACE_S
         self._url = url
         self._backend_kwargs = dict(extra.get("backend_kwargs") or {})
+        self._closed = False
+        self._counts_lock = threading.Lock()
+        self._timeouts = 0
+        self._timeouts_unfinished = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="asynccache-sglang-storage")
         self._thread.start()
         try:
-            self.backend = self._run(open_backend(url, self.layout, **self._backend_kwargs))
+            self.backend = self._submit(
+                "open", open_backend(url, self.layout, **self._backend_kwargs))
         except BaseException:
             self._stop_loop()
             raise
-        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout_s)
+    def _closed_error(self, call: str) -> ClosedError:
+        return ClosedError(f"AsyncCacheStorage ({self._url}) is closed: {call} after close()")
+
+    def _run(self, call: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the adapter's loop; ClosedError after :meth:`close` (``coro`` is
+        closed unrun), TimeoutError past ``timeout_s`` (once ``coro`` has ended)."""
+        if self._closed:
+            coro.close()
+            raise self._closed_error(call)
+        return self._submit(call, coro)
+
+    def _submit(self, call: str, coro: Coroutine[Any, Any, T]) -> T:
+        """The deadline cancels ``coro`` on the loop and this returns only once it has ended,
+        so a timed-out call never touches the caller's buffers afterwards (the storage
+        protocol's promise for a cancelled call). Only a loop that does not end a cancelled
+        call within ``grace_s`` is given up on: an error event and :class:`_Unfinished`."""
+        timeout_s = self.timeout_s
+
+        async def bounded() -> T:
+            async with asyncio.timeout(timeout_s):
+                return await coro
+
+        runner = bounded()
+        try:
+            future = asyncio.run_coroutine_threadsafe(runner, self._loop)
+        except RuntimeError:  # the loop is closed: close() ran meanwhile
+            runner.close()
+            coro.close()
+            raise self._closed_error(call) from None
+        try:
+            return future.result(timeout_s + self.grace_s)
+        except concurrent.futures.CancelledError:  # close() cancelled it
+            raise self._closed_error(call) from None
+        except TimeoutError:
+            with self._counts_lock:
+                self._timeouts += 1
+            if future.done():
+                raise
+            future.cancel()
+            with self._counts_lock:
+                self._timeouts_unfinished += 1
+            _log.error("sglang_storage_loop_wedged", call=call, timeout_s=timeout_s,
+                       grace_s=self.grace_s, url=self._url)
+            raise _Unfinished(f"{call}: the adapter's loop did not end the call within "
+                              f"{timeout_s + self.grace_s:.3g} s") from None
+
+    def _io(self, call: str, keys: Sequence[str], coro: Coroutine[Any, Any, T]) -> T | None:
+        """A data call: its result, or None (a miss / a skipped write) past the deadline."""
+        try:
+            return self._run(call, coro)
+        except TimeoutError as exc:
+            _log.warning("sglang_storage_timeout", call=call, pages=len(keys),
+                         timeout_s=self.timeout_s, unfinished=isinstance(exc, _Unfinished))
+            return None
+
+    async def _shutdown(self) -> None:
+        """Close the backend, then cancel the calls still on the loop (they raise ClosedError)."""
+        try:
+            await self.backend.aclose()
+        finally:
+            me = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not me]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -134,12 +229,13 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
         self._loop.close()
 
     def close(self) -> None:
-        """Close the backend and stop the adapter's loop (SGLang calls it on detach)."""
+        """Close the backend and stop the adapter's loop (SGLang calls it on detach). Later
+        calls raise :class:`~asynccache.errors.ClosedError`."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._run(self.backend.aclose())
+            self._submit("close", self._shutdown())
         finally:
             self._stop_loop()
 
@@ -155,9 +251,10 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
         host_layout = getattr(mem_pool_host, "layout", self.layout.kv_layout)
         if host_layout != self.layout.kv_layout:
             layout = dataclasses.replace(self.layout, kv_layout=str(host_layout))
-            backend = self._run(open_backend(self._url, layout, **self._backend_kwargs))
+            backend = self._run("register_mem_pool_host",
+                                open_backend(self._url, layout, **self._backend_kwargs))
             old, self.backend, self.layout = self.backend, backend, layout
-            self._run(old.aclose())
+            self._run("register_mem_pool_host", old.aclose())
         self.mem_pool_host = mem_pool_host
 
     def _host_pages(self, call: str, keys: Sequence[str], host_indices: Any) -> list[torch.Tensor]:
@@ -209,14 +306,18 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
         bufs, staged = self._page_buffers(pages)
         for i in staged:
             bufs[i].view(pages[i].shape).copy_(pages[i])
-        return list(self._run(self.backend.set_batch(list(keys), bufs)))
+        ok = self._io("batch_set_v1", keys, self.backend.set_batch(list(keys), bufs))
+        return [False] * len(keys) if ok is None else list(ok)
 
     def batch_get_v1(self, keys: list[str], host_indices: Any,
                      extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; True per page filled (verified)."""
         pages = self._host_pages("batch_get_v1", keys, host_indices)
         bufs, staged = self._page_buffers(pages)
-        ok = list(self._run(self.backend.get_batch(list(keys), bufs)))
+        got = self._io("batch_get_v1", keys, self.backend.get_batch(list(keys), bufs))
+        if got is None:
+            return [False] * len(keys)
+        ok = list(got)
         for i in staged:
             if ok[i]:
                 pages[i].copy_(bufs[i].view(pages[i].shape))
@@ -230,7 +331,9 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         _check_tensors("batch_get", "target_locations", keys, target_locations)
         bufs = [t.contiguous() for t in target_locations]
-        ok = self._run(self.backend.get_batch(list(keys), bufs))
+        ok = self._io("batch_get", keys, self.backend.get_batch(list(keys), bufs))
+        if ok is None:
+            return [None] * len(keys)
         out: list[torch.Tensor | None] = []
         for hit, buf, target in zip(ok, bufs, target_locations, strict=True):
             if hit and buf is not target:
@@ -246,21 +349,29 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                   target_sizes: Any = None) -> bool:
         data = values if values is not None else target_locations
         _check_tensors("batch_set", "values", keys, data)
-        return all(self._run(self.backend.set_batch(list(keys), [v.contiguous() for v in data])))
+        ok = self._io("batch_set", keys,
+                      self.backend.set_batch(list(keys), [v.contiguous() for v in data]))
+        return ok is not None and all(ok)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` are stored (SGLang's consecutive-prefix count)."""
-        return int(self._run(self.backend.exists_prefix(list(keys))))
+        n = self._io("batch_exists", keys, self.backend.exists_prefix(list(keys)))
+        return 0 if n is None else int(n)
 
     def clear(self) -> None:
-        self._run(self.backend.clear())
+        self._run("clear", self.backend.clear())
 
     def get_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self.backend.stats()
+        """The backend's stats, plus ``timeouts`` (calls past ``timeout_s``) and
+        ``timeouts_unfinished`` (those the adapter's loop had not ended ``grace_s`` later)."""
+        stats: dict[str, Any] = dict(self.backend.stats())
+        with self._counts_lock:
+            stats["timeouts"] = self._timeouts
+            stats["timeouts_unfinished"] = self._timeouts_unfinished
         return stats
 
     def delete(self, keys: Sequence[str]) -> int:
-        return int(self._run(self.backend.delete(list(keys))))
+        return int(self._run("delete", self.backend.delete(list(keys))))

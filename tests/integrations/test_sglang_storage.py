@@ -7,12 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
+import json
+import logging
+import pathlib
+import re
+import threading
+import time
+import warnings
 
 import pytest
 import torch
 
+from asynccache.errors import ClosedError
 from asynccache.storage.factory import open_backend
+from asynccache.testing import faults
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -166,5 +176,270 @@ def test_missing_page_tensors_are_named_before_any_io(tmp_path):
         with pytest.raises(InvalidInputError, match="batch_set needs values"):
             storage.batch_set(keys, _pages(1, seed=0))
         assert storage.batch_exists(keys) == 0  # nothing was written
+    finally:
+        storage.close()
+
+
+# ---------------------------------------------------------------------- deadlines (timeout_s)
+# A call past its deadline is cancelled on the adapter's loop and returns only once the backend
+# call has ended: the caller's page is never touched afterwards. Data calls degrade to misses
+# (counted in get_stats()["timeouts"], logged); the storage keeps working once storage is fast.
+
+SLOW_S = 0.6  # each raw read / write of the slow storage stalls this long (> timeout_s)
+SENTINEL = -3.0
+
+
+def _slow(storage: AsyncCacheStorage, *ops: str) -> None:
+    storage.backend = faults(storage.backend, "delay", delay_s=SLOW_S, ops=set(ops))
+
+
+def _settle(storage: AsyncCacheStorage) -> None:
+    """Wait until the abandoned I/O threads have ended (their stalls are over), then make the
+    storage fast again."""
+    for _ in range(200):
+        if storage.backend.stats()["stuck_threads"] == 0:
+            break
+        time.sleep(0.02)
+    assert storage.backend.stats()["stuck_threads"] == 0
+    storage.backend.clear_rules()
+
+
+def _timeout_events(caplog) -> list[dict]:
+    return [r.asynccache_event for r in caplog.records
+            if getattr(r, "asynccache_event", {}).get("event") == "sglang_storage_timeout"]
+
+
+class _HostPool:
+    """The part of SGLang's host pool the v1 calls use: contiguous pages (as ``page_first``)."""
+
+    layout = "layer_first"
+    page_size = PAGE
+
+    def __init__(self, pages: int) -> None:
+        self.data = torch.zeros((pages, PAGE_NUMEL), dtype=torch.float16)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.data[index // PAGE]
+
+
+def test_a_read_past_its_deadline_is_a_miss_and_never_touches_the_page(tmp_path, caplog):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    try:
+        keys = _keys(2)
+        assert storage.batch_set(keys, [torch.full((PAGE_NUMEL,), 7.0, dtype=torch.float16)] * 2)
+        _slow(storage, "read")
+        caplog.set_level(logging.WARNING, logger="asynccache")
+        dst = [torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16) for _ in keys]
+        assert storage.batch_get(keys, dst) == [None, None]
+        one = torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16)
+        assert storage.get(keys[0], one) is None
+        _settle(storage)  # the abandoned reads would have written by now
+        for t in [*dst, one]:
+            assert t.tolist() == [SENTINEL] * PAGE_NUMEL
+        assert storage.get_stats()["timeouts"] == 2
+        events = _timeout_events(caplog)
+        assert [(e["call"], e["pages"], e["timeout_s"]) for e in events] == [
+            ("batch_get", 2, 0.15), ("batch_get", 1, 0.15)]
+        got = storage.batch_get(keys, dst)  # fast again: the stored pages are intact
+        assert got[0] is dst[0] and got[1] is dst[1]
+        assert dst[0].tolist() == dst[1].tolist() == [7.0] * PAGE_NUMEL
+    finally:
+        storage.close()
+
+
+def test_a_write_past_its_deadline_is_false_and_never_stores_the_later_buffer(tmp_path, caplog):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    try:
+        keys = _keys(2)
+        _slow(storage, "write")
+        caplog.set_level(logging.WARNING, logger="asynccache")
+        src = [torch.full((PAGE_NUMEL,), 1.0, dtype=torch.float16) for _ in keys]
+        assert storage.batch_set(keys, src) is False
+        assert storage.set(keys[1], src[1]) is False
+        for t in src:
+            t.fill_(5.0)  # SGLang reuses the host pages for other KV
+        _settle(storage)  # the abandoned writes would have published by now
+        assert storage.batch_exists(keys) == 0
+        dst = [torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16) for _ in keys]
+        assert storage.batch_get(keys, dst) == [None, None]
+        assert dst[0].tolist() == [SENTINEL] * PAGE_NUMEL
+        assert storage.get_stats()["timeouts"] == 2
+        assert [(e["call"], e["pages"]) for e in _timeout_events(caplog)] == [
+            ("batch_set", 2), ("batch_set", 1)]
+    finally:
+        storage.close()
+
+
+def test_v1_calls_past_their_deadline_are_false_per_page_and_leave_the_pool_alone(tmp_path):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.15, interface_v1=1)
+    try:
+        host = _HostPool(4)
+        storage.register_mem_pool_host(host)
+        keys = _keys(2)
+        host.data[0:2].fill_(7.0)
+        assert storage.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+        _slow(storage, "read", "write")
+        host.data[2:4].fill_(SENTINEL)
+        assert storage.batch_get_v1(keys, torch.arange(2 * PAGE, 4 * PAGE)) == [False, False]
+        other = _keys(2, salt="other")
+        host.data[0:2].fill_(1.0)
+        assert storage.batch_set_v1(other, torch.arange(0, 2 * PAGE)) == [False, False]
+        host.data[0:2].fill_(5.0)  # the pool's pages now hold other KV
+        _settle(storage)
+        assert host.data[2:4].flatten().tolist() == [SENTINEL] * (2 * PAGE_NUMEL)
+        assert storage.batch_exists(other) == 0
+        assert storage.batch_exists(keys) == 2
+        assert storage.get_stats()["timeouts"] == 2
+    finally:
+        storage.close()
+
+
+def test_an_exists_query_past_its_deadline_finds_nothing(tmp_path):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    try:
+        keys = _keys(3)
+        assert storage.batch_set(keys, _pages(3, seed=3))
+
+        async def slow_exists(keys):  # the file backend answers from its index, without I/O
+            await asyncio.sleep(SLOW_S)
+            return len(keys)
+
+        storage.backend.exists_prefix = slow_exists
+        assert storage.batch_exists(keys) == 0
+        assert storage.exists(keys[0]) is False
+        assert storage.get_stats()["timeouts"] == 2
+        del storage.backend.exists_prefix
+        assert storage.batch_exists(keys) == 3
+    finally:
+        storage.close()
+
+
+def test_management_calls_past_their_deadline_raise_timeout(tmp_path):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    try:
+        ended = threading.Event()
+
+        async def slow_delete(keys):
+            try:
+                await asyncio.sleep(SLOW_S)
+            finally:
+                ended.set()
+            return len(keys)
+
+        storage.backend.delete = slow_delete
+        with pytest.raises(TimeoutError):
+            storage.delete(_keys(1))
+        assert ended.is_set()  # cancelled on the loop and ended before the call returned
+        assert storage.get_stats()["timeouts"] == 1
+    finally:
+        del storage.backend.delete
+        storage.close()
+
+
+def test_a_wedged_loop_is_given_up_after_the_grace_period_and_logged(tmp_path, caplog):
+    storage = _create(f"file://{tmp_path}", timeout_s=0.1)
+    storage.grace_s = 0.1
+    release = threading.Event()
+    try:
+        async def wedged(keys, bufs):
+            release.wait(5.0)  # blocks the adapter's loop: the deadline cannot cancel it
+            return [False] * len(keys)
+
+        storage.backend.get_batch = wedged
+        caplog.set_level(logging.WARNING, logger="asynccache")
+        dst = torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16)
+        assert storage.batch_get(_keys(1), [dst]) == [None]
+        release.set()
+        stats = storage.get_stats()
+        assert (stats["timeouts"], stats["timeouts_unfinished"]) == (1, 1)
+        errors = [r.asynccache_event for r in caplog.records if r.levelno == logging.ERROR]
+        assert [(e["event"], e["call"]) for e in errors] == [("sglang_storage_loop_wedged",
+                                                              "batch_get")]
+    finally:
+        release.set()
+        del storage.backend.get_batch
+        storage.close()
+
+
+# ---------------------------------------------------------------------- after close()
+
+
+def test_calls_after_close_raise_closed_error_and_leave_no_coroutine_behind(tmp_path):
+    storage = _create(f"file://{tmp_path}")
+    host = _HostPool(2)
+    storage.register_mem_pool_host(host)
+    storage.close()
+    storage.close()  # twice is fine
+    keys, page = _keys(1), torch.zeros(PAGE_NUMEL, dtype=torch.float16)
+    calls = {
+        "batch_get": lambda: storage.batch_get(keys, [page]),
+        "get": lambda: storage.get(keys[0], page),
+        "batch_set": lambda: storage.batch_set(keys, [page]),
+        "set": lambda: storage.set(keys[0], page),
+        "batch_get_v1": lambda: storage.batch_get_v1(keys, torch.arange(PAGE)),
+        "batch_set_v1": lambda: storage.batch_set_v1(keys, torch.arange(PAGE)),
+        "batch_exists": lambda: storage.batch_exists(keys),
+        "exists": lambda: storage.exists(keys[0]),
+        "delete": lambda: storage.delete(keys),
+        "clear": lambda: storage.clear(),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, call in calls.items():
+            with pytest.raises(ClosedError) as err:
+                call()
+            inner = {"get": "batch_get", "set": "batch_set", "exists": "batch_exists"}
+            assert str(err.value) == (f"AsyncCacheStorage (file://{tmp_path}) is closed: "
+                                      f"{inner.get(name, name)} after close()")
+            del err
+        gc.collect()
+    assert [str(w.message) for w in caught] == []
+
+
+def test_a_call_still_running_at_close_ends_with_closed_error(tmp_path):
+    storage = _create(f"file://{tmp_path}", timeout_s=5.0)
+    started, ended = threading.Event(), threading.Event()
+
+    async def slow_get(keys, bufs):
+        started.set()
+        try:
+            await asyncio.sleep(5.0)
+        finally:
+            ended.set()
+        return [True] * len(keys)
+
+    storage.backend.get_batch = slow_get
+    page = torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(storage.batch_get, _keys(1), [page])
+        assert started.wait(2.0)
+        storage.close()
+        with pytest.raises(ClosedError, match="is closed: batch_get after close"):
+            call.result(2.0)
+    assert ended.is_set()
+    assert storage.get_stats()["timeouts"] == 0
+
+
+# ---------------------------------------------------------------------- docs/integrations.md
+
+
+def test_the_documented_extra_config_creates_the_backend_through_sglangs_factory(tmp_path):
+    """The JSON that docs/integrations.md gives for --hicache-storage-backend-extra-config,
+    as SGLang's factory takes it (it needs backend_name, module_path and class_name)."""
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    section = doc.split("## SGLang's HiCache L3", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```json\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    extra = json.loads(blocks[0])
+    assert extra["url"].startswith("file:///")
+    extra["url"] = f"file://{tmp_path}"
+    config = _config("")
+    config.extra_config = extra
+    storage = StorageBackendFactory.create_backend("dynamic", config, None)
+    try:
+        assert isinstance(storage, AsyncCacheStorage)
+        page = torch.full((PAGE_NUMEL,), 3.0, dtype=torch.float16)
+        assert storage.batch_set(_keys(1), [page]) is True
+        assert storage.batch_exists(_keys(1)) == 1
     finally:
         storage.close()
