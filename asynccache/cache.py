@@ -53,6 +53,12 @@ from asynccache.tree import (
     MatchResult,
     RadixKey,
 )
+from asynccache.tree.config import _check_count
+
+
+def _quota(mem_quota: Any) -> int | None:
+    """``mem_quota`` (tokens, or None: no quota), checked."""
+    return None if mem_quota is None else _check_count("mem_quota", mem_quota)
 
 
 class HierarchicalCache:
@@ -292,19 +298,22 @@ class HierarchicalCache:
     def try_alloc_device(self, num_tokens: int) -> np.ndarray | None:
         """Allocate whole pages for ``num_tokens`` (rounded up), evicting synchronously if short.
 
-        Returns None when even eviction cannot make room (under write-back, use
-        :meth:`alloc_device`, which waits for write-back copies).
+        Returns None when even eviction cannot make room; then nothing is evicted (under
+        write-back, use :meth:`alloc_device`, which waits for write-back copies).
         """
         self._check_open()
-        return self._tiering.try_alloc(self._tiering.round_up(num_tokens))
+        n = _check_count("num_tokens", num_tokens)
+        return self._tiering.try_alloc(self._tiering.round_up(n))
 
     async def alloc_device(self, num_tokens: int) -> np.ndarray:
         """Allocate whole pages for ``num_tokens``, evicting (and writing back) as needed.
 
-        Raises :class:`PoolExhaustedError` when the pool cannot hold them even after eviction.
+        Raises :class:`PoolExhaustedError` when the pool cannot hold them even after eviction;
+        nothing is evicted for an allocation that eviction cannot satisfy.
         """
         self._check_open()
-        return await self._tiering.alloc(self._tiering.round_up(num_tokens))
+        n = _check_count("num_tokens", num_tokens)
+        return await self._tiering.alloc(self._tiering.round_up(n))
 
     def free_device(self, slots: Any) -> None:
         """Return slots obtained from :meth:`alloc_device` (whole pages). Slots the caller does
@@ -318,7 +327,7 @@ class HierarchicalCache:
         :meth:`free_host`; ``sanity_check`` counts them (``host_in_flight``). None when the
         pool cannot provide them (``evict``: after evicting host copies)."""
         self._check_open()
-        return self._tiering.take_host(num_tokens, evict=evict)
+        return self._tiering.take_host(_check_count("num_tokens", num_tokens), evict=evict)
 
     def free_host(self, slots: np.ndarray) -> None:
         """Return slots from :meth:`take_host`."""
@@ -338,7 +347,7 @@ class HierarchicalCache:
     async def evict_async(self, num_tokens: int) -> int:
         """Like :meth:`evict`, but waits for write-back copies and demotes their nodes."""
         self._check_open()
-        return await self._tiering.evict_async(num_tokens)
+        return await self._tiering.evict_async(_check_count("num_tokens", num_tokens))
 
     def evict_host(self, num_tokens: int, *, reclaim_duplicates: bool | None = None) -> int:
         """Free at least ``num_tokens`` host tokens: host-only leaves; host copies of pages
@@ -367,7 +376,7 @@ class HierarchicalCache:
         ``await lb.layer(i)`` before reading layer ``i``.
         """
         self._check_open()
-        return self._loads.begin_load_back(match, mem_quota=mem_quota)
+        return self._loads.begin_load_back(match, mem_quota=_quota(mem_quota))
 
     async def load_back(self, match: MatchResult, *, mem_quota: int | None = None) -> LoadBack | None:
         """Load ``match``'s host hit and wait for it; the result holds a lock on the prefix.
@@ -375,10 +384,12 @@ class HierarchicalCache:
         Cancelling the caller leaves no lock behind: the copy still completes and commits.
         """
         self._check_open()
-        return await self._loads.load_back(match, mem_quota=mem_quota)
+        return await self._loads.load_back(match, mem_quota=_quota(mem_quota))
 
     def release_load(self, lb: LoadBack) -> None:
         """Release the lock a load-back took for its caller (or renounce it if still copying)."""
+        if not isinstance(lb, LoadBack):
+            raise InvalidInputError(f"release_load needs a LoadBack, got {lb!r}")
         self._loads.release_load(lb)
 
     async def wait_loads(self, op_ids: Sequence[int]) -> None:
@@ -405,7 +416,7 @@ class HierarchicalCache:
         grew by; ``req.slots`` / ``req.prefix_len`` follow. The host hit stays pinned until then.
         """
         self._check_open()
-        return await self._requests.load_back_request(req, mem_quota)
+        return await self._requests.load_back_request(req, _quota(mem_quota))
 
     def begin_load_back_request(self, req: CacheRequest, *,
                                 mem_quota: int | None = None) -> LoadBack | None:
@@ -418,7 +429,7 @@ class HierarchicalCache:
         call :meth:`finish_load_back_request` before the request goes on (``extend`` first
         raises :class:`InvalidInputError` there; keep the new KV until then)."""
         self._check_open()
-        return self._requests.begin_load_back_request(req, mem_quota)
+        return self._requests.begin_load_back_request(req, _quota(mem_quota))
 
     async def finish_load_back_request(self, req: CacheRequest, lb: LoadBack) -> None:
         """Wait until ``lb`` (from :meth:`begin_load_back_request`) committed and pin the loaded

@@ -78,6 +78,9 @@ class CacheRequest:
     # The cache that admitted it: every request call checks it (another cache's request would
     # free and insert slots of the wrong pools).
     owner: Any = field(default=None, repr=False, compare=False)
+    # Its own slots' owner tag in the cache's slot ledger (2 and up): only this request's
+    # release or insert gives them up (free_device refuses them).
+    tag: int = field(default=0, repr=False, compare=False)
 
     @property
     def computed(self) -> int:

@@ -3,12 +3,14 @@ streaming sessions. A request is a :class:`~asynccache.request.CacheRequest`."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 
 from asynccache.attachment import StorageAttachment
 from asynccache.engine import HybridOps, LoadBack, LoadBacks, Tiering
+from asynccache.engine.ledger import CALLER
 from asynccache.errors import ConfigError, InvalidInputError, PoolExhaustedError
 from asynccache.request import CacheRequest, check_active, check_request, release_pins, rematch
 from asynccache.retraction import Retraction
@@ -36,6 +38,7 @@ class RequestFlow:
         self.sessions = SessionTracker(self.tree) if config.enable_sessions else None
         self._streams: dict[str, StreamingSession] = {}
         self._next_rid = 0
+        self._tags = itertools.count(CALLER + 1)  # each request's own slot-ledger tag
 
     # ------------------------------------------------------------------ sessions
     def session_tracker(self) -> SessionTracker:
@@ -98,6 +101,7 @@ class RequestFlow:
             host_hit_length=m.host_hit_length, receipt=receipt, host_receipt=host,
             pending_loads=m.pending_loads, priority=priority, session_id=session_id,
             session_generation=gen, mamba_state=state, owner=self._owner,
+            tag=next(self._tags),
         )
 
     def check(self, req: Any) -> CacheRequest:
@@ -198,7 +202,8 @@ class RequestFlow:
         if num_tokens <= len(spare):
             new, req.spare = spare[:num_tokens], spare[num_tokens:]
         else:
-            pages = await self._t.alloc(self._t.round_up(num_tokens - len(spare)))
+            pages = await self._t.alloc(self._t.round_up(num_tokens - len(spare)),
+                                        owner=req.tag)
             both = np.concatenate([spare, pages])
             new, req.spare = both[:num_tokens], both[num_tokens:]
         req.slots = np.concatenate([req.slots, new])
@@ -212,7 +217,8 @@ class RequestFlow:
             # position, whose bigram needs the next token) stay the request's.
             slots = slots[: len(key)]
         return self._t.insert(key, slots, prev_prefix_len=req.prefix_len,
-                              inserted_len=req.inserted_len, priority=req.priority, **extra)
+                              inserted_len=req.inserted_len, priority=req.priority,
+                              owner=req.tag, **extra)
 
     def _state_fits(self, req: CacheRequest) -> bool:
         """The request's Mamba state (after its ``computed`` tokens) belongs on the insert's
@@ -278,6 +284,8 @@ class RequestFlow:
         self.check(req)
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
+        own = np.concatenate([req.slots[req.prefix_len :], req.spare])
+        self._t.ledger.check(own, f"request {req.rid}'s slots", req.tag)  # before any change
         self._retraction.discard(req)
         self._storage.drop_prefetch(req)
         own_from = req.prefix_len
@@ -291,7 +299,7 @@ class RequestFlow:
             own_from = max(own_from, res.cached_len)
             if req.session_id is not None and self.sessions is not None:
                 self.sessions.register(req.session_id, req.session_generation, res.last_node)
-        self._t.free(np.concatenate([req.slots[own_from:], req.spare]))
+        self._t.free(np.concatenate([req.slots[own_from:], req.spare]), req.tag)
         if req.mamba_state is not None:
             self._hybrid.free_mamba_state(req.mamba_state)
             req.mamba_state = None

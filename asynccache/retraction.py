@@ -94,7 +94,7 @@ class Retraction:
         self._storage.drop_prefetch(req)
         release_pins(self.tree, req)
         own = np.concatenate([req.slots[req.prefix_len :], req.spare])
-        self._t.free(own)  # hybrid: with the SWA slots still paired
+        self._t.free(own, req.tag)  # hybrid: with the SWA slots still paired
         if state is not None:
             assert self.hybrid is not None
             self.hybrid.free_mamba(state)
@@ -138,7 +138,7 @@ class Retraction:
                 states.submit_h2d([backup.mamba_host_slot], [state])))
 
         def release() -> None:
-            self._t.free(slots)
+            self._t.free(slots, req.tag)
             if state is not None:
                 assert self.hybrid is not None
                 self.hybrid.free_mamba(state)
@@ -252,12 +252,12 @@ class Retraction:
         n = len(backup.host_slots)
         hy = self.hybrid
         lo = backup.swa_from if hy is not None and hy.swa_map is not None else 0
-        slots = await self._t.alloc(n, swa_tokens=n - lo) if n else EMPTY_SLOTS
+        slots = await self._t.alloc(n, swa_tokens=n - lo, owner=req.tag) if n else EMPTY_SLOTS
         state = None
         if backup.mamba_host_slot is not None:
             state = self._hybrid_ops.alloc_mamba_state()
             if state is None:
-                self._t.free(slots)
+                self._t.free(slots, req.tag)
                 raise PoolExhaustedError(
                     f"cannot restore request {req.rid}: no Mamba state slot is free (all "
                     f"{self._p.config.mamba_states} are held by requests or locked nodes)"

@@ -1,8 +1,10 @@
 """The slot ledger: which device pages callers hold, and how many host slots operations hold.
 
-A page is *held by a caller* from the moment the cache hands it out (``alloc_device``,
-``extend``, a load-back's destination before the tree takes it, a restore) until the caller
-frees it or the tree adopts it (an insert). Every slot a caller gives back (``insert``,
+A page is *held* from the moment the cache hands it out (``alloc_device``, ``extend``, a
+load-back's destination before the tree takes it, a restore) until its holder frees it or the
+tree adopts it (an insert). The holder is an owner tag per page: :data:`CALLER`, or the tag of
+the request whose ``extend`` / restore took it (a request's slots are released only by its own
+release or insert; ``free_device`` and a plain ``insert`` refuse them). Every slot a caller gives back (``insert``,
 ``free_device``) is checked here first: in range, whole pages, no page twice, each page held by
 a caller. Slots the tree owns, slots never handed out and slots already freed are refused with
 an :class:`InvalidInputError` naming the slot, before anything changes: a caller can no longer
@@ -26,16 +28,20 @@ from asynccache.errors import InvalidInputError
 from asynccache.transfers.allocator import PageAllocator
 from asynccache.transfers.indices import SlotIndices
 
+#: The owner tag of pages held by the caller itself (``alloc_device``, ``take_host``); a
+#: request's pages carry the request's own tag (:attr:`CacheRequest.tag`, from 2 up); 0: none.
+CALLER = 1
+
 
 class Holdings:
-    """Per page of one pool: held (by a caller or an operation) or not, and how many are."""
+    """Per page of one pool: who holds it (an owner tag; 0: no one), and how many are held."""
 
     __slots__ = ("_alloc", "_held", "_holder", "_ps", "_stamp", "pages")
 
     def __init__(self, allocator: PageAllocator, holder: str) -> None:
         self._alloc = allocator
         self._ps = allocator.page_size
-        self._held = np.zeros(allocator.num_pages, dtype=np.uint8)
+        self._held = np.zeros(allocator.num_pages, dtype=np.int64)
         self._stamp = np.zeros(allocator.num_pages, dtype=np.int64)
         self._holder = holder  # the end of the "not held" error: who hands slots out
         self.pages = 0
@@ -44,29 +50,37 @@ class Holdings:
     def tokens(self) -> int:
         return self.pages * self._ps
 
-    def hand_out(self, slots: np.ndarray) -> None:
+    def hand_out(self, slots: np.ndarray, owner: int = CALLER) -> None:
         """``slots`` (whole pages the allocator just returned, so not validated again) are
-        now held."""
+        now held by ``owner``."""
         pages = slots if self._ps == 1 else slots[:: self._ps] // self._ps
         if self._held[pages].any():
-            bad = int(pages[int(np.argmax(self._held[pages]))])
+            bad = int(pages[int(np.argmax(self._held[pages] != 0))])
             raise AssertionError(f"page {bad} handed out twice")
-        self._held[pages] = 1
+        self._held[pages] = owner
         self.pages += len(pages)
 
-    def check(self, slots: SlotIndices, name: str) -> np.ndarray:
-        """The page ids of ``slots`` if all of them are held (nothing changes), else
+    def check(self, slots: SlotIndices, name: str, owner: int = CALLER) -> np.ndarray:
+        """The page ids of ``slots`` if ``owner`` holds all of them (nothing changes), else
         :class:`InvalidInputError` naming the first bad slot."""
         pages = self._alloc.pages_of(slots, name=name)
         n = len(pages)
         if n == 0:
             return pages
-        flags = self._held[pages]
-        if flags.tobytes() != b"\x01" * n:
-            at = int(np.argmin(flags))
+        wrong = self._held[pages] != owner
+        if wrong.any():
+            at = int(np.argmax(wrong))
             slot = int(pages[at]) * self._ps
-            raise InvalidInputError(f"{name}: slot {slot} (position {at * self._ps}) is not "
-                                    f"held by {self._holder}")
+            held_by = int(self._held[pages[at]])
+            where = f"{name}: slot {slot} (position {at * self._ps})"
+            if owner == CALLER and held_by > CALLER:
+                raise InvalidInputError(f"{where} belongs to a request (extend): abort_req / "
+                                        "cache_finished_req releases it")
+            if owner != CALLER:
+                raise InvalidInputError(f"{where} is not held by request {owner}: it was "
+                                        "never handed to it (extend), was already freed, or "
+                                        "belongs to the cache or to another holder")
+            raise InvalidInputError(f"{where} is not held by {self._holder}")
         if n > 1:
             order = np.arange(n, dtype=np.int64)
             self._stamp[pages] = order
@@ -159,21 +173,21 @@ class SlotLedger:
                 f"retracted requests) {self.host_tokens}"
             )
 
-    def hand_out(self, slots: np.ndarray) -> None:
+    def hand_out(self, slots: np.ndarray, owner: int = CALLER) -> None:
         """``slots`` (whole pages the cache's allocator just returned, so not validated again)
-        now belong to a caller."""
-        self._dev.hand_out(slots)
+        now belong to ``owner`` (the caller, or a request's tag)."""
+        self._dev.hand_out(slots, owner)
 
-    def check(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """The page ids of ``slots`` if a caller holds all of them (nothing changes), else
+    def check(self, slots: SlotIndices, name: str = "slots", owner: int = CALLER) -> np.ndarray:
+        """The page ids of ``slots`` if ``owner`` holds all of them (nothing changes), else
         :class:`InvalidInputError` naming the first bad slot."""
-        return self._dev.check(slots, name)
+        return self._dev.check(slots, name, owner)
 
-    def release(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """The caller gives ``slots`` up (freed, or adopted by the tree): checked as
+    def release(self, slots: SlotIndices, name: str = "slots", owner: int = CALLER) -> np.ndarray:
+        """``owner`` gives ``slots`` up (freed, or adopted by the tree): checked as
         :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
         free them without validating the slots again)."""
-        pages = self._dev.check(slots, name)
+        pages = self._dev.check(slots, name, owner)
         self._dev.release_pages(pages)
         return pages
 

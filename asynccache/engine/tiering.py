@@ -19,7 +19,7 @@ import numpy as np
 
 from asynccache.engine.copies import CommitPolicy, CopyTracker, copy_error
 from asynccache.engine.effects import Effects
-from asynccache.engine.ledger import SlotLedger
+from asynccache.engine.ledger import CALLER, SlotLedger
 from asynccache.engine.parts import Parts
 from asynccache.engine.slots import DeviceSlots, device_slots
 from asynccache.errors import InvalidInputError, PoolExhaustedError
@@ -93,8 +93,10 @@ class Tiering:
 
     def insert(self, key: RadixKey, value: Any, *, prev_prefix_len: int = 0,
                inserted_len: int = 0, priority: int = 0, swa_evicted_seqlen: int = 0,
-               mamba_value: int | None = None) -> InsertResult:
-        value, held = self._check_insert_slots(key, value, prev_prefix_len)
+               mamba_value: int | None = None, owner: int = CALLER) -> InsertResult:
+        """Insert ``key`` -> ``value``; the slots the tree may adopt must be ``owner``'s (the
+        caller's, or a request's tag)."""
+        value, held = self._check_insert_slots(key, value, prev_prefix_len, owner)
         extra = self.slots_insert_args(value, prev_prefix_len, swa_evicted_seqlen, mamba_value)
         res = self.tree.insert(key, value, prev_prefix_len=prev_prefix_len,
                                inserted_len=inserted_len, priority=priority, **extra)
@@ -119,8 +121,8 @@ class Tiering:
         evicted = {"swa": swa_evicted_seqlen} if hy.swa_map is not None else None
         return {"component_evicted_seqlens": evicted, "mamba_value": mamba_value}
 
-    def _check_insert_slots(self, key: RadixKey, value: Any,
-                            prev_prefix_len: Any) -> tuple[np.ndarray, tuple[int, np.ndarray]]:
+    def _check_insert_slots(self, key: RadixKey, value: Any, prev_prefix_len: Any,
+                            owner: int) -> tuple[np.ndarray, tuple[int, np.ndarray]]:
         """``value`` as slots, checked before the tree sees them: from the page of
         ``prev_prefix_len`` to the key's last whole page (what the tree adopts or gives back as
         duplicates) they must be whole pages the caller holds. Returns the slots and (that
@@ -133,7 +135,7 @@ class Tiering:
                 or not 0 <= prev_prefix_len <= len(slots) or len(slots) != len(key)):
             return slots, (end, EMPTY_SLOTS)
         lo = prev_prefix_len - prev_prefix_len % ps
-        pages = self.ledger.check(slots[lo:end], "value") if end > lo else EMPTY_SLOTS
+        pages = self.ledger.check(slots[lo:end], "value", owner) if end > lo else EMPTY_SLOTS
         return slots, (lo, pages)
 
     def _release_inserted(self, held: tuple[int, np.ndarray], cached_len: int) -> None:
@@ -155,19 +157,23 @@ class Tiering:
         ps = self.page_size
         return -(-n // ps) * ps
 
-    def try_alloc(self, num_tokens: int, swa_tokens: int | None = None) -> np.ndarray | None:
+    def try_alloc(self, num_tokens: int, swa_tokens: int | None = None,
+                  owner: int = CALLER) -> np.ndarray | None:
         """Slots for ``num_tokens`` (whole pages), evicting synchronously if short; None when
-        even eviction cannot make room. They are the caller's (the ledger counts them)."""
+        even eviction cannot make room (then nothing is evicted: a shortfall beyond the
+        evictable tokens fails whatever goes). They are the caller's (the ledger counts them)."""
         slots = self.slots.alloc(num_tokens, swa_tokens)
         if slots is None:
             full, swa = self.slots.shortfall(num_tokens, swa_tokens)
-            self.evict(full, swa_num_tokens=swa)
-            slots = self.slots.alloc(num_tokens, swa_tokens)
+            if full <= self.tree.evictable_size:  # else evicting could not make room
+                self.evict(full, swa_num_tokens=swa)
+                slots = self.slots.alloc(num_tokens, swa_tokens)
         if slots is not None:
-            self.ledger.hand_out(slots)
+            self.ledger.hand_out(slots, owner)
         return slots
 
-    async def alloc(self, num_tokens: int, swa_tokens: int | None = None) -> np.ndarray:
+    async def alloc(self, num_tokens: int, swa_tokens: int | None = None,
+                    owner: int = CALLER) -> np.ndarray:
         """Slots for ``num_tokens``, evicting (and writing back) as needed: the one allocation
         loop of the cache. Hybrid caches: FULL slots for all, SWA pairs for the last
         ``swa_tokens`` (None: all). Between tries it waits for copies in flight, which pin
@@ -175,10 +181,10 @@ class Tiering:
         ``alloc_wait_s``, for storage writes when their host pins are what protects device
         pages (``tree.host_pinned_size``): a storage write can free nothing else, and a dead
         store must not stall the scheduler. Raises :class:`PoolExhaustedError` when nothing is
-        left to wait for."""
+        left to wait for. The slots are ``owner``'s (the caller's, or a request's tag)."""
         deadline: float | None = None
         for _ in range(_MAX_ALLOC_ROUNDS):
-            got = await self._attempt(num_tokens, swa_tokens)
+            got = await self._attempt(num_tokens, swa_tokens, owner)
             if got is not None:
                 return got
             in_flight = self.copies.all()
@@ -209,16 +215,20 @@ class Tiering:
                 await asyncio.wait_for(ports.drain(), left)
         raise PoolExhaustedError(self._alloc_error(num_tokens, swa_tokens))
 
-    async def _attempt(self, num_tokens: int, swa_tokens: int | None) -> np.ndarray | None:
+    async def _attempt(self, num_tokens: int, swa_tokens: int | None,
+                       owner: int) -> np.ndarray | None:
         """:meth:`try_alloc`, but a FULL-only cache's eviction waits for its write-backs."""
         if not self.slots.evicts_async:
-            return self.try_alloc(num_tokens, swa_tokens)
+            return self.try_alloc(num_tokens, swa_tokens, owner)
         slots = self.slots.alloc(num_tokens)
         if slots is None:
-            await self.evict_async(self.slots.shortfall(num_tokens)[0])
+            short = self.slots.shortfall(num_tokens)[0]
+            if short > self.tree.evictable_size:
+                return None  # evicting could not make room: keep the cache
+            await self.evict_async(short)
             slots = self.slots.alloc(num_tokens)
         if slots is not None:
-            self.ledger.hand_out(slots)
+            self.ledger.hand_out(slots, owner)
         return slots
 
     def _alloc_error(self, num_tokens: int, swa_tokens: int | None) -> str:
@@ -228,12 +238,12 @@ class Tiering:
                 f"{t.evictable_size} evictable, {t.protected_size} locked, "
                 f"{self.ledger.held_tokens} held by requests")
 
-    def free(self, slots: Any) -> None:
-        """Return caller-held slots (checked by the ledger first: nothing changes when one is
-        not the caller's)."""
+    def free(self, slots: Any, owner: int = CALLER) -> None:
+        """Return slots ``owner`` holds (checked by the ledger first: nothing changes when one
+        is not ``owner``'s)."""
         arr = as_slots(slots, "slots")
         if len(arr):
-            pages = self.ledger.release(arr)
+            pages = self.ledger.release(arr, "slots", owner)
             self.slots.free(arr, pages)
 
     # ------------------------------------------------------------------ host slots of operations
@@ -247,7 +257,7 @@ class Tiering:
             return None
         alloc = host.allocator
         slots = alloc.alloc(num_tokens)
-        if slots is None and evict:
+        if slots is None and evict and num_tokens <= alloc.total_size:
             self.evict_host(num_tokens - alloc.available_size)
             slots = alloc.alloc(num_tokens)
         if slots is not None:

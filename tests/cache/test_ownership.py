@@ -5,6 +5,8 @@ that admitted it. Also the argument errors of item 6."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -203,4 +205,83 @@ async def test_admit_of_bad_tokens_opens_no_session(make_cache) -> None:
     req = cache.admit([1, 2, 3, 4], session_id="tenant-x")
     assert cache.sessions.open_sessions == 1
     cache.abort_req(req)
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("value", ["3", None, -1, 2.5, True])
+async def test_token_counts_are_checked_by_name_before_anything_changes(make_cache, kit,
+                                                                        value) -> None:
+    cache = await make_cache(write_policy="write_through")
+    model = kit.KVModel.of(cache)
+    await kit.serve(cache, model, list(range(500, 516)))
+    await cache.flush()
+    before = (_state(cache), _host_state(cache))
+    calls = {"alloc_device": lambda: cache.alloc_device(value),
+             "try_alloc_device": lambda: cache.try_alloc_device(value),
+             "take_host": lambda: cache.take_host(value),
+             "evict_async": lambda: cache.evict_async(value)}
+    for name, call in calls.items():
+        with pytest.raises(InvalidInputError, match=rf"num_tokens must be .*{value!r}"):
+            got = call()
+            if asyncio.iscoroutine(got):
+                await got
+        assert (_state(cache), _host_state(cache)) == before, name
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("quota", ["x", -5, 2.5])
+async def test_mem_quota_is_checked_by_name(make_cache, kit, quota) -> None:
+    cache = await make_cache(write_policy="write_through")
+    model = kit.KVModel.of(cache)
+    tokens = list(range(500, 516))
+    await kit.serve(cache, model, tokens)
+    await cache.flush()
+    cache.evict(64)
+    req = cache.admit(tokens)
+    assert req.host_hit_length == 16
+    with pytest.raises(InvalidInputError, match=rf"mem_quota must be .*{quota!r}"):
+        await cache.load_back_request(req, mem_quota=quota)
+    with pytest.raises(InvalidInputError, match=rf"mem_quota must be .*{quota!r}"):
+        cache.begin_load_back(req.match(), mem_quota=quota)
+    assert await cache.load_back_request(req, mem_quota=None) == 16
+    cache.abort_req(req)
+    cache.sanity_check()
+
+
+async def test_release_load_of_a_non_load_back_is_a_clear_error(make_cache) -> None:
+    cache = await make_cache()
+    with pytest.raises(InvalidInputError, match="release_load needs a LoadBack, got None"):
+        cache.release_load(None)
+
+
+async def test_free_device_of_a_requests_slots_is_rejected(make_cache, kit) -> None:
+    # extend's slots are the request's until abort_req / cache_finished_req. free_device took
+    # them back before: the request could then never be released (its own release refused
+    # the freed slots), and if another request was handed the same slots, finishing the first
+    # one inserted them under its tokens (wrong KV).
+    cache = await make_cache()
+    model = kit.KVModel.of(cache)
+    first = list(range(300, 316))
+    tokens = [*first, *range(400, 416)]
+    await kit.serve(cache, model, first)
+    req = cache.admit(tokens)
+    new = await cache.extend(req, 16)
+    before = _state(cache)
+    with pytest.raises(InvalidInputError, match=rf"slot {int(new[0])} .*belongs to a request.*"
+                                                r"abort_req / cache_finished_req"):
+        cache.free_device(new)
+    with pytest.raises(InvalidInputError, match="belongs to a request"):
+        cache.insert(list(range(700, 716)), new)
+    assert _state(cache) == before
+    other = await cache.alloc_device(4)
+    with pytest.raises(InvalidInputError, match=rf"slot {int(other[0])} .*not held by request"):
+        req.spare = other  # a caller's slots smuggled into the request are not its own
+        cache.abort_req(req)
+    req.spare = new[:0]
+    cache.free_device(other)
+    assert _state(cache) == before  # the refused release changed nothing
+    cache.write_kv(new, model.expected(tokens, 16, 32))
+    cache.cache_finished_req(req)
+    assert cache.match_prefix(tokens).device_prefix_len == 32
+    model.check(cache, tokens, cache.match_prefix(tokens).device_indices)
     cache.sanity_check()

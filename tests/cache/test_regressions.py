@@ -272,3 +272,47 @@ async def test_load_back_cannot_evict_its_own_host_source(make_cache, kit):
     finally:
         await cache.flush()
     assert _accounting_ok(cache) is None, _accounting_ok(cache)
+
+
+@pytest.mark.parametrize("call", ["alloc_device", "try_alloc_device", "extend"])
+async def test_an_allocation_that_cannot_fit_evicts_nothing(make_cache, kit, call):
+    """Pool of 64 device slots, 16 cached (no host copy): alloc_device(68) evicted the cached
+    prefix, then raised PoolExhaustedError (its KV lost for nothing); the same for 40 slots
+    while a request holds 32 (free 16 + evictable 16 < 40)."""
+    cache = await make_cache(host_tokens=0)
+    model = kit.KVModel.of(cache)
+    cached = list(range(500, 516))
+    await kit.serve(cache, model, cached)
+    for need, hold in ((68, 0), (40, 32)):
+        held = await cache.alloc_device(hold) if hold else None
+        assert (cache.tree.evictable_size, cache.device_pool.allocator.available_size) == (
+            16, 48 - hold)
+        if call == "try_alloc_device":
+            assert cache.try_alloc_device(need) is None
+        else:
+            req = cache.admit(list(range(900, 904))) if call == "extend" else None
+            with pytest.raises(PoolExhaustedError, match=f"cannot allocate {need}"):
+                if req is None:
+                    await cache.alloc_device(need)
+                else:
+                    await cache.extend(req, need)
+            if req is not None:
+                cache.abort_req(req)
+        assert cache.match_prefix(cached).device_prefix_len == 16  # still cached
+        cache.sanity_check()
+        if held is not None:
+            cache.free_device(held)
+    req = await kit.serve(cache, model, cached)  # served from the cache, its own KV
+    assert req.prefix_len == 16
+    cache.sanity_check()
+
+
+async def test_take_host_that_cannot_fit_evicts_nothing(make_cache, kit):
+    """take_host(10**6) evicted every host copy, then returned None."""
+    cache = await make_cache(write_policy="write_through")
+    model = kit.KVModel.of(cache)
+    await _host_only(cache, kit, model, list(range(500, 516)))
+    assert cache.host_size == 16
+    assert cache.take_host(260) is None  # the host pool holds 256
+    assert cache.host_size == 16
+    cache.sanity_check()
