@@ -18,6 +18,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
+from asynccache.config import CacheConfig
 from asynccache.errors import InvalidInputError
 from asynccache.request import CacheRequest
 from asynccache.tree import BigramKey, RadixKey, RadixTree, SessionRef, as_key
@@ -26,9 +29,32 @@ from asynccache.tree import BigramKey, RadixKey, RadixTree, SessionRef, as_key
 class RequestCalls(Protocol):
     """What a streaming session needs of its cache."""
 
+    @property
+    def config(self) -> CacheConfig: ...
+
     def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest: ...
 
     def cache_finished_req(self, req: CacheRequest, *, insert: bool = True) -> None: ...
+
+
+def _checked_key(tokens: RadixKey | Any, max_token_id: int | None) -> RadixKey:
+    """``tokens`` as a RadixKey, its ids checked against ``max_token_id`` with admit's error.
+
+    (The same check as the engine's ``Tiering.key``, which admit uses: a later turn's tokens
+    do not go through admit, and an id past the vocabulary must be refused at ``turn()``,
+    not when ``close()`` inserts.)
+    """
+    key = as_key(tokens)
+    if max_token_id is not None and key.data:
+        ids = np.frombuffer(key.data, dtype="<u4")
+        if int(ids.max()) > max_token_id:
+            pos = int(np.argmax(ids > max_token_id))
+            raise InvalidInputError(
+                f"token id {int(ids[pos])} at position {pos} exceeds max_token_id "
+                f"{max_token_id} (CacheConfig: the model's largest token id)"
+            )
+    return key
+
 
 CLOSED_IDS_LIMIT = 8192
 
@@ -139,22 +165,24 @@ class StreamingSession:
         return 0 if req is None or req.finished else req.computed + len(req.spare)
 
     def turn(self, tokens: RadixKey | Any) -> CacheRequest:
+        """Start the next turn with ``tokens``. Refused tokens (an id past ``max_token_id``,
+        another namespace than the session's) raise before anything of the session changes."""
         if self.closed:
             raise InvalidInputError(f"streaming session {self.session_id!r} is closed")
         if self._in_turn:
             raise InvalidInputError(
                 f"streaming session {self.session_id!r}: end turn {self.turns} first"
             )
-        key = as_key(tokens)
-        self.turns += 1
-        rid = f"{self.session_id}/turn-{self.turns}"
+        number = self.turns + 1
+        rid = f"{self.session_id}/turn-{number}"
         req = self._req
         if req is None:
-            self._req = req = self._cache.admit(key, rid)
+            req = self._cache.admit(tokens, rid)  # (admit checks the tokens)
         else:
+            key = _checked_key(tokens, self._cache.config.max_token_id)
             if key.namespace is not req.key.namespace:
                 raise InvalidInputError(
-                    f"turn {self.turns} of {self.session_id!r} has namespace {key.namespace!r}, "
+                    f"turn {number} of {self.session_id!r} has namespace {key.namespace!r}, "
                     f"the session {req.key.namespace!r}"
                 )
             old = req.key
@@ -165,6 +193,8 @@ class StreamingSession:
                 req.key = RadixKey.from_bytes(old.data[: req.computed * 4] + key.data,
                                               old.namespace)
             req.rid = rid
+        self._req = req
+        self.turns = number
         self._in_turn = True
         return req
 
@@ -174,11 +204,17 @@ class StreamingSession:
         self._in_turn = False
 
     def close(self, *, cache: bool = True) -> None:
-        """End the session: cache its KV in the tree (``cache=True``) or free it."""
+        """End the session: cache its KV in the tree (``cache=True``) or free it.
+
+        The session is closed only once its request is finished: if finishing raises, the
+        session still holds its request (nothing is dropped or leaked) and ``close()`` can
+        be called again."""
         if self.closed:
             return
-        self.closed = True
-        req, self._req = self._req, None
+        req = self._req
         if req is not None and not req.finished:
             self._cache.cache_finished_req(req, insert=cache)
+        self.closed = True
+        self._req = None
+        self._in_turn = False
         self._on_close(self)

@@ -8,7 +8,7 @@ import pytest
 
 from asynccache.errors import ConfigError, InvalidInputError
 from asynccache.sessions import SessionTracker
-from asynccache.tree import RadixTree
+from asynccache.tree import RadixKey, RadixTree
 
 A = list(range(100, 108))
 B = list(range(200, 208))
@@ -218,3 +218,127 @@ async def test_streaming_session_keeps_its_slots_under_pressure(make_cache, kit)
     s.end_turn()
     s.close(cache=False)
     cache.sanity_check()
+
+
+VOCAB_ERROR = ("token id 60000 at position 2 exceeds max_token_id 50000 "
+               "(CacheConfig: the model's largest token id)")
+BAD = [1, 2, 60000, 4]
+
+
+async def test_streaming_turn_refuses_token_ids_above_the_vocabulary(make_cache, kit):
+    """A later turn's tokens are checked as admit checks them: refused at ``turn()`` with
+    admit's error, nothing of the session changed; the session then goes on and closes clean."""
+    cache = await make_cache(host_tokens=0, max_token_id=50000)
+    model = kit.KVModel.of(cache)
+    with pytest.raises(InvalidInputError) as admitted:
+        cache.admit(BAD)
+    assert str(admitted.value) == VOCAB_ERROR
+    s = cache.stream("s1")
+    req = s.turn(A)
+    new = await cache.extend(req, len(A))
+    cache.write_kv(new, model.expected(A))
+    s.end_turn()
+    cache.sanity_check()
+    assert (s.held_tokens, cache.device_pool.allocator.used_size, cache.tree.held_locks) == (
+        8, 8, 1)
+
+    with pytest.raises(InvalidInputError) as turned:
+        s.turn(BAD)
+    assert str(turned.value) == VOCAB_ERROR  # positions count the turn's own tokens
+    assert (s.turns, s.request is req, req.rid, req.key.tokens) == (1, True, "s1/turn-1", A)
+    assert (s.held_tokens, cache.device_pool.allocator.used_size) == (8, 8)
+    with pytest.raises(InvalidInputError, match="has no turn open"):
+        s.end_turn()
+    cache.sanity_check()
+
+    # The session goes on: the next turn is turn 2, and closing caches the conversation.
+    req2 = s.turn([4, 5, 6, 7])
+    assert (req2 is req, req.rid, s.turns) == (True, "s1/turn-2", 2)
+    convo = [*A, 4, 5, 6, 7]
+    new = await cache.extend(req, 4)
+    cache.write_kv(new, model.expected(convo, 8, 12))
+    s.end_turn()
+    s.close()
+    assert (s.closed, s.request, req.finished) == (True, None, True)
+    m = cache.match_prefix(convo)
+    assert m.device_prefix_len == 12
+    model.check(cache, convo, m.device_indices, "cached conversation")
+    assert cache.tree.held_locks == 0
+    assert cache.device_pool.allocator.used_size == cache.tree.device_size == 12
+    cache.sanity_check()
+    cache.stream("s1").close()  # the id is free again
+
+
+async def test_streaming_first_turn_refused_changes_nothing(make_cache):
+    cache = await make_cache(host_tokens=0, max_token_id=50000)
+    s = cache.stream("s1")
+    with pytest.raises(InvalidInputError) as turned:
+        s.turn(BAD)
+    assert str(turned.value) == VOCAB_ERROR
+    assert (s.turns, s.request, s.held_tokens) == (0, None, 0)
+    assert (cache.device_pool.allocator.used_size, cache.tree.held_locks) == (0, 0)
+    cache.sanity_check()
+    req = s.turn(A)
+    assert (req.rid, s.turns) == ("s1/turn-1", 1)
+    s.end_turn()
+    s.close(cache=False)
+    assert (cache.device_pool.allocator.used_size, cache.tree.held_locks) == (0, 0)
+    cache.sanity_check()
+
+
+async def test_streaming_turn_of_another_namespace_changes_nothing(make_cache):
+    cache = await make_cache(host_tokens=0)
+    s = cache.stream("s1")
+    req = s.turn(A)
+    await cache.extend(req, len(A))
+    s.end_turn()
+    with pytest.raises(InvalidInputError, match="has namespace"):
+        s.turn(RadixKey([4, 5, 6, 7], extra_key="lora-2"))
+    assert (s.turns, req.rid, req.key.tokens) == (1, "s1/turn-1", A)
+    with pytest.raises(InvalidInputError, match="has no turn open"):
+        s.end_turn()
+    cache.sanity_check()
+    assert s.turn([4, 5, 6, 7]).rid == "s1/turn-2"
+    s.end_turn()
+    s.close(cache=False)
+    assert (cache.device_pool.allocator.used_size, cache.tree.held_locks) == (0, 0)
+    cache.sanity_check()
+
+
+async def test_streaming_close_that_fails_stays_open_and_retryable(make_cache, kit, monkeypatch):
+    """If finishing the request raises, the session is not half-closed: it still holds its
+    request (nothing leaked, the id still taken) and a second ``close()`` finishes it."""
+    cache = await make_cache(host_tokens=0)
+    model = kit.KVModel.of(cache)
+    s = cache.stream("s1")
+    req = s.turn(A)
+    new = await cache.extend(req, len(A))
+    cache.write_kv(new, model.expected(A))
+    s.end_turn()
+    finish = cache.cache_finished_req
+    calls: list[bool] = []
+
+    def fail_once(r, *, insert=True):
+        calls.append(insert)
+        if len(calls) == 1:
+            raise RuntimeError("finishing failed")
+        finish(r, insert=insert)
+
+    monkeypatch.setattr(cache, "cache_finished_req", fail_once)
+    with pytest.raises(RuntimeError, match="finishing failed"):
+        s.close()
+    assert (s.closed, s.request is req, req.finished, s.held_tokens) == (False, True, False, 8)
+    assert (cache.streaming_held_tokens, cache.tree.held_locks) == (8, 1)
+    with pytest.raises(InvalidInputError, match="already open"):
+        cache.stream("s1")
+    cache.sanity_check()
+    s.close()
+    assert calls == [True, True]
+    assert (s.closed, s.request, req.finished, cache.streaming_held_tokens) == (True, None, True, 0)
+    assert cache.match_prefix(A).device_prefix_len == 8
+    assert cache.tree.held_locks == 0
+    assert cache.device_pool.allocator.used_size == cache.tree.device_size == 8
+    cache.sanity_check()
+    s.close()  # idempotent once closed
+    assert calls == [True, True]
+    cache.stream("s1").close()
