@@ -12,6 +12,7 @@ hears of backups and write intents through them); on detach they are unplugged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from asynccache.buffer import BufferModePipeline
@@ -168,6 +169,40 @@ class BufferModeL3(NoStorage):
 
 _NOTHING = NoStorage()
 
+_REPLICATED_TP = ("tp_rank", "tp_size")
+
+
+def layout_mismatches(backend: Any, cache: Any) -> list[str]:
+    """How the ``backend``'s :class:`~asynccache.storage.base.StorageLayout` disagrees with the
+    ``cache``'s own (``storage_layout()``), one message per field; empty: it may attach.
+
+    Every field changes a page's bytes, their meaning or its object name, so every field must
+    agree: ``model`` (another model's KV), ``page_size``, ``kv_dtype``, ``kv_layout``,
+    ``kv_replicated`` (whole KV or one TP rank's heads), the TP and PP rank and size (another
+    rank's heads or layers). Two exceptions: with ``kv_replicated`` on both sides the TP rank
+    and size are in neither the bytes nor the name (the ranks share one object per page); and
+    ``extra`` (the cache's geometry, ``L<layers>H<heads>D<head_dim>``) may be followed by
+    ``-<tag>``, a format tag a caller adds to name its pages apart (the replay does).
+    """
+    from asynccache.storage.base import StorageLayout
+
+    out = []
+    replicated = cache.kv_replicated and getattr(backend, "kv_replicated", None) is True
+    skip = _REPLICATED_TP if replicated else ()
+    for f in dataclasses.fields(StorageLayout):
+        name = f.name
+        if name in skip:
+            continue
+        mine, theirs = getattr(cache, name), getattr(backend, name, None)
+        if name == "extra":
+            ok = isinstance(theirs, str) and (theirs == mine or theirs.startswith(f"{mine}-"))
+            if not ok:
+                out.append(f"backend layout extra {theirs!r} != cache extra {mine!r} (the "
+                           "cache's geometry, optionally followed by '-<tag>')")
+        elif theirs != mine or type(theirs) is not type(mine):
+            out.append(f"backend layout {name} {theirs!r} != cache {name} {mine!r}")
+    return out
+
 
 class StorageAttachment:
     """The L3 tier of one cache, if any (see the module docstring)."""
@@ -218,9 +253,10 @@ class StorageAttachment:
                 current.policy = policy
             return
         layout = getattr(backend, "layout", None)
-        ps = self._p.page_size
-        if layout is not None and layout.page_size != ps:
-            raise ConfigError(f"backend layout page_size {layout.page_size} != cache page_size {ps}")
+        if layout is not None:
+            mismatches = layout_mismatches(layout, self.layout())
+            if mismatches:
+                raise ConfigError("; ".join(mismatches))
         self._p.tree.enable_page_hashes()
         if self._p.config.host_mode == "buffer_only":
             buffer = BufferModePipeline(self._t, backend, policy, tasks=self._tasks)
