@@ -49,7 +49,7 @@ class RequestFlow:
     def stream(self, session_id: str) -> StreamingSession:
         if session_id in self._streams:
             raise InvalidInputError(f"streaming session {session_id!r} is already open")
-        s = StreamingSession(self._owner, session_id, self._forget_stream)
+        s = StreamingSession(self._owner, session_id, self._forget_stream, self._t.key)
         self._streams[session_id] = s
         return s
 
@@ -295,7 +295,11 @@ class RequestFlow:
                 extra["swa_evicted_seqlen"] = min(req.swa_evicted, req.computed)
                 if req.mamba_state is not None and self._state_fits(req):
                     extra["mamba_value"], req.mamba_state = req.mamba_state, None  # to the tree
-            res = self._insert(req, **extra)
+            try:
+                res = self._insert(req, **extra)
+            except BaseException:
+                req.mamba_state = extra.get("mamba_value", req.mamba_state)  # still the request's
+                raise
             own_from = max(own_from, res.cached_len)
             if req.session_id is not None and self.sessions is not None:
                 self.sessions.register(req.session_id, req.session_generation, res.last_node)

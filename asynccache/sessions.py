@@ -18,42 +18,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
-
-from asynccache.config import CacheConfig
 from asynccache.errors import InvalidInputError
 from asynccache.request import CacheRequest
-from asynccache.tree import BigramKey, RadixKey, RadixTree, SessionRef, as_key
+from asynccache.tree import BigramKey, RadixKey, RadixTree, SessionRef
 
 
 class RequestCalls(Protocol):
     """What a streaming session needs of its cache."""
 
-    @property
-    def config(self) -> CacheConfig: ...
-
     def admit(self, tokens: RadixKey | Any, rid: str | None = None) -> CacheRequest: ...
 
     def cache_finished_req(self, req: CacheRequest, *, insert: bool = True) -> None: ...
-
-
-def _checked_key(tokens: RadixKey | Any, max_token_id: int | None) -> RadixKey:
-    """``tokens`` as a RadixKey, its ids checked against ``max_token_id`` with admit's error.
-
-    (The same check as the engine's ``Tiering.key``, which admit uses: a later turn's tokens
-    do not go through admit, and an id past the vocabulary must be refused at ``turn()``,
-    not when ``close()`` inserts.)
-    """
-    key = as_key(tokens)
-    if max_token_id is not None and key.data:
-        ids = np.frombuffer(key.data, dtype="<u4")
-        if int(ids.max()) > max_token_id:
-            pos = int(np.argmax(ids > max_token_id))
-            raise InvalidInputError(
-                f"token id {int(ids[pos])} at position {pos} exceeds max_token_id "
-                f"{max_token_id} (CacheConfig: the model's largest token id)"
-            )
-    return key
 
 
 CLOSED_IDS_LIMIT = 8192
@@ -145,9 +120,11 @@ class StreamingSession:
     """
 
     def __init__(self, cache: RequestCalls, session_id: str,
-                 on_close: Callable[[StreamingSession], None]) -> None:
+                 on_close: Callable[[StreamingSession], None],
+                 key_of: Callable[[Any], RadixKey]) -> None:
         self.session_id = _check_id(session_id)
         self._cache = cache
+        self._key_of = key_of  # the cache's checked key (admit's check: max_token_id)
         self._on_close = on_close
         self._req: CacheRequest | None = None
         self._in_turn = False
@@ -179,7 +156,7 @@ class StreamingSession:
         if req is None:
             req = self._cache.admit(tokens, rid)  # (admit checks the tokens)
         else:
-            key = _checked_key(tokens, self._cache.config.max_token_id)
+            key = self._key_of(tokens)  # a later turn does not go through admit
             if key.namespace is not req.key.namespace:
                 raise InvalidInputError(
                     f"turn {number} of {self.session_id!r} has namespace {key.namespace!r}, "

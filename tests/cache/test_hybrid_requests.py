@@ -126,3 +126,28 @@ async def test_chunked_prefill_frees_out_of_window_swa_by_itself(make_cache, kit
     m = cache.match_prefix(t)
     assert m.device_prefix_len == 30
     model.check(cache, t, m.device_indices)
+
+
+async def test_a_failed_finishing_insert_keeps_the_mamba_state_the_requests(make_cache, kit,
+                                                                          monkeypatch):
+    # cache_finished_req hands the request's Mamba state to the insert; when the insert
+    # raises, the state is still the request's, and aborting the request frees it.
+    cache = await make_cache(**BASE, mamba_states=2)
+    model = kit.KVModel.of(cache)
+    t = list(range(300, 308))
+    r = cache.admit(t)
+    await _compute(cache, model, r, t, 8)
+    state = r.mamba_state
+    flow = cache._requests
+
+    def broken(req, **extra):
+        raise RuntimeError("insert failed")
+
+    monkeypatch.setattr(flow, "_insert", broken)
+    with pytest.raises(RuntimeError, match="insert failed"):
+        cache.cache_finished_req(r)
+    monkeypatch.undo()
+    assert r.mamba_state == state and not r.finished
+    cache.abort_req(r)
+    assert used(cache) == (0, 0, 0)
+    cache.sanity_check()
