@@ -531,14 +531,15 @@ def _table(report: dict[str, Any]) -> str:
 
 def _replay_once(run: _Run, config: Any, desc: str) -> tuple[dict[str, Any], Any]:
     from asynccache.replay.driver import Replayer
-    from asynccache.replay.report import build_report
+    from asynccache.replay.report import build_report, pool_capacities
 
     opts = run.options(run.args.storage)
     rep = Replayer(config, opts)
     stats = run.replay(rep, desc)
     report = build_report(stats, config, run.spec.name, run.args.storage, options=opts,
                           outcome=rep.outcome, skipped_records=run.spec.skipped,
-                          auto_device=run.auto_note)
+                          auto_device=run.auto_note,
+                          capacities=pool_capacities(rep.driver, config))
     return report, rep.outcome
 
 
@@ -578,21 +579,25 @@ def _replay_sweep(run: _Run) -> int:
 
 def _replay_cluster(run: _Run) -> int:
     from asynccache.replay.cluster import ClusterReplayer, cluster_report, format_cluster
+    from asynccache.replay.report import pool_capacities
 
     args = run.args
     config = run.config()
+    capacities: list[tuple[int, int]] = []
 
     def once(storage: str | None, desc: str) -> Any:
         rep = ClusterReplayer(config, run.options(storage), instances=args.instances,
                               route=args.route, route_tokens=args.route_tokens)
-        return run.replay(rep, desc)
+        stats = run.replay(rep, desc)
+        capacities.append(pool_capacities(rep.driver, config))
+        return stats
 
     pooled = once(args.storage, "pooled" if args.storage else "instances")
     isolated = None
     if args.storage and not args.skip_isolated and not _exit_code(pooled.outcome):
         isolated = once(None, "isolated")
     report = cluster_report(pooled, isolated, config, run.spec.name, args.storage,
-                            options=run.options(args.storage))
+                            options=run.options(args.storage), capacities=capacities[0])
     if args.plot:
         from asynccache.replay.plots import plot_cluster
 

@@ -24,7 +24,7 @@ from asynccache.config import CacheConfig
 from asynccache.errors import ConfigError
 from asynccache.replay.driver import ReplayOptions, ReplayStats, RunOutcome, TraceDriver
 from asynccache.replay.formats import TraceRequest
-from asynccache.replay.report import ratio, run_status, write_model
+from asynccache.replay.report import config_capacities, ratio, run_status, write_model
 
 ROUTES = ("round_robin", "prefix_hash")
 
@@ -87,10 +87,14 @@ class ClusterReplayer:
 
 def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: CacheConfig,
                    source: str, storage: str | None, *,
-                   options: ReplayOptions | None = None) -> dict[str, Any]:
+                   options: ReplayOptions | None = None,
+                   capacities: tuple[int, int] | None = None) -> dict[str, Any]:
     """Per-instance local / global hit rates, totals, and pooled vs isolated (token rates over
-    served requests; rejected requests are counted apart)."""
+    served requests; rejected requests are counted apart). ``capacities``: the L1 / L2 tokens
+    an instance's pools hold (:func:`~asynccache.replay.report.pool_capacities`; default:
+    :func:`~asynccache.replay.report.config_capacities`)."""
     opts = options or ReplayOptions()
+    device_tokens, host_tokens = capacities or config_capacities(config)
     out_ = pooled.outcome
     warm = bool(storage) and out_.warm_storage
     per = []
@@ -125,8 +129,8 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
         "route": pooled.route,
         "config": {
             "page_size": config.page_size,
-            "device_tokens_per_instance": config.device_tokens,
-            "host_tokens_per_instance": config.host_tokens or 0,
+            "device_tokens_per_instance": device_tokens,
+            "host_tokens_per_instance": host_tokens,
             "shared_storage": storage,
             "write_policy": config.write_policy,
         },

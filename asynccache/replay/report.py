@@ -67,11 +67,44 @@ def write_model(options: ReplayOptions) -> str:
     return "complete before the next request"
 
 
+def config_capacities(config: CacheConfig) -> tuple[int, int]:
+    """The L1 / L2 tokens pools built from ``config`` hold: whole pages of the tokens or
+    bytes asked for (0: no L2). For a report whose pools were never built; otherwise
+    :func:`pool_capacities` reads the pools themselves."""
+    ps = config.page_size
+    per_page = (config.num_layers * 2 * config.num_heads * config.head_dim
+                * config.torch_dtype.itemsize * ps)
+
+    def whole(tokens: int | None, nbytes: int | None) -> int:
+        if tokens:
+            return tokens // ps * ps
+        return (nbytes or 0) // per_page * ps
+
+    return whole(config.device_tokens, config.device_bytes), \
+        whole(config.host_tokens, config.host_bytes)
+
+
+def pool_capacities(driver: Any, config: CacheConfig) -> tuple[int, int]:
+    """The L1 / L2 tokens the replay's pools hold (one instance's; 0: no host pool): what a
+    report gives as the capacities. Falls back to :func:`config_capacities` when the replay
+    stopped before building them."""
+    instances = getattr(driver, "instances", None) or []
+    if not instances:
+        return config_capacities(config)
+    cache = instances[0].cache
+    host = cache.host_pool.num_slots if cache.host_pool is not None else 0
+    return int(cache.device_pool.num_slots), int(host)
+
+
 def build_report(stats: ReplayStats, config: CacheConfig, source: str,
                  source_storage: str | None = None, *, options: ReplayOptions | None = None,
                  outcome: RunOutcome | None = None, skipped_records: int = 0,
-                 auto_device: str | None = None) -> dict[str, Any]:
+                 auto_device: str | None = None,
+                 capacities: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``capacities``: the L1 / L2 tokens the pools hold (:func:`pool_capacities`; default:
+    :func:`config_capacities`)."""
     s = stats
+    device_tokens, host_tokens = capacities or config_capacities(config)
     opts = options or ReplayOptions()
     out = outcome or RunOutcome()
     tok, pages = s.prompt_tokens, s.prompt_pages
@@ -85,8 +118,8 @@ def build_report(stats: ReplayStats, config: CacheConfig, source: str,
         "status": run_status(out),
         "config": {
             "page_size": config.page_size,
-            "device_tokens": config.device_tokens,
-            "host_tokens": config.host_tokens or 0,
+            "device_tokens": device_tokens,
+            "host_tokens": host_tokens,
             "host_mode": config.host_mode,
             "storage": source_storage,
             "write_policy": config.write_policy,
@@ -257,7 +290,7 @@ def format_table(report: dict[str, Any]) -> str:
                                    + (", EAGLE: cacheable bigram positions, n - 1 a prompt"
                                       if cfg.get("eagle") else "")),
         ("reused / computed tokens", f"{report['reused_tokens']:,} / {report['computed_tokens']:,}"),
-        ("capacity L1 / L2 (tokens)", f"{human_tokens(cfg['device_tokens'] or 0)} / "
+        ("capacity L1 / L2 (tokens)", f"{human_tokens(cfg['device_tokens'])} / "
                                       f"{human_tokens(cfg['host_tokens'])}"
                                       + (f" ({cfg['host_mode']})" if cfg['host_mode'] != "cache"
                                          else "")),
