@@ -56,6 +56,16 @@ _log = get_logger("replay")
 PAGE_HEADER_BYTES = 64  # a stored page's header (asynccache.storage.pageformat.HEADER_SIZE)
 
 
+_DEVICE, _HOST, _STORAGE = 0, 1, 2  # where a served position's KV came from
+
+
+def _runs(origin: np.ndarray) -> Iterator[tuple[int, int]]:
+    """The ``[start, end)`` runs of non-zero entries of ``origin``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], origin != 0, [0])).astype(np.int8)))
+    for a, b in zip(edges[::2], edges[1::2], strict=True):
+        yield int(a), int(b)
+
+
 class KVMismatchError(AsyncCacheError):
     """A request was served KV that differs from what its tokens produce."""
 
@@ -230,6 +240,9 @@ class TraceDriver:
         self._side: deque[Callable[[], object]] = deque()
         # id(request) -> (request, its page ids; None until computed), until it is admitted
         self._ids: dict[int, tuple[TraceRequest, np.ndarray | None]] = {}
+        # id(request) -> where each prompt position's KV came from (_DEVICE / _HOST /
+        # _STORAGE) by the request's own loads and fetches, over its attempts, until admitted
+        self._origins: dict[int, np.ndarray] = {}
         self._seq = 0
         self._wall0 = 0.0
         self._warned_too_long = False
@@ -402,6 +415,7 @@ class TraceDriver:
                 return
             inst.waiting.popleft()
             self._ids.pop(id(tr), None)
+            self._origins.pop(id(tr), None)
 
     async def _admit_one(self, inst: _Instance, tr: TraceRequest) -> bool | None:
         """Admit ``tr`` now; None when it must wait for memory another request holds."""
@@ -421,16 +435,20 @@ class TraceDriver:
         npos = kv.pattern.positions(n)
         key = RadixKey(tr.tokens, extra_key=tr.namespace)
         req = cache.admit(key, rid=tr.rid)
-        verified = 0
+        origin = self._origins.get(id(tr))  # what this request's earlier attempts brought in
         try:
             dev_hit = req.prefix_len
+            host_hit = req.host_hit_length
             fetched = await cache.prefetch_request(req)
             loaded = await cache.load_back_request(req)
-            if opts.verify == "all" and dev_hit:
-                verified += self._verify(kv, tr, ids, req.slots[:dev_hit], 0)
-            if loaded and opts.verify != "none":
-                verified += self._verify(kv, tr, ids, req.slots[dev_hit : dev_hit + loaded],
-                                         dev_hit)
+            if fetched or loaded:
+                if origin is None:
+                    origin = self._origins[id(tr)] = np.zeros(n, dtype=np.int8)
+                # a load from L2 of a page nothing of this request brought in: an L2 hit; the
+                # pages this attempt fetched from L3 (after the host hit): L3 hits
+                part = origin[dev_hit : dev_hit + loaded]
+                part[part == _DEVICE] = _HOST
+                origin[dev_hit + host_hit : dev_hit + host_hit + fetched] = _STORAGE
             start = req.prefix_len
             new = await cache.extend(req, n - start)
             kv.write(new, ids, start)
@@ -445,18 +463,30 @@ class TraceDriver:
             if not req.finished:
                 cache.abort_req(req)
             raise
+        # The request is served its prefix [0, start): from the device, except the pages it
+        # (this attempt, or an aborted earlier one whose loads stayed on the device) loaded
+        # from L2 or fetched from L3, which are L2 / L3 hits, as an engine would count them.
+        served = origin[:start] if origin is not None else np.zeros(0, dtype=np.int8)
+        from_l3 = int(np.count_nonzero(served == _STORAGE))
+        from_l2 = int(np.count_nonzero(served == _HOST))
+        dev_hit = start - from_l2 - from_l3
+        verified = 0
+        if opts.verify == "all" and start:
+            verified = self._verify(kv, tr, ids, req.slots[:start], 0)
+        elif opts.verify == "loaded":
+            for a, b in _runs(served):
+                verified += self._verify(kv, tr, ids, req.slots[a:b], a)
         ps = self.config.page_size
-        from_l3 = min(fetched, loaded)  # fetched pages that made it onto the device
-        computed = npos - dev_hit - loaded
-        st.verified_tokens += verified  # a retried admission checks its KV again
+        computed = npos - start
+        st.verified_tokens += verified
         st.verified_draft_bytes += verified * kv.draft_bytes_per_token
         st.prompt_tokens += npos
         st.prompt_pages += -(-npos // ps)
         st.device_hit_tokens += dev_hit
-        st.host_hit_tokens += loaded - from_l3
+        st.host_hit_tokens += from_l2
         st.storage_hit_tokens += from_l3
         st.device_hit_pages += dev_hit // ps
-        st.host_hit_pages += (loaded - from_l3) // ps
+        st.host_hit_pages += from_l2 // ps
         st.storage_hit_pages += from_l3 // ps
         st.computed_tokens += computed
         self._side.append(lambda: self._count_bounds(inst, ids[: npos // ps]))
@@ -472,7 +502,7 @@ class TraceDriver:
         pooled.max_in_flight = max(pooled.max_in_flight, sum(i.running for i in self.instances))
         flight = _Flight(tr, req, inst)
         self._seq += 1
-        done_at = self.clock + opts.service_s(n - dev_hit - loaded, tr.output_len)
+        done_at = self.clock + opts.service_s(n - start, tr.output_len)
         heapq.heappush(self._finishes, (done_at, self._seq, flight))
         await self._quiesce()
         return True
