@@ -515,12 +515,27 @@ def _replay(args: argparse.Namespace) -> int:
     if args.sweep:
         return _replay_sweep(run)
     report, outcome = _replay_once(run, run.config(), "replay")
+    print(json.dumps(report, indent=1) if args.json else _table(report))
+    failed = 0
     if args.plot:
         from asynccache.replay.plots import plot_tiers
 
-        plot_tiers(report, args.plot)
-    print(json.dumps(report, indent=1) if args.json else _table(report))
-    return _exit_code(outcome)
+        failed = _draw(args.plot, lambda: plot_tiers(report, args.plot))
+    return _exit_code(outcome) or failed
+
+
+def _draw(path: str, draw: Any) -> int:
+    """Write the chart after the report is printed: a failure (the check before the replay
+    cannot foresee all: a disk filling up, a folder removed meanwhile) is an error, exit 2,
+    and the report stays."""
+    sys.stdout.flush()
+    try:
+        draw()
+    except Exception as exc:  # whatever the backend raises, the report is already out
+        print(f"asynccache: error: --plot {path!r}: the chart could not be written "
+              f"({type(exc).__name__}: {exc}); the report above is complete", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -563,10 +578,6 @@ def _replay_sweep(run: _Run) -> int:
             wt.append(report)
             if _exit_code(outcome):
                 break
-    if args.plot and points:
-        from asynccache.replay.plots import plot_sweep
-
-        plot_sweep(points, args.plot, wt[: len(points)] if len(wt) == len(points) else None)
     if args.json:
         out: dict[str, Any] = {"sweep": points}
         if compare:
@@ -574,7 +585,13 @@ def _replay_sweep(run: _Run) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(format_sweep(points, wt if len(wt) == len(points) else None))
-    return _exit_code(outcome)
+    failed = 0
+    if args.plot and points:
+        from asynccache.replay.plots import plot_sweep
+
+        failed = _draw(args.plot, lambda: plot_sweep(
+            points, args.plot, wt[: len(points)] if len(wt) == len(points) else None))
+    return _exit_code(outcome) or failed
 
 
 def _replay_cluster(run: _Run) -> int:
@@ -598,12 +615,14 @@ def _replay_cluster(run: _Run) -> int:
         isolated = once(None, "isolated")
     report = cluster_report(pooled, isolated, config, run.spec.name, args.storage,
                             options=run.options(args.storage), capacities=capacities[0])
+    print(json.dumps(report, indent=1) if args.json else format_cluster(report))
+    failed = 0
     if args.plot:
         from asynccache.replay.plots import plot_cluster
 
-        plot_cluster(report, args.plot)
-    print(json.dumps(report, indent=1) if args.json else format_cluster(report))
-    return int(_exit_code(pooled.outcome) or (_exit_code(isolated.outcome) if isolated else 0))
+        failed = _draw(args.plot, lambda: plot_cluster(report, args.plot))
+    return int(_exit_code(pooled.outcome) or (_exit_code(isolated.outcome) if isolated else 0)
+               or failed)
 
 
 def _exit_code(outcome: Any) -> int:

@@ -3,7 +3,7 @@ extra ``asynccache[plot]``; :func:`check_plot_path` validates a path before a re
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Any
 
@@ -22,33 +22,66 @@ def _pyplot() -> Any:
     return plt
 
 
+def _render_error(plt: Any, ext: str) -> str | None:
+    """Why matplotlib cannot write a tiny titled chart as ``ext`` here (None: it can); the
+    chart goes to memory, never to a file."""
+    fig, ax = plt.subplots(figsize=(1, 1))
+    try:
+        ax.set_title("x")
+        fig.savefig(io.BytesIO(), format=ext)
+    except Exception as exc:  # any backend failure: a missing LaTeX, a missing codec
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        plt.close(fig)
+    return None
+
+
 def supported_formats() -> dict[str, str]:
-    """Image formats matplotlib can write here (extension -> description)."""
+    """Image formats matplotlib can write here (extension -> description): those its backends
+    list, less those that cannot render on this machine (.pgf without LaTeX)."""
     plt = _pyplot()
     fig = plt.figure()
     try:
-        return dict(fig.canvas.get_supported_filetypes())
+        listed = dict(fig.canvas.get_supported_filetypes())
     finally:
         plt.close(fig)
+    return {ext: desc for ext, desc in listed.items() if _render_error(plt, ext) is None}
 
 
 def check_plot_path(path: str) -> None:
     """Refuse, before anything runs, a plot path that cannot be written: a known image
-    extension, an existing writable folder, not a folder itself."""
+    extension whose backend renders here, an existing folder, a file that can be created
+    (tried, and removed again when it did not exist), not a folder itself."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"--plot {path!r} is a folder; give a file name such as hit.png")
     ext = p.suffix.lower().lstrip(".")
-    formats = supported_formats()
-    if ext not in formats:
+    plt = _pyplot()
+    fig = plt.figure()
+    try:
+        listed = set(fig.canvas.get_supported_filetypes())
+    finally:
+        plt.close(fig)
+    if ext not in listed:
         raise ConfigError(
             f"--plot {path!r}: unknown image extension {p.suffix or '(none)'!r}; use one of "
-            f"{', '.join('.' + f for f in sorted(formats))}")
+            f"{', '.join('.' + f for f in sorted(supported_formats()))}")
+    why = _render_error(plt, ext)
+    if why is not None:
+        raise ConfigError(
+            f"--plot {path!r}: this machine cannot write .{ext} charts ({why}); use .png, "
+            ".svg or .pdf")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError(f"--plot {path!r}: folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ConfigError(f"--plot {path!r}: not writable")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--plot {path!r}: not writable ({exc.strerror or exc})") from None
+    if not existed:
+        p.unlink(missing_ok=True)
 
 
 def trace_title(source: str) -> str:
