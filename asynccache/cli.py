@@ -258,9 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = rp.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--sweep", type=_sizes, default=None, metavar="CAPACITIES",
-                   help="comma-separated L1 capacities (tokens) to replay in turn; under "
-                        "write_through_selective with an L2, each is also replayed under "
-                        "write_through (default: none)")
+                   help="comma-separated L1 capacities (tokens, each at least one page) to "
+                        "replay in turn, L2 four times each unless --host-tokens / --host-bytes "
+                        "fix it; under write_through_selective with an L2, each is also "
+                        "replayed under write_through (default: none)")
     o.add_argument("--plot", metavar="PATH", default=None,
                    help="write a chart (.png, .svg, .pdf): hit rate by capacity with --sweep, "
                         "per-tier bars without, per-instance bars with --instances; needs "
@@ -308,6 +309,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--instances and --sweep cannot be combined")
     if args.sweep is not None and not all(args.sweep):
         parser.error(f"--sweep capacities must be > 0, got {args.sweep}")
+    if args.sweep is not None and args.page_size >= 1 and (small := [c for c in args.sweep if c < args.page_size]):
+        parser.error(f"--sweep capacities must hold at least one page (--page-size "
+                     f"{args.page_size}), got {', '.join(map(str, small))}")
     if args.device_tokens == 0 or args.device_bytes == 0:
         parser.error("the device (L1) capacity must be > 0")
     if args.plot and not _have_matplotlib():
@@ -440,7 +444,9 @@ class _Run:
         host_tokens = host if host is not None else args.host_bytes // self._per_token()
         self.device_arg = device
         self.host_arg = host
-        _check_memory(args, max([dev_tokens, *(args.sweep or [])]), host_tokens)
+        self.host_explicit = args.host_tokens is not None or args.host_bytes is not None
+        sweep_host = 0 if self.host_explicit else 4 * max(args.sweep or [0])
+        _check_memory(args, max([dev_tokens, *(args.sweep or [])]), max(host_tokens, sweep_host))
         return dev_tokens, host_tokens
 
     def _per_token(self) -> int:
@@ -452,12 +458,15 @@ class _Run:
 
         a = self.args
         sweep = device_tokens is not None
+        host_arg = self.host_arg
+        if sweep and not self.host_explicit:  # L2 four times each sweep point's L1
+            host_arg = 4 * device_tokens
         return CacheConfig(
             page_size=a.page_size, num_layers=a.layers, num_heads=a.heads, head_dim=a.head_dim,
             dtype=a.dtype,
             device_tokens=device_tokens if sweep else self.device_arg,
             device_bytes=None if sweep or self.device_arg is not None else a.device_bytes,
-            host_tokens=self.host_arg, host_bytes=None if self.host_arg is not None
+            host_tokens=host_arg, host_bytes=None if host_arg is not None
             else a.host_bytes,
             write_policy=write_policy or a.write_policy, eviction_policy=a.eviction_policy,
             load_back_threshold=a.load_back_threshold, model_name=a.model_name,
@@ -570,18 +579,27 @@ def _table(report: dict[str, Any]) -> str:
     return format_table(report)
 
 
-def _replay_once(run: _Run, config: Any, desc: str) -> tuple[dict[str, Any], Any]:
+def _replay_once(run: _Run, config: Any, desc: str,
+                 sweep_point: bool = False) -> tuple[dict[str, Any], Any]:
     from asynccache.replay.driver import Replayer
     from asynccache.replay.report import build_report, pool_capacities
 
     opts = run.options(run.args.storage)
     rep = Replayer(config, opts)
     stats = run.replay(rep, desc)
+    capacities = pool_capacities(rep.driver, config)
+    sizing = run.auto_note
+    if sweep_point:  # the point's own L1, not the trace's auto-sized one
+        sizing = None if run.host_explicit else (
+            f"{SWEEP_POINT_NOTE}L1 holds {capacities[0]:,} tokens and L2 four times the L1 "
+            f"asked for ({capacities[1]:,} tokens); --host-tokens / --host-bytes fix L2")
     report = build_report(stats, config, run.spec.name, run.args.storage, options=opts,
                           outcome=rep.outcome, skipped_records=run.spec.skipped,
-                          auto_device=run.auto_note,
-                          capacities=pool_capacities(rep.driver, config))
+                          auto_device=sizing, capacities=capacities)
     return report, rep.outcome
+
+
+SWEEP_POINT_NOTE = "sweep point: "
 
 
 def _replay_sweep(run: _Run) -> int:
@@ -594,13 +612,13 @@ def _replay_sweep(run: _Run) -> int:
     wt: list[dict[str, Any]] = []
     outcome = None
     for cap in args.sweep:
-        report, outcome = _replay_once(run, run.config(cap), f"L1 {cap:,}")
+        report, outcome = _replay_once(run, run.config(cap), f"L1 {cap:,}", sweep_point=True)
         points.append(report)
         if _exit_code(outcome):
             break
         if compare:
             report, outcome = _replay_once(run, run.config(cap, "write_through"),
-                                           f"L1 {cap:,} write_through")
+                                           f"L1 {cap:,} write_through", sweep_point=True)
             wt.append(report)
             if _exit_code(outcome):
                 break

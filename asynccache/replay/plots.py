@@ -125,8 +125,10 @@ def plot_sweep(points: list[dict[str, Any]], path: str,
     ax.legend()
     if points:
         cfg = points[0]["config"]
+        hosts = {p["config"]["host_tokens"] for p in points}
+        l2 = f"L2 {human_tokens(cfg['host_tokens'])}" if len(hosts) == 1 else "L2 4x L1"
         ax.set_title(f"{trace_title(points[0]['trace'])}: hit rate by capacity "
-                     f"(L2 {human_tokens(cfg['host_tokens'])}, {cfg['write_policy']})")
+                     f"({l2}, {cfg['write_policy']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -336,7 +336,7 @@ def format_sweep(points: list[dict[str, Any]],
                  write_through: list[dict[str, Any]] | None = None) -> str:
     """One line per device capacity: L1, L1+L2, all tiers, the bound and the offline optimum
     at the L1 capacity (tokens / blocks)."""
-    head = ["L1 capacity", "L1", "L1+L2", "all tiers", "bound"]
+    head = ["L1 / L2 capacity", "L1", "L1+L2", "all tiers", "bound"]
     if write_through:
         head.append("all tiers, write_through")
     head.append("L1 optimum")
@@ -345,7 +345,8 @@ def format_sweep(points: list[dict[str, Any]],
         hr, hits = p["hit_rate"], p["hits"]
         l12 = (ratio(hits["device_tokens"] + hits["host_tokens"], p["prompt_tokens"]),
                ratio(hits["device_blocks"] + hits["host_blocks"], p["prompt_blocks"]))
-        row = [f"{human_tokens(p['config']['device_tokens'])} tokens",
+        row = [f"{human_tokens(p['config']['device_tokens'])} / "
+               f"{human_tokens(p['config']['host_tokens'])} tokens",
                f"{_pct(hr['device_tokens'])} / {_pct(hr['device_blocks'])}",
                f"{_pct(l12[0])} / {_pct(l12[1])}",
                f"{_pct(hr['total_tokens'])} / {_pct(hr['total_blocks'])}",
@@ -364,6 +365,8 @@ def format_sweep(points: list[dict[str, Any]],
     notes_seen: list[str] = []
     for p in points:
         for n in p["notes"]:
+            if n.startswith("sweep point: "):  # each point's own sizing: one line for all
+                n = "L2 is four times each point's L1 (--host-tokens / --host-bytes fix L2)"
             if n not in notes_seen and not n.startswith("PARTIAL"):
                 notes_seen.append(n)
     return "\n".join([title, *lines, *(f"note: {n}" for n in notes_seen)])
