@@ -14,8 +14,9 @@ does not fit alone is *rejected* (counted apart, not in the hit rates).
 
 **Determinism.** Each admission and each finish is one *step*, run alone to completion, and
 after every step the driver waits for every copy and storage write it started
-(``flush`` + ``drain``). So the next step sees a state that depends only on the trace and the
-options, and every storage write completes before the next request is admitted — unless a
+(``flush`` + ``drain``); within a step, the slots a request needs are freed in eviction
+rounds that each wait for the same (:meth:`TraceDriver._make_room`). So the next step sees a
+state that depends only on the trace and the options, and every storage write completes before the next request is admitted — unless a
 write bandwidth is modelled (:class:`~asynccache.replay.storemodel.TraceTimeStore`). Requests
 *overlap in trace time* (several admitted, holding their prefix pins and slots, none of them
 finished); the engine runs one step at a time. Prefetch stop policies other than
@@ -440,6 +441,9 @@ class TraceDriver:
             dev_hit = req.prefix_len
             host_hit = req.host_hit_length
             fetched = await cache.prefetch_request(req)
+            h = req.host_hit_length
+            if h and h >= self.config.load_back_threshold:  # the load-back's room
+                await self._make_room(inst, h)
             loaded = await cache.load_back_request(req)
             if fetched or loaded:
                 if origin is None:
@@ -450,6 +454,7 @@ class TraceDriver:
                 part[part == _DEVICE] = _HOST
                 origin[dev_hit + host_hit : dev_hit + host_hit + fetched] = _STORAGE
             start = req.prefix_len
+            await self._make_room(inst, n - start)
             new = await cache.extend(req, n - start)
             kv.write(new, ids, start)
         except PoolExhaustedError:
@@ -506,6 +511,27 @@ class TraceDriver:
         heapq.heappush(self._finishes, (done_at, self._seq, flight))
         await self._quiesce()
         return True
+
+    async def _make_room(self, inst: _Instance, tokens: int) -> None:
+        """Free device slots for ``tokens`` (whole pages) before the cache allocates them, in
+        eviction rounds that each start from a settled cache: every copy and storage write
+        finished. The cache's own allocation evicts in rounds too, but takes its next round's
+        victims while the storage writes of the last round's write-backs run (their host pins
+        protect device pages until they finish): its choice depended on how fast storage
+        wrote. A shortfall above the evictable tokens evicts nothing (the allocation fails, as
+        the cache's own would)."""
+        cache = inst.cache
+        ps = self.config.page_size
+        need = -(-tokens // ps) * ps
+        for _ in range(64):
+            short = need - cache.device_available
+            if short <= 0 or short > cache.evictable_size:
+                return
+            freed = cache.evict(short)
+            copies = cache.in_flight  # write-backs: their victims are freed by a later round
+            await self._quiesce()
+            if not freed and not copies:
+                return
 
     def _page_ids(self, tr: TraceRequest, kv: ReplayKV | None, *,
                   ahead: bool = False) -> np.ndarray | None:
