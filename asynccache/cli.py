@@ -658,7 +658,8 @@ def _replay_cluster(run: _Run) -> int:
     if args.storage and not args.skip_isolated and not _exit_code(pooled.outcome):
         isolated = once(None, "isolated")
     report = cluster_report(pooled, isolated, config, run.spec.name, args.storage,
-                            options=run.options(args.storage), capacities=capacities[0])
+                            options=run.options(args.storage), capacities=capacities[0],
+                            skipped_records=run.spec.skipped, auto_device=run.auto_note)
     print(json.dumps(report, indent=1) if args.json else format_cluster(report))
     failed = 0
     if args.plot:

@@ -24,7 +24,14 @@ from asynccache.config import CacheConfig
 from asynccache.errors import ConfigError
 from asynccache.replay.driver import ReplayOptions, ReplayStats, RunOutcome, TraceDriver
 from asynccache.replay.formats import TraceRequest
-from asynccache.replay.report import config_capacities, ratio, run_status, write_model
+from asynccache.replay.report import (
+    EAGLE_NOTE,
+    config_capacities,
+    ratio,
+    run_status,
+    skipped_note,
+    write_model,
+)
 
 ROUTES = ("round_robin", "prefix_hash")
 
@@ -88,11 +95,14 @@ class ClusterReplayer:
 def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: CacheConfig,
                    source: str, storage: str | None, *,
                    options: ReplayOptions | None = None,
-                   capacities: tuple[int, int] | None = None) -> dict[str, Any]:
+                   capacities: tuple[int, int] | None = None, skipped_records: int = 0,
+                   auto_device: str | None = None) -> dict[str, Any]:
     """Per-instance local / global hit rates, totals, and pooled vs isolated (token rates over
     served requests; rejected requests are counted apart). ``capacities``: the L1 / L2 tokens
     an instance's pools hold (:func:`~asynccache.replay.report.pool_capacities`; default:
-    :func:`~asynccache.replay.report.config_capacities`)."""
+    :func:`~asynccache.replay.report.config_capacities`); ``skipped_records`` and
+    ``auto_device`` (the note on L1 sized from the trace) as for
+    :func:`~asynccache.replay.report.build_report`."""
     opts = options or ReplayOptions()
     device_tokens, host_tokens = capacities or config_capacities(config)
     out_ = pooled.outcome
@@ -133,6 +143,7 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
             "host_tokens_per_instance": host_tokens,
             "shared_storage": storage,
             "write_policy": config.write_policy,
+            "eagle": bool(config.eagle),
         },
         "model": {
             "max_in_flight": opts.max_in_flight,
@@ -143,6 +154,7 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
         "requests": tot["served"],
         "requests_read": tot["read"],
         "rejected": tot["rejected"],
+        "skipped_records": skipped_records,
         "prompt_tokens": tot["prompt"],
         "local_hit_rate": ratio(tot["local"], tot["prompt"]),
         "storage_hit_rate": ratio(tot["l3"], tot["prompt"]),
@@ -167,18 +179,24 @@ def cluster_report(pooled: ClusterStats, isolated: ClusterStats | None, config: 
         out["isolated_wall_s"] = round(isolated.wall_s, 3)
         if isolated.outcome.interrupted or isolated.outcome.stopped_by:
             out["status"] = f"{out['status']}; isolated replay: {run_status(isolated.outcome)}"
-    out["notes"] = _cluster_notes(out)
+    out["notes"] = _cluster_notes(out, auto_device)
     return out
 
 
-def _cluster_notes(r: dict[str, Any]) -> list[str]:
+def _cluster_notes(r: dict[str, Any], auto_device: str | None = None) -> list[str]:
     notes: list[str] = []
     if r["status"] != "complete":
         notes.append(f"PARTIAL RESULT: {r['status']}")
+    if auto_device:
+        notes.append(auto_device)
+    if r["config"]["eagle"]:
+        notes.append(EAGLE_NOTE)
     if r["rejected"]:
         notes.append(f"{r['rejected']} requests did not fit in an instance's device pool "
                      f"({r['config']['device_tokens_per_instance']:,} tokens) and are left out "
                      "of the hit rates")
+    if r["skipped_records"]:
+        notes.append(skipped_note(r["skipped_records"]))
     state = r.get("storage_state")
     if state and state["warm"]:
         notes.append("WARNING: the shared storage was not empty at start: hit rates include "

@@ -217,6 +217,16 @@ def run_status(out: RunOutcome) -> str:
     return "complete"
 
 
+EAGLE_NOTE = (
+    "EAGLE keys: a prompt of n tokens has n - 1 cacheable bigram positions; token figures, "
+    "rates and the bounds count those (hit rate = served positions / cacheable positions); "
+    "each request also computes its last position, never cached")
+
+
+def skipped_note(skipped: int) -> str:
+    return f"{skipped} malformed trace records were skipped (--skip-bad-lines)"
+
+
 def notes(report: dict[str, Any], opts: ReplayOptions, *,
           auto_device: str | None = None) -> list[str]:
     """What a reader needs to read the figures right."""
@@ -228,10 +238,7 @@ def notes(report: dict[str, Any], opts: ReplayOptions, *,
     if auto_device:
         out.append(auto_device)
     if cfg.get("eagle"):
-        out.append(
-            "EAGLE keys: a prompt of n tokens has n - 1 cacheable bigram positions; token "
-            "figures, rates and the bounds count those (hit rate = served positions / "
-            "cacheable positions); each request also computes its last position, never cached")
+        out.append(EAGLE_NOTE)
     if report["rejected"]:
         out.append(
             f"{report['rejected']} requests ({report['rejected_tokens']:,} tokens) did not fit in "
@@ -239,8 +246,7 @@ def notes(report: dict[str, Any], opts: ReplayOptions, *,
             f"the longest has {report['largest_rejected_tokens']:,} tokens: pass --device-tokens "
             f"{suggest_capacity(report['largest_rejected_tokens'], cfg['page_size'])} or more")
     if report["skipped_records"]:
-        out.append(f"{report['skipped_records']} malformed trace records were skipped "
-                   "(--skip-bad-lines)")
+        out.append(skipped_note(report["skipped_records"]))
     state = report.get("storage_state")
     if state and state["warm"]:
         at_start = state["pages_at_start"]
