@@ -690,7 +690,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "replay":
-        _check_args(parser, args)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        _check_args(sub.choices["replay"], args)  # errors show the replay's usage
     try:
         return int(args.func(args))
     except AsyncCacheError as exc:

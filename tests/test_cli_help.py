@@ -120,3 +120,14 @@ def test_rates() -> None:
     assert cli.parse_rate("1GiB") == 1 << 30
     with pytest.raises(argparse.ArgumentTypeError, match="bad size 'fast'"):
         cli.parse_rate("fast")
+
+
+def test_replay_argument_errors_show_the_replay_usage(capsys) -> None:
+    """An error ``_check_args`` finds shows ``asynccache replay``'s usage, as argparse's own
+    errors in the subcommand do, not the top-level one."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", "--max-in-flight", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: asynccache replay [-h]")
+    assert err.rstrip().endswith("asynccache replay: error: --max-in-flight must be >= 1, got 0")
