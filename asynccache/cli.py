@@ -459,7 +459,7 @@ class _Run:
         a = self.args
         sweep = device_tokens is not None
         host_arg = self.host_arg
-        if sweep and not self.host_explicit:  # L2 four times each sweep point's L1
+        if device_tokens is not None and not self.host_explicit:  # 4x each sweep point's L1
             host_arg = 4 * device_tokens
         return CacheConfig(
             page_size=a.page_size, num_layers=a.layers, num_heads=a.heads, head_dim=a.head_dim,
