@@ -365,28 +365,11 @@ def _check_memory(args: argparse.Namespace, device_tokens: int, host_tokens: int
                     f"more than the GPU's {_gib(total)}")
 
 
-METRICS_ADDR = "127.0.0.1"  # where the replay serves --metrics-port (serve_metrics' default)
-
-
 def _check_metrics_port(port: int) -> None:
-    """Refuse a ``--metrics-port`` that cannot be bound, before replaying: bind it as the
-    metrics server will (address reuse on, as its HTTP server sets) and let it go again."""
-    import errno
-    import socket
-
+    """Refuse a ``--metrics-port`` out of range before replaying (one that cannot be bound is
+    refused by the replay when it starts the server, before the first request)."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {port}")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((METRICS_ADDR, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"--metrics-port {port}: {METRICS_ADDR}:{port} is already in use; choose "
-                    "another port, or 0 for a free one") from None
-            raise ConfigError(f"--metrics-port {port}: cannot listen on {METRICS_ADDR}:{port} "
-                              f"({exc.strerror or exc})") from None
 
 
 def _gib(n: float) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import heapq
 import time
@@ -218,6 +219,19 @@ class RunOutcome:
 Router = Callable[[TraceRequest, int], int]
 
 
+def _serve(metrics: Any, port: int) -> Any:
+    """The metrics server on 127.0.0.1:``port``; a port that cannot be bound (in use, not
+    allowed) is a :class:`ConfigError` naming it, not an ``OSError`` out of the replay."""
+    try:
+        return serve_metrics(metrics, port=port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--metrics-port {port}: 127.0.0.1:{port} is already in use; "
+                              "choose another port, or 0 for a free one") from None
+        raise ConfigError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} "
+                          f"({exc.strerror or exc})") from None
+
+
 class TraceDriver:
     """Replays one trace through ``instances`` caches built from ``config`` (one shared L3,
     ``options.storage_url``), routed by ``router(request, index)``."""
@@ -267,9 +281,8 @@ class TraceDriver:
                 await c.start()
             setup_s = time.perf_counter() - t0
             if self.options.metrics_port is not None:
-                server = serve_metrics(caches[0].metrics if self.n == 1
-                                       else [c.metrics for c in caches],
-                                       port=self.options.metrics_port)
+                server = _serve(caches[0].metrics if self.n == 1
+                                else [c.metrics for c in caches], self.options.metrics_port)
                 self.metrics_url = server.url
                 _log.info("metrics_served", url=server.url)
             ps = self.config.page_size
