@@ -24,7 +24,8 @@ _ARRAY_I_OK: Final = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 class Namespace:
-    """A key namespace: ``extra_key`` (LoRA id / adapter name) and ``cache_salt``.
+    """A key namespace: ``extra_key`` (LoRA id / adapter name) and ``cache_salt`` (an empty
+    salt is no salt, as in SGLang; an empty ``extra_key`` is a namespace of its own).
 
     Keys of different namespaces never share a node, a storage object or an event hash.
     Instances are interned while anything uses them (a key, a node, a cached hash seed), so
@@ -42,6 +43,8 @@ class Namespace:
     cache_salt: str | None
 
     def __new__(cls, extra_key: str | None = None, cache_salt: str | None = None) -> Namespace:
+        if cache_salt == "":
+            cache_salt = None  # as SGLang's RadixKey (``cache_salt or None``): no salt
         if extra_key is None and cache_salt is None and cls._default is not None:
             return cls._default
         for name, val in (("extra_key", extra_key), ("cache_salt", cache_salt)):

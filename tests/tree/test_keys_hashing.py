@@ -92,6 +92,19 @@ def test_namespaces_are_interned_and_distinct() -> None:
     assert RadixKey([1]) != RadixKey([1], extra_key="a")
 
 
+def test_an_empty_cache_salt_is_no_salt_as_in_sglang() -> None:
+    # SGLang's RadixKey keeps ``cache_salt or None``: an empty salt shares the default
+    # namespace's nodes and page keys (an empty extra_key stays a namespace of its own, in both).
+    assert Namespace(None, "") is DEFAULT_NAMESPACE
+    assert Namespace("a", "") is Namespace("a", None)
+    assert RadixKey([1, 2], cache_salt="").namespace is DEFAULT_NAMESPACE
+    tree = RadixTree(page_size=2, enable_page_hashes=True)
+    res = tree.insert([1, 2, 3, 4], np.arange(4, dtype=np.int64))
+    m = tree.match_prefix(RadixKey([1, 2, 3, 4], cache_salt=""))
+    assert m.device_prefix_len == 4 and m.last_device_node == res.last_node
+    assert tree.page_hashes(res.last_node) == [d.hex() for d in _chain([1, 2, 3, 4], 2)]
+
+
 def test_namespace_rejects_non_string() -> None:
     with pytest.raises(InvalidInputError, match="extra_key must be a str or None, got 7"):
         RadixKey([1], extra_key=7)  # type: ignore[arg-type]
