@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from asynccache.errors import ConfigError, StorageError
 from asynccache.storage import filedir
 from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
 from asynccache.storage.base import PageView, StorageLayout, check_batch, validate_keys
+from asynccache.storage.daemonpool import loop_caller
 from asynccache.storage.fileindex import LruIndex
 from asynccache.storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
 from asynccache.storage.pageformat import HEADER_SIZE
@@ -78,6 +79,18 @@ _WRITE_GROUP_MAX = 32 * _MiB
 _WRITE_GROUP_FILES = 32
 
 Job = Callable[[int, PageGuard, Scratch], None]
+
+
+class _Either:
+    """``k in`` either container (the batch's keys, or keys busy in other calls)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.a or k in self.b
 
 
 class FileBackend(BackendBase):
@@ -146,6 +159,11 @@ class FileBackend(BackendBase):
         self._index = LruIndex()  # key -> file (unit); files in LRU order
         self._reserved = 0
         self._victims: list[str] = []
+        #: Keys a call is changing on disk (a set writing them, a delete or an eviction
+        #: unlinking them), each with an event set when that call is done with them. Calls on
+        #: the same key wait their turn, eviction skips busy keys, and exists does not adopt
+        #: them: the index and the names on disk change together.
+        self._busy: dict[str, anyio.Event] = {}
         self._started = False
         self._start_lock: anyio.Lock | None = None
         self._dir = filedir.DirState(self._root, self._suffix)  # writer lock, temp files
@@ -240,11 +258,59 @@ class FileBackend(BackendBase):
             if size > cap:
                 return False
             held = self._reserved + self._dir.tmp_bytes  # other writers' temp files count too
-            self._victims += self._index.evict(cap - size, held, protect)
+            self._victims += self._index.evict(cap - size, held, _Either(protect, self._busy))
             if self._index.used + held + size > cap:
                 return False
         self._reserved += size
         return True
+
+    async def _claim(self, keys: list[str]) -> anyio.Event:
+        """Wait until no other call is changing ``keys``, then mark them busy (release with
+        :meth:`_release`). No wait when none is busy (the usual case)."""
+        busy = self._busy
+        while True:
+            ev = next((e for k in keys if (e := busy.get(k)) is not None), None)
+            if ev is None:
+                return self._claim_now(keys)
+            await ev.wait()
+
+    def _claim_now(self, keys: list[str]) -> anyio.Event:
+        ev = anyio.Event()
+        for k in keys:
+            self._busy[k] = ev
+        return ev
+
+    def _release(self, keys: list[str], ev: anyio.Event) -> None:
+        for k in keys:
+            if self._busy.get(k) is ev:
+                del self._busy[k]
+        ev.set()
+
+    async def _unlink(self, keys: list[str], ev: anyio.Event) -> tuple[list[str], list[str | None]]:
+        """Unlink ``keys`` (claimed with ``ev``, released here) even when the caller is
+        cancelled meanwhile (their index entries are gone already: the names must go too). A
+        key whose unlink outlives the deadline stays busy until its thread returns."""
+        call = loop_caller()
+        pending = [0]
+
+        def one_done() -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._release(keys, ev)
+
+        def on_stuck(_i: int, _outcomes: list[str]) -> Callable[[], None]:
+            pending[0] += 1
+            return lambda: call(one_done)
+
+        try:
+            with anyio.CancelScope(shield=True):
+                out = await self._runner.run(
+                    len(keys), self._unlink_job(keys), self._deadline(), on_stuck=on_stuck
+                )
+        finally:
+            if pending[0] == 0:
+                self._release(keys, ev)
+        return out
 
     def _quarantine_keys(self, keys: list[str]) -> Callable[[], None]:
         lift = self._quarantine.add(keys)
@@ -319,7 +385,9 @@ class FileBackend(BackendBase):
             k = j + 1
             while k < len(adopted) and adopted[k][1].st_ino == st.st_ino:
                 k += 1
-            new = [key for key, _ in adopted[j:k] if key not in self._index]
+            new = [
+                key for key, _ in adopted[j:k] if key not in self._index and key not in self._busy
+            ]
             if new:
                 share = st.st_size * len(new) // max(st.st_nlink, len(new))
                 self._index.add(new, share)
@@ -360,6 +428,8 @@ class FileBackend(BackendBase):
             hung = [r.key for r in runs[g][0] if done[r.slot] == "timeout"]
             return self._quarantine_keys(hung) if hung else None
 
+        index = self._index
+        before = [index.unit_of(k) for k in key_list]  # a drop below needs the same file
         if reqs:
             done, done_details = await self._runner.run(
                 len(runs), job, self._deadline(total), slots=len(reqs), on_stuck=on_stuck
@@ -368,13 +438,15 @@ class FileBackend(BackendBase):
                 outcomes[i], details[i] = done[j], done_details[j]
         corrupt: list[str] = []
         missing: list[str] = []
-        for key, outcome in zip(key_list, outcomes, strict=True):
+        for key, outcome, unit in zip(key_list, outcomes, before, strict=True):
             if outcome == OK:
-                self._index.touch(key)
+                index.touch(key)
             elif outcome in ("corrupt", "partial"):
-                self._index.drop(key)
+                if unit is not None and index.unit_of(key) == unit:
+                    index.drop(key)  # (not a file a set indexed meanwhile)
                 corrupt.append(key)  # the object was removed
-            elif outcome == MISS and self._index.drop(key):
+            elif outcome == MISS and unit is not None and index.unit_of(key) == unit:
+                index.drop(key)
                 missing.append(key)  # known, but gone: deleted behind this backend's back
         self._set_usage()
         sizes = [v.nbytes for v in views]
@@ -415,6 +487,16 @@ class FileBackend(BackendBase):
         if self._dir.due():  # other writers' temp files: still there, still theirs?
             with contextlib.suppress(OSError, TimeoutError):
                 await self._runner.call(self._dir.recheck, self._deadline())
+        quarantine = self._quarantine
+        index = self._index
+        writing = [k for k in dict.fromkeys(key_list) if k not in index or k in quarantine]
+        mark = await self._claim(writing)  # after a delete / eviction / set of them ends
+        try:
+            return await self._set_claimed(key_list, views)
+        finally:
+            self._release(writing, mark)
+
+    async def _set_claimed(self, key_list: list[str], views: list[PageView]) -> list[bool]:
         started = time.perf_counter()
         n = len(key_list)
         outcomes: list[str] = [OK] * n
@@ -478,24 +560,24 @@ class FileBackend(BackendBase):
         cause: str,
     ) -> dict[int, tuple[str, str | None]]:
         """Unlink ``victims`` (evicted for ``cause``) and write ``files`` (reserved page
-        groups, indices into the batch); index what was stored. Returns each page's outcome."""
+        groups, indices into the batch); index what was stored. Returns each page's outcome.
+
+        The victims are unlinked even when the call is cancelled (they left the index), and
+        they stay busy until then (a set of one waits: the late unlink cannot take its new
+        file). Every page published is indexed, also when the call is cancelled after."""
+        vmark = self._claim_now(victims)  # before any await: chosen just now, none busy
         n = len(key_list)
-        nv = len(victims)
-        unlink = self._unlink_job(victims)
         total = sum(views[i].nbytes for g, _ in files for i in g)
         writes = self._write_jobs(
             [
-                [WriteReq(nv + i, key_list[i], key_list[i] + self._suffix, views[i]) for i in g]
+                [WriteReq(i, key_list[i], key_list[i] + self._suffix, views[i]) for i in g]
                 for g, _ in files
             ],
             total,
         )
 
         def job(j: int, guard: PageGuard, scratch: Scratch) -> None:
-            if j < nv:
-                unlink(j, guard, scratch)
-                return
-            group = writes[j - nv]
+            group = writes[j]
             try:
                 self._files.write_group(group, guard, scratch)
             except Exception as exc:  # a bug: keep the engine alive, count it, log it
@@ -504,33 +586,42 @@ class FileBackend(BackendBase):
                     for r in reqs:
                         guard.finish(r.slot, "internal", repr(exc))
 
+        async def unlink_victims() -> None:
+            with anyio.CancelScope(shield=True):
+                gone, _ = await self._unlink(victims, vmark)
+                self.metrics.evicted(len(victims))
+                for v, outcome in zip(victims, gone, strict=False):
+                    if outcome not in (OK, MISS):
+                        self._log.warning("storage_evict_failed", key=v, reason=outcome)
+                self._gone(victims, cause)
+
+        report: list[str | None] = []
+        done: list[str] = ["timeout"] * n
+        done_details: list[str | None] = [None] * n
         try:
-            done, done_details = await self._runner.run(
-                nv + len(writes), job, self._deadline(total), slots=nv + n
-            )
+            async with anyio.create_task_group() as tg:
+                if victims:
+                    tg.start_soon(unlink_victims)
+                if writes:
+                    done, done_details = await self._runner.run(
+                        len(writes), job, self._deadline(total), slots=n, report=report
+                    )
         finally:
             self._reserved -= sum(size for _, size in files)
-        self.metrics.evicted(nv)
-        for v, outcome in zip(victims, done, strict=False):
-            if outcome not in (OK, MISS):
-                self._log.warning("storage_evict_failed", key=v, reason=outcome)
-        self._gone(victims, cause)
+            for g, size in files:  # what was published is on disk: index it, whatever else
+                stored = [key_list[i] for i in g if report and report[i] == OK]
+                if stored:
+                    self._index.add(stored, size)
+                    self._quarantine.discard(stored)  # a new file under the name: readable
+            self._set_usage()
         if self.fsync:
-            written = [key_list[i] for g, _ in files for i in g if done[nv + i] == OK]
+            written = [key_list[i] for g, _ in files for i in g if done[i] == OK]
             failed = await self._sync_dirs(written)
             for g, _ in files:
                 for i in g:
-                    if done[nv + i] == OK and key_list[i][:2] in failed:
-                        done[nv + i], done_details[nv + i] = failed[key_list[i][:2]]
-        out: dict[int, tuple[str, str | None]] = {}
-        for g, size in files:
-            for i in g:
-                out[i] = (done[nv + i], done_details[nv + i])
-            stored = [key_list[i] for i in g if done[nv + i] == OK]
-            if stored:
-                self._index.add(stored, size)
-                self._quarantine.discard(stored)  # a new file under the name: readable again
-        return out
+                    if done[i] == OK and key_list[i][:2] in failed:
+                        done[i], done_details[i] = failed[key_list[i][:2]]
+        return {i: (done[i], done_details[i]) for g, _ in files for i in g}
 
     def _write_jobs(self, files: list[list[WriteReq]], total: int) -> list[list[list[WriteReq]]]:
         """Deal the files of a batch out to write jobs. With ``fsync``, a job takes several
@@ -561,7 +652,9 @@ class FileBackend(BackendBase):
         the victims. None when nothing can be evicted."""
         groups = self._plan_files(full, views)
         sizes = [file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
-        victims = self._index.evict(self._index.used - 2 * sum(sizes), 0, protect)
+        victims = self._index.evict(
+            self._index.used - 2 * sum(sizes), 0, _Either(protect, self._busy)
+        )
         if not victims:
             return None
         return list(zip(groups, sizes, strict=True)), victims
@@ -599,11 +692,12 @@ class FileBackend(BackendBase):
         key_list = list(dict.fromkeys(validate_keys(keys)))
         await self._ensure_started()
         started = time.perf_counter()
+        mark = await self._claim(key_list)  # after a set / eviction of them ends
         known = {key for key in key_list if self._index.drop(key)}
-        outcomes, details = await self._runner.run(
-            len(key_list), self._unlink_job(key_list), self._deadline()
+        outcomes, details = await self._unlink(key_list, mark)  # even if cancelled meanwhile
+        self._quarantine.discard(
+            [k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)]
         )
-        self._quarantine.discard([k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)])
         self._set_usage()
         sizes = [0] * len(key_list)
         removed = sum(self._account("delete", key_list, outcomes, details, sizes, started))
@@ -673,5 +767,3 @@ class FileBackend(BackendBase):
 
     def __repr__(self) -> str:
         return f"FileBackend(root={str(self.root)!r}, tag={self._layout.tag!r})"
-
-

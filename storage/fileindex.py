@@ -10,7 +10,7 @@ are read together, as a prefix). Single-page units make this a plain per-page LR
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Container, Iterable
 
 __all__ = ["LruIndex"]
 
@@ -90,7 +90,7 @@ class LruIndex:
         self._where.clear()
         self.used = 0
 
-    def evict(self, limit: int, reserved: int, protect: Collection[str]) -> list[str]:
+    def evict(self, limit: int, reserved: int, protect: Container[str]) -> list[str]:
         """Drop least recently used units until ``used + reserved <= limit``; return their keys.
 
         Units holding a protected key (pages of the batch being written) are skipped.

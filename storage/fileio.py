@@ -356,31 +356,46 @@ class PageFiles:
         return parts
 
     def _publish(self, st: _Staged, guard: PageGuard) -> None:
-        """Publish a durable temp file under its page names (the temp name is then gone)."""
+        """Publish a durable temp file under its page names (the temp name is then gone).
+
+        Each name is published inside a :meth:`PageGuard.enter` section, so a call that is
+        cancelled publishes nothing after its cancel returned, and the caller learns of every
+        name that was published (it indexes them, cancelled or not)."""
         tmp = st.tmp
         assert tmp is not None
         if len(st.reqs) == 1:
             req = st.reqs[0]
+            if not guard.enter():
+                return
+            outcome, detail = OK, None
             try:
                 os.replace(tmp, self.path(req.key))
                 st.tmp = None
-                guard.finish(req.slot, OK)
             except OSError as exc:
-                self._fail(st.reqs, exc, guard)
+                outcome, detail = os_error_reason(exc), str(exc)
+            finally:
+                guard.leave(req.slot, outcome, detail)
             return
         for i, r in enumerate(st.reqs):
             if not self.links_ok:
                 self.write_single(r, guard)
                 continue
+            if not guard.enter():
+                return
+            slot: int | None = r.slot
+            outcome, detail = OK, None
             try:
                 self._link(tmp, self.path(r.key))
-                guard.finish(r.slot, OK)
             except OSError as exc:
                 if exc.errno in _NO_LINKS and i == 0:
                     self.links_ok = False
-                    self.write_single(r, guard)
+                    slot = None  # written on its own below
                 else:
-                    guard.finish(r.slot, os_error_reason(exc), str(exc))
+                    outcome, detail = os_error_reason(exc), str(exc)
+            finally:
+                guard.leave(slot, outcome, detail)
+            if slot is None:
+                self.write_single(r, guard)
 
     @staticmethod
     def _link(src: str, dst: str) -> None:
@@ -587,9 +602,7 @@ def _run_of(reqs: list[ReadReq], table: dict[int, Entry]) -> list[Entry]:
     return run
 
 
-def _faulted_parts(
-    req: WriteReq, fault: Fault | None, mac: PageMac | None
-) -> list[memoryview]:
+def _faulted_parts(req: WriteReq, fault: Fault | None, mac: PageMac | None) -> list[memoryview]:
     """Header + payload of a page (a :class:`Pieces` payload: its pieces, written in place by
     one ``pwritev``), with a write fault's damage applied (flip / cut)."""
     header = memoryview(encode_header(req.name, req.payload, mac))

@@ -14,8 +14,10 @@ dead NFS server cannot be interrupted). The guard makes that safe for the caller
 * :meth:`PageGuard.cancel` (run by the loop when the call ends, however it ends) sets the flag
   and waits for the workers inside such a section to leave it. Sections only copy memory
   (no I/O), so the wait is bounded by a memcpy;
-* writers check :meth:`PageGuard.may_publish` after the data is on storage and before
-  publishing it; the caller's buffer is no longer read at that point.
+* writers publish each name inside an ``enter``/``leave`` section (after the data is on
+  storage; the caller's buffer is no longer read then): once the call is over nothing more
+  is published, and every name that was is in the call's outcomes (``run(report=...)``),
+  also when the caller cancelled it.
 
 Abandoned threads still running are counted; while ``max_stuck`` or more are stuck, calls fail
 fast with the ``unavailable`` reason instead of piling up more threads. An abandoned thread no
@@ -110,11 +112,14 @@ class PageGuard:
             self._touching += 1
             return True
 
-    def leave(self, i: int, outcome: str, detail: str | None = None) -> None:
-        """End the section begun by a successful :meth:`enter`, recording page ``i``."""
+    def leave(self, i: int | None, outcome: str = "ok", detail: str | None = None) -> None:
+        """End the section begun by a successful :meth:`enter`, recording page ``i`` (nothing
+        with None). Writers publish inside such a section: once :meth:`cancel` has returned,
+        no page of the call gets published, and every publish that did is in its outcomes."""
         with self._lock:
-            self.outcomes[i] = outcome
-            self.details[i] = detail
+            if i is not None:
+                self.outcomes[i] = outcome
+                self.details[i] = detail
             self._touching -= 1
             if self._touching == 0:
                 self._idle.notify_all()
@@ -223,6 +228,7 @@ class ThreadRunner:
         timeout_s: float,
         slots: int | None = None,
         on_stuck: Callable[[int, list[str]], Callable[[], None] | None] | None = None,
+        report: list[str | None] | None = None,
     ) -> tuple[list[str], list[str | None]]:
         """Run ``fn(i, guard, scratch)`` for i in range(n); return (outcomes, details).
 
@@ -232,7 +238,8 @@ class ThreadRunner:
         ``on_stuck(i, outcomes)`` runs on the loop for each job still running when the
         deadline ends the call (not when the caller cancels it; ``outcomes``: what this call
         returns); the function it returns (if any) runs on the worker thread when that job
-        returns.
+        returns. ``report`` (a list) receives the raw outcomes (None: not done) however the
+        call ends, also when the caller cancels it (what was published then still counts).
         """
         size = n if slots is None else slots
         if n == 0:
@@ -271,6 +278,8 @@ class ThreadRunner:
             timed_out = scope.cancelled_caught
         finally:
             raw, details = guard.cancel()
+            if report is not None:
+                report[:] = raw
             outcomes = [o if o is not None else "timeout" for o in raw]
             if on_stuck is not None and timed_out:  # not when the caller cancelled
                 for i in guard.stuck_jobs:
