@@ -62,6 +62,7 @@ def stop_listening(backend: object, fn: EvictionListener) -> None:
     if remove is not None:
         remove(fn)
 
+
 _KEY_RE = re.compile(r"[0-9a-f]{64}(?:\.[a-z0-9_-]{1,32})?")
 _SLUG_RE = re.compile(r"[^A-Za-z0-9.+-]+")
 _FIELD_RE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
@@ -155,7 +156,12 @@ def validate_keys(keys: Sequence[str]) -> list[str]:
     """Return ``keys`` as a list; raise InvalidInputError naming the first bad key."""
     if isinstance(keys, str | bytes):
         raise InvalidInputError(f"keys must be a sequence of key strings, got a single {keys!r}")
-    out = list(keys)
+    try:
+        out = list(keys)
+    except TypeError:
+        raise InvalidInputError(
+            f"keys must be a sequence of key strings, got {type(keys).__name__}"
+        ) from None
     for i, key in enumerate(out):
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise InvalidInputError(
@@ -278,7 +284,14 @@ def check_batch(
     """Validate a get/set batch: keys, equal lengths, usable buffers, no empty pages. With
     ``pieces`` a buffer may be a :class:`Pieces` (its views come back as one)."""
     key_list = validate_keys(keys)
-    bufs = list(buffers)
+    if isinstance(buffers, str):
+        raise InvalidInputError("buffers must be a sequence of buffers, got a str")
+    try:
+        bufs = list(buffers)
+    except TypeError:
+        raise InvalidInputError(
+            f"buffers must be a sequence of buffers, got {type(buffers).__name__}"
+        ) from None
     if len(bufs) != len(key_list):
         raise InvalidInputError(
             f"got {len(key_list)} keys but {len(bufs)} buffers; need one buffer per key"
@@ -288,8 +301,9 @@ def check_batch(
     for i, b in enumerate(bufs):
         if isinstance(b, Pieces):
             if not pieces:
-                raise InvalidInputError(f"buffers[{i}] is {b!r}; this backend takes one "
-                                        "contiguous buffer per page")
+                raise InvalidInputError(
+                    f"buffers[{i}] is {b!r}; this backend takes one contiguous buffer per page"
+                )
             views.append(_pieces_view(b, i, writable))
         else:
             views.append(make(b, i))

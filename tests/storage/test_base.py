@@ -115,3 +115,15 @@ def test_page_format_round_trip_and_every_corruption() -> None:
     assert reason(bytes(flipped_payload)) == "checksum"
     other = StorageLayout(model="m", page_size=2).object_name(KEY)
     assert reason(blob, other) == "name_mismatch"
+
+
+@pytest.mark.parametrize("call", ["keys", "batch_keys", "batch_buffers"])
+def test_none_instead_of_a_sequence_names_the_argument(call: str) -> None:
+    key = "a" * 64
+    with pytest.raises(InvalidInputError, match="keys" if call != "batch_buffers" else "buffers"):
+        if call == "keys":
+            validate_keys(None)  # type: ignore[arg-type]
+        elif call == "batch_keys":
+            check_batch(None, [bytearray(4)], writable=False)  # type: ignore[arg-type]
+        else:
+            check_batch([key], None, writable=False)  # type: ignore[arg-type]
