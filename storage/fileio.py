@@ -473,8 +473,11 @@ class PageFiles:
                 run = _run_of(reqs, table)
                 if not run:
                     raise CorruptPageError("corrupt", f"segment {first.name}: page not in table")
+                # Every page's name links this file while it has as many links as pages
+                # (the usual case: no stat); otherwise each later page's own name is checked.
+                vouched = st.st_nlink >= len(table)
                 return self._read_segment_run(
-                    fd, st, reqs[: len(run)], run, fault, direct, guard, scratch
+                    fd, st, reqs[: len(run)], run, fault, direct, guard, scratch, vouched
                 )
             if in_segment and got < min(want, st.st_size):  # read only a head: read the page
                 if direct:  # not a segment after all: read it the plain way
@@ -508,6 +511,7 @@ class PageFiles:
         direct: bool,
         guard: PageGuard,
         scratch: Scratch,
+        vouched: bool = True,
     ) -> int:
         start = run[0].offset
         end = run[-1].offset + run[-1].length
@@ -525,6 +529,9 @@ class PageFiles:
             lo = entry.offset - start
             page = buf[lo : lo + entry.length]
             avail = max(0, min(entry.length, got - lo))
+            if j and not vouched and not _links(self.path(req.key), st):
+                self._touch(fd, st)
+                return j  # its name is gone or names another file: read it by its name
             if entry.length != HEADER_SIZE + req.target.nbytes:
                 guard.finish(
                     req.slot,
@@ -589,6 +596,15 @@ class PageFiles:
         if time.time() - st.st_mtime > TOUCH_AFTER_S:
             with contextlib.suppress(OSError):
                 os.utime(fd)  # recency survives a restart (coarsely: no inode churn)
+
+
+def _links(path: str, st: os.stat_result) -> bool:
+    """Whether ``path`` names the file ``st`` describes."""
+    try:
+        own = os.stat(path)
+    except OSError:
+        return False
+    return own.st_ino == st.st_ino and own.st_dev == st.st_dev
 
 
 def _run_of(reqs: list[ReadReq], table: dict[int, Entry]) -> list[Entry]:

@@ -187,3 +187,18 @@ async def test_get_miss_racing_set_keeps_the_fresh_page(tmp_path, layout, make_k
     assert k in b._index and os.path.exists(b.path(k))
     assert_consistent(b)
     assert await read(b, [k]) == ([True], [page(1)])
+
+
+async def test_segment_page_deleted_by_another_instance_is_a_miss(
+    tmp_path, layout, make_keys
+) -> None:
+    keys = make_keys(4)
+    a = FileBackend(tmp_path, layout, segment_bytes=1 << 20)
+    await a.start()
+    assert await a.set_batch(keys, [page(i) for i in range(4)]) == [True] * 4
+    os.unlink(a.path(keys[1]))  # another instance's delete: the name is gone
+    ok, data = await read(a, keys)
+    assert ok == [True, False, True, True]
+    assert [data[0], data[2], data[3]] == [page(0), page(2), page(3)]
+    assert keys[1] not in a._index and await a.exists_prefix(keys) == 1
+    assert_consistent(a)
