@@ -13,6 +13,7 @@ import pytest
 
 from asynccache.cli import main
 from asynccache.replay.synthetic import SyntheticSpec, synthetic_trace
+from tests.replay.cli_run import cli_rc
 
 SUBPROCESS_TIMEOUT = 120  # a hang guard, not a performance assertion
 
@@ -43,12 +44,6 @@ TABLE_ROWS = ["trace", "status", "requests served / rejected", "prompt tokens / 
               "time: setup, KV write, verify, copy", "throughput"]
 
 
-def _rc(argv: list[str]) -> int:
-    """``main(argv)``'s exit status, whether it returns it or argparse exits with it."""
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code) if exc.code is not None else 0
 
 
 def _synthetic_totals(seed: int = 0, limit: int | None = None) -> tuple[int, int]:
@@ -140,7 +135,7 @@ def test_plot_without_matplotlib_names_the_extra_before_replaying(tmp_path, caps
                                                                   monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
     png = tmp_path / "hit.png"
-    assert _rc(["replay", "--limit", "40", "--plot", str(png)]) == 2
+    assert cli_rc(["replay", "--limit", "40", "--plot", str(png)]) == 2
     out, err = capsys.readouterr()
     assert "--plot needs matplotlib" in err
     assert "pip install 'asynccache[plot]'" in err
@@ -249,7 +244,7 @@ def test_bad_flags_and_values_exit_2_with_a_clear_message(tmp_path, capsys, argv
                                                           message) -> None:
     argv = [str(tmp_path / "absent.jsonl") if a == "MISSING" else
             str(_bad_trace(tmp_path)) if a == "BAD" else a for a in argv]
-    assert _rc(argv) == 2
+    assert cli_rc(argv) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
@@ -262,10 +257,10 @@ def test_bad_flags_and_values_exit_2_with_a_clear_message(tmp_path, capsys, argv
     ["replay", "--time-scale", "-1", "--limit", "5"],
 ])
 def test_nonsense_numbers_exit_2(argv) -> None:
-    assert _rc(argv) == 2
+    assert cli_rc(argv) == 2
 
 
 def test_non_utf8_trace_exits_2(tmp_path) -> None:
     p = tmp_path / "t.jsonl"
     p.write_bytes(b'{"tokens": [1, 2]}\n\xff\xfe\n')
-    assert _rc(["replay", str(p)]) == 2
+    assert cli_rc(["replay", str(p)]) == 2

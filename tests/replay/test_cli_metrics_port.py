@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from asynccache.cli import main
-
-
-def _rc(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code) if exc.code is not None else 0
+from tests.replay.cli_run import cli_rc
 
 
 def test_a_busy_metrics_port_is_refused_before_replaying(capsys) -> None:
@@ -20,7 +13,7 @@ def test_a_busy_metrics_port_is_refused_before_replaying(capsys) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        rc = _rc(["replay", "--limit", "3", "--progress", "off", "--metrics-port", str(port)])
+        rc = cli_rc(["replay", "--limit", "3", "--progress", "off", "--metrics-port", str(port)])
     out, err = capsys.readouterr()
     assert rc == 2
     assert out == ""
@@ -33,6 +26,6 @@ def test_a_free_metrics_port_still_serves(capsys) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert _rc(["replay", "--limit", "3", "--progress", "off", "--json",
+    assert cli_rc(["replay", "--limit", "3", "--progress", "off", "--json",
                 "--metrics-port", str(port)]) == 0
     assert '"completed": 3' in capsys.readouterr().out

@@ -17,15 +17,11 @@ from pathlib import Path
 import pytest
 
 from asynccache.cli import main
+from tests.replay.cli_run import cli_rc
 
 SUBPROCESS_TIMEOUT = 120  # a hang guard, not a performance assertion
 
 
-def _rc(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code) if exc.code is not None else 0
 
 
 def _mooncake_lines(n: int, bad_at: int | None = None) -> str:
@@ -42,7 +38,7 @@ def _mooncake_lines(n: int, bad_at: int | None = None) -> str:
 def test_a_malformed_line_late_in_a_trace_reports_the_result_up_to_it(tmp_path, capsys) -> None:
     p = tmp_path / "t.jsonl"
     p.write_text(_mooncake_lines(40, bad_at=30))
-    assert _rc(["replay", str(p), "--json"]) == 2
+    assert cli_rc(["replay", str(p), "--json"]) == 2
     out, err = capsys.readouterr()
     rep = json.loads(out)
     assert rep["completed"] == 30 and rep["status"].startswith("partial")
@@ -51,14 +47,14 @@ def test_a_malformed_line_late_in_a_trace_reports_the_result_up_to_it(tmp_path, 
     assert "t.jsonl:31: invalid JSON" in err and "--skip-bad-lines" in err
     assert "Traceback" not in err
     # The table says it too.
-    assert _rc(["replay", str(p)]) == 2
+    assert cli_rc(["replay", str(p)]) == 2
     assert "PARTIAL RESULT" in capsys.readouterr().out
 
 
 def test_skip_bad_lines_counts_them_and_goes_on(tmp_path, capsys) -> None:
     p = tmp_path / "t.jsonl"
     p.write_text(_mooncake_lines(40, bad_at=30))
-    assert _rc(["replay", str(p), "--json", "--skip-bad-lines"]) == 0
+    assert cli_rc(["replay", str(p), "--json", "--skip-bad-lines"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["status"] == "complete"
     assert rep["completed"] == 39 and rep["skipped_records"] == 1
@@ -68,7 +64,7 @@ def test_skip_bad_lines_counts_them_and_goes_on(tmp_path, capsys) -> None:
 def test_a_malformed_first_line_is_an_error_without_a_report(tmp_path, capsys) -> None:
     p = tmp_path / "t.jsonl"
     p.write_text(_mooncake_lines(5, bad_at=0).replace("{oops", '{"timestamp": 0}'))
-    assert _rc(["replay", str(p), "--format", "mooncake"]) == 2
+    assert cli_rc(["replay", str(p), "--format", "mooncake"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "t.jsonl:1: missing field 'input_length'" in err
 
@@ -143,7 +139,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback() -> None:
 ])
 def test_a_bad_plot_path_is_refused_before_replaying(tmp_path, capsys, plot, message) -> None:
     target = str(tmp_path / plot) if plot != "." else str(tmp_path)
-    assert _rc(["replay", "--plot", target]) == 2
+    assert cli_rc(["replay", "--plot", target]) == 2
     out, err = capsys.readouterr()
     assert message in err and out == ""
 
@@ -173,7 +169,7 @@ def test_absurd_values_are_refused_with_a_clear_message(capsys, argv, message) -
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    assert _rc(["replay", "--limit", "5", *argv]) == 2
+    assert cli_rc(["replay", "--limit", "5", *argv]) == 2
     out, err = capsys.readouterr()
     assert message in err, err
     assert "Traceback" not in err and "numpy" not in err and out == ""

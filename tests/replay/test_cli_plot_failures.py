@@ -10,14 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asynccache.cli import main
-
-
-def _rc(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code) if exc.code is not None else 0
+from tests.replay.cli_run import cli_rc
 
 
 def _trace(tmp_path: Path) -> str:
@@ -30,7 +23,7 @@ def _trace(tmp_path: Path) -> str:
 @pytest.mark.skipif(shutil.which("xelatex") is not None, reason="xelatex renders .pgf here")
 def test_pgf_without_latex_is_refused_before_replaying(tmp_path, capsys) -> None:
     target = tmp_path / "out.pgf"
-    assert _rc(["replay", _trace(tmp_path), "--progress", "off", "--plot", str(target)]) == 2
+    assert cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--plot", str(target)]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert f"--plot {str(target)!r}: this machine cannot write .pgf charts" in err
@@ -40,14 +33,14 @@ def test_pgf_without_latex_is_refused_before_replaying(tmp_path, capsys) -> None
 
 def test_an_uncreatable_plot_file_is_refused_before_replaying(tmp_path, capsys) -> None:
     # /proc refuses new files, even to root (for whom os.access says yes)
-    assert _rc(["replay", _trace(tmp_path), "--progress", "off", "--plot", "/proc/x.png"]) == 2
+    assert cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--plot", "/proc/x.png"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert "asynccache: error: --plot '/proc/x.png': not writable" in err
 
 
 def test_unknown_extension_lists_only_formats_this_machine_can_write(tmp_path, capsys) -> None:
-    assert _rc(["replay", "--plot", str(tmp_path / "hit.xyz")]) == 2
+    assert cli_rc(["replay", "--plot", str(tmp_path / "hit.xyz")]) == 2
     err = capsys.readouterr().err
     assert ".png" in err and ".svg" in err and ".pdf" in err
     if shutil.which("xelatex") is None:
@@ -72,7 +65,7 @@ def test_a_chart_failing_after_the_replay_still_prints_the_report(tmp_path, caps
     for name in ("plot_tiers", "plot_cluster", "plot_sweep"):
         monkeypatch.setattr(plots, name, fail)
     target = tmp_path / "hit.png"
-    rc = _rc(["replay", _trace(tmp_path), "--progress", "off", "--json", "--plot", str(target),
+    rc = cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--json", "--plot", str(target),
               *argv])
     out, err = capsys.readouterr()
     assert rc == 2

@@ -6,14 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asynccache.cli import main
-
-
-def _rc(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code) if exc.code is not None else 0
+from tests.replay.cli_run import cli_rc
 
 
 def _trace(tmp_path: Path) -> str:
@@ -24,14 +17,14 @@ def _trace(tmp_path: Path) -> str:
 
 
 def test_a_sweep_capacity_under_one_page_is_refused_before_replaying(tmp_path, capsys) -> None:
-    rc = _rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "128Ki,8"])
+    rc = cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "128Ki,8"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     assert "--sweep capacities must hold at least one page (--page-size 16), got 8" in err
 
 
 def test_sweep_sizes_l2_per_point_and_says_so(tmp_path, capsys) -> None:
-    assert _rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki",
+    assert cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki",
                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for points in (out["sweep"], out["write_through"]):
@@ -46,7 +39,7 @@ def test_sweep_sizes_l2_per_point_and_says_so(tmp_path, capsys) -> None:
 
 
 def test_sweep_table_gives_each_points_l2(tmp_path, capsys) -> None:
-    assert _rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki"]) == 0
+    assert cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki"]) == 0
     out = capsys.readouterr().out
     rows = out.splitlines()
     assert rows[1].startswith("L1 / L2 capacity")
@@ -56,7 +49,7 @@ def test_sweep_table_gives_each_points_l2(tmp_path, capsys) -> None:
 
 
 def test_sweep_keeps_an_explicit_l2(tmp_path, capsys) -> None:
-    assert _rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki",
+    assert cli_rc(["replay", _trace(tmp_path), "--progress", "off", "--sweep", "1Ki,2Ki",
                 "--host-tokens", "3Ki", "--json"]) == 0
     points = json.loads(capsys.readouterr().out)["sweep"]
     assert [p["config"]["host_tokens"] for p in points] == [3072, 3072]
