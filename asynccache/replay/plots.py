@@ -36,15 +36,20 @@ def _render_error(plt: Any, ext: str) -> str | None:
     return None
 
 
+def _listed_formats(plt: Any) -> dict[str, str]:
+    """Image formats matplotlib's backends list (extension -> description)."""
+    fig = plt.figure()
+    try:
+        return dict(fig.canvas.get_supported_filetypes())
+    finally:
+        plt.close(fig)
+
+
 def supported_formats() -> dict[str, str]:
     """Image formats matplotlib can write here (extension -> description): those its backends
     list, less those that cannot render on this machine (.pgf without LaTeX)."""
     plt = _pyplot()
-    fig = plt.figure()
-    try:
-        listed = dict(fig.canvas.get_supported_filetypes())
-    finally:
-        plt.close(fig)
+    listed = _listed_formats(plt)
     return {ext: desc for ext, desc in listed.items() if _render_error(plt, ext) is None}
 
 
@@ -57,12 +62,7 @@ def check_plot_path(path: str) -> None:
         raise ConfigError(f"--plot {path!r} is a folder; give a file name such as hit.png")
     ext = p.suffix.lower().lstrip(".")
     plt = _pyplot()
-    fig = plt.figure()
-    try:
-        listed = set(fig.canvas.get_supported_filetypes())
-    finally:
-        plt.close(fig)
-    if ext not in listed:
+    if ext not in _listed_formats(plt):
         raise ConfigError(
             f"--plot {path!r}: unknown image extension {p.suffix or '(none)'!r}; use one of "
             f"{', '.join('.' + f for f in sorted(supported_formats()))}")
