@@ -27,6 +27,7 @@ from asynccache.replay.formats import TraceRequest
 from asynccache.replay.report import (
     EAGLE_NOTE,
     config_capacities,
+    human_tokens,
     ratio,
     run_status,
     skipped_note,
@@ -210,11 +211,15 @@ def format_cluster(report: dict[str, Any]) -> str:
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.2%}"
 
-    shared = report["config"]["shared_storage"]
+    cfg = report["config"]
+    shared = cfg["shared_storage"]
     rows = [
         ("trace", report["trace"]),
         ("status", report["status"]),
         ("instances / route", f"{report['instances']} / {report['route']}"),
+        ("capacity L1 / L2 per instance (tokens)",
+         f"{human_tokens(cfg['device_tokens_per_instance'])} / "
+         f"{human_tokens(cfg['host_tokens_per_instance'] or 0)}"),
         ("requests served / rejected", f"{report['requests']:,} / {report['rejected']:,} "
                                        f"(of {report['requests_read']:,} read)"),
         ("prompt tokens", f"{report['prompt_tokens']:,}"),

@@ -75,3 +75,11 @@ def test_instances_with_device_bytes_report_the_pools_and_the_rejected(tmp_path,
     assert rep["rejected"] == 1
     assert ("1 requests did not fit in an instance's device pool (256 tokens) and are left out "
             "of the hit rates") in rep["notes"]
+
+
+def test_instances_table_shows_each_instances_capacities(tmp_path, capsys) -> None:
+    rc, out, err = _run(capsys, [_trace(tmp_path), "--instances", "2", "--device-tokens",
+                                 "1000", "--host-tokens", "2000"])
+    assert rc == 0, err
+    # whole pages of 16 tokens: 992 of the 1,000 asked, 2,000 exactly
+    assert "capacity L1 / L2 per instance (tokens)  992 / 2k" in out
