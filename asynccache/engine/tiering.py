@@ -366,7 +366,7 @@ class Tiering:
 
     def _backup_failed(self, req: BackupRequest, reason: str) -> None:
         self.tree.abort_backup(req.op_id)
-        if req.write_back:
+        if req.write_back and not req.after_children:
             res = self.tree.drop(req.node_id)
             self.effects.evicted(res)
             self.parts.metrics.dropped_tokens.labels(reason=reason).inc(res.num_evicted)

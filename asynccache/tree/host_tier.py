@@ -268,7 +268,8 @@ class HostTier(TreeBase):
         for c in reversed(chain):
             out.append(self._begin_backup(c, write_back=False))
 
-    def _begin_backup(self, n: Node, *, write_back: bool) -> BackupRequest:
+    def _begin_backup(self, n: Node, *, write_back: bool,
+                      after_children: bool = False) -> BackupRequest:
         assert n.value is not None and n.pending == 0
         op_id = next(self._op_ids)
         self._pending[op_id] = _PendingOp("backup", [n])
@@ -278,8 +279,10 @@ class HostTier(TreeBase):
         if self._aux:
             parts = hybrid_host.backup_parts(self, n, self._pending[op_id])
             return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value,
-                                 write_back=write_back, component_slots=parts)
-        return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value, write_back=write_back)
+                                 write_back=write_back, component_slots=parts,
+                                 after_children=after_children)
+        return BackupRequest(op_id=op_id, node_id=n.id, device_slots=n.value, write_back=write_back,
+                             after_children=after_children)
 
     def _pop_op(self, op_id: int, kind: str) -> _PendingOp:
         op = self._pending.get(op_id)

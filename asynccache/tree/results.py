@@ -32,6 +32,9 @@ class BackupRequest:
     device_slots: np.ndarray
     write_back: bool = False
     component_slots: dict[str, np.ndarray] = field(default_factory=dict)
+    # A write-back victim's parent, taken in the same call as its children: if its copy
+    # fails it stays on device (it is not dropped like a victim that was a leaf).
+    after_children: bool = False
 
     @property
     def num_tokens(self) -> int:

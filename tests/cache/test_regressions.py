@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from asynccache.errors import AsyncCacheError, PoolExhaustedError
@@ -315,4 +316,54 @@ async def test_take_host_that_cannot_fit_evicts_nothing(make_cache, kit):
     assert cache.host_size == 16
     assert cache.take_host(260) is None  # the host pool holds 256
     assert cache.host_size == 16
+    cache.sanity_check()
+
+
+async def test_write_back_eviction_takes_the_parent_chain_as_the_reference_does(make_cache):
+    """Reference (behavior.md 1.5): a write-back victim is backed up and demoted, then its
+    parent, now a device leaf, competes with the other leaves. Page 1, LRU: [1,2] -> [3] -> [4]
+    and [9] (newest); evict_async(4) must take [4], [3], [1,2] and leave [9], backing up those
+    three nodes only (it took [4] and [9] first: 5 tokens, [9] backed up for nothing)."""
+    cache = await make_cache(page_size=1, write_policy="write_back", device_tokens=64,
+                             host_tokens=64)
+    for tokens in ([1, 2], [1, 2, 3], [1, 2, 3, 4], [9]):
+        m = cache.match_prefix(tokens)
+        slots = await cache.alloc_device(len(tokens) - m.device_prefix_len)
+        res = cache.insert(tokens, np.concatenate([m.device_indices, slots]),
+                           prev_prefix_len=m.device_prefix_len)
+        assert res.cached_len == len(tokens)
+    assert await cache.evict_async(4) == 4
+    await cache.flush()
+    assert cache.match_prefix([9]).device_prefix_len == 1
+    m = cache.match_prefix([1, 2, 3, 4])
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 4)
+    assert cache.metrics.registry.get_sample_value("asynccache_backup_tokens_total") == 4
+    assert cache.host_size == 4
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("fail", [0, 1])
+async def test_a_failed_copy_in_a_write_back_chain_never_drops_the_parent(make_cache, fail):
+    """The chain [1,2] -> [3] is taken in one evict_async round: [3]'s copy, then its parent's.
+    A failed child copy drops the child (as a failed write-back victim is); a failed parent
+    copy leaves the parent on device (it is not dropped with its children's copies landed),
+    and later rounds evict it with a copy of its own."""
+    from asynccache.testing.copyfaults import copy_faults
+
+    cache = await make_cache(page_size=1, write_policy="write_back", device_tokens=64,
+                             host_tokens=64)
+    for tokens in ([1, 2], [1, 2, 3]):
+        m = cache.match_prefix(tokens)
+        slots = await cache.alloc_device(len(tokens) - m.device_prefix_len)
+        cache.insert(tokens, np.concatenate([m.device_indices, slots]),
+                     prev_prefix_len=m.device_prefix_len)
+    faults = copy_faults(cache.copy_engine, delay_s=0.0, fail={fail})
+    await cache.evict_async(3)
+    await cache.flush()
+    faults.remove()
+    m = cache.match_prefix([1, 2, 3])
+    # fail 0: [3] dropped, then [1, 2] backed up by a later round and demoted; fail 1: [1, 2]
+    # kept on device, then [3] and [1, 2] demoted in order: nothing else is lost
+    assert (m.device_prefix_len, m.host_hit_length) == ((0, 2) if fail == 0 else (0, 3))
+    assert cache.tree.device_size == 0
     cache.sanity_check()

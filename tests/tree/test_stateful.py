@@ -415,7 +415,8 @@ class TreeMachine(RuleBasedStateMachine):
         for s in hfreed:
             assert self._drop_host(s) not in self.model_dev
         if self.HOST and self.WRITE_POLICY == "write_back":
-            assert res.pending_tokens == sum(r.num_tokens for r in res.backups)
+            # (plus the parents with a host copy above them, demoted after them)
+            assert res.pending_tokens >= sum(r.num_tokens for r in res.backups)
             for req in res.backups:
                 assert req.write_back
                 poss = [self.dev_owner[int(s)] for s in req.device_slots.tolist()]

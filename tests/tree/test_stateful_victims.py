@@ -215,20 +215,37 @@ class Model:
         frees: list[list[int]] = []
         hfrees: list[int] = []
         backups: list[MNode] = []
+        # FULL-only write-back trees take a victim's parent once all its device children wait
+        # for their copies in this call (the reference demotes each victim before the next pop;
+        # a parent with a host copy is counted, and demoted by a later call).
+        chain = self.write_back and not self.mamba and not self.swa
+        waiting: set[int] = set()
+
+        def free_below(x: MNode) -> bool:
+            return all(c.dev is None or (chain and id(c) in waiting)
+                       for c in x.children.values())
+
         while freed + pending < n:
             leaves = [x for x in self.nodes() if x.dev is not None and not x.pending
-                      and all(c.dev is None for c in x.children.values())]
+                      and id(x) not in waiting and free_below(x)]
             if not leaves:
                 break
             v = self._first(leaves, seen, host=False)
             assert v.dev is not None
-            if v.host is not None:  # demote
+            if chain and any(id(c) in waiting for c in v.children.values()):
+                if v.host is None:
+                    v.pending = True
+                    backups.append(v)
+                waiting.add(id(v))
+                pending += len(v.dev)
+            elif v.host is not None:  # demote
                 frees.append(v.dev.tolist())
                 freed += len(v.dev)
                 v.dev = None
             elif self.write_back:
                 v.pending = True
                 backups.append(v)
+                waiting.add(id(v))
                 pending += len(v.dev)
             else:  # delete with the host-only subtree
                 frees.append(v.dev.tolist())

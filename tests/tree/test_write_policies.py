@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import numpy as np
 import pytest
 
 from asynccache.errors import InvalidInputError, LockError
@@ -179,19 +180,58 @@ def test_write_back_abort_makes_node_evictable_again(alloc) -> None:
     assert req2.node_id == 1
 
 
-def test_write_back_evicts_chain_one_victim_per_backup(alloc) -> None:
+def test_write_back_takes_the_parent_once_its_children_wait(alloc) -> None:
+    # The reference demotes a victim before the next pop, so its parent then competes with the
+    # other leaves; here the parent becomes a candidate once all its device children wait for
+    # their copies, and its backup is marked ``after_children``.
     tree = RadixTree(page_size=1, host_enabled=True, write_policy="write_back")
     tree.insert([1], alloc.take(1))
     tree.insert([1, 2], alloc.take(2))
     res = tree.evict(10)
-    assert [r.node_id for r in res.backups] == [2]  # the parent is no leaf while 2 pends
-    assert res.pending_tokens == 1
+    assert [(r.node_id, r.after_children) for r in res.backups] == [(2, False), (1, True)]
+    assert res.pending_tokens == 2 and res.num_evicted == 0
+    tree.sanity_check()
+    for r in res.backups:
+        tree.commit_backup(r.op_id, alloc.take(r.num_tokens))
+    res = tree.evict(10)
+    assert (res.num_evicted, res.backups) == (2, [])
+    assert (tree.device_size, tree.host_size) == (0, 2)
+    tree.sanity_check()
+
+
+def test_write_back_leaves_a_parent_another_request_pins(alloc) -> None:
+    tree = RadixTree(page_size=1, host_enabled=True, write_policy="write_back")
+    tree.insert([1], alloc.take(1))
+    tree.insert([1, 2], alloc.take(2))
+    tree.insert([1, 3], alloc.take(2))
+    receipt = tree.lock(tree.match_prefix([1, 3]).last_device_node)
+    res = tree.evict(10)
+    assert [r.node_id for r in res.backups] == [2]  # 1 is pinned through [1, 3]
+    tree.abort_backup(res.backups[0].op_id)
+    tree.unlock(receipt)
+    tree.sanity_check()
+
+
+def test_write_back_counts_a_backed_up_parent_after_its_children(alloc) -> None:
+    # A parent that already has a host copy waits for its children's copies too: it is
+    # counted, not demoted before them, and demoted by the next call.
+    tree = RadixTree(page_size=1, host_enabled=True, write_policy="write_back")
+    tree.insert([1], alloc.take(1))
+    (req,) = tree.evict(1).backups
+    tree.commit_backup(req.op_id, alloc.take(1))
+    assert tree.evict(1).num_evicted == 1  # [1] is on host only
+    m = tree.match_prefix([1])
+    ticket = tree.start_load_back(m.best_node, alloc.take(1))
+    tree.commit_load_back(ticket.op_id)  # on device again, its host copy kept
+    tree.insert([1, 2], np.concatenate([tree.match_prefix([1]).device_indices, alloc.take(1)]),
+                prev_prefix_len=1)
+    res = tree.evict(10)
+    assert [r.node_id for r in res.backups] == [tree.match_prefix([1, 2]).last_device_node]
+    assert (res.pending_tokens, res.num_evicted) == (2, 0)  # [2] copies, [1] waits for it
+    tree.sanity_check()
     tree.commit_backup(res.backups[0].op_id, alloc.take(1))
     res = tree.evict(10)
-    assert res.num_evicted == 1
-    assert [r.node_id for r in res.backups] == [1]
-    tree.commit_backup(res.backups[0].op_id, alloc.take(1))
-    assert tree.evict(10).num_evicted == 1
+    assert (res.num_evicted, res.backups) == (2, [])
     assert (tree.device_size, tree.host_size) == (0, 2)
     tree.sanity_check()
 
