@@ -285,7 +285,7 @@ class RequestFlow:
         if req.finished:
             raise InvalidInputError(f"request {req.rid} is already finished")
         own = np.concatenate([req.slots[req.prefix_len :], req.spare])
-        self._t.ledger.check(own, f"request {req.rid}'s slots", req.tag)  # before any change
+        pages = self._t.ledger.check(own, f"request {req.rid}'s slots", req.tag)  # before any change
         self._retraction.discard(req)
         self._storage.drop_prefetch(req)
         own_from = req.prefix_len
@@ -303,7 +303,8 @@ class RequestFlow:
             own_from = max(own_from, res.cached_len)
             if req.session_id is not None and self.sessions is not None:
                 self.sessions.register(req.session_id, req.session_generation, res.last_node)
-        self._t.free(np.concatenate([req.slots[own_from:], req.spare]), req.tag)
+        cut = own_from - req.prefix_len  # (whole pages) the insert adopted own[:cut]
+        self._t.free_checked(own[cut:], pages[cut // self._p.page_size :])
         if req.mamba_state is not None:
             self._hybrid.free_mamba_state(req.mamba_state)
             req.mamba_state = None

@@ -92,6 +92,13 @@ class Holdings:
                 )
         return pages
 
+    def release(self, slots: SlotIndices, name: str, owner: int = CALLER) -> np.ndarray:
+        """``owner`` gives ``slots`` up: checked as :meth:`check`, then no longer held.
+        Returns their page ids."""
+        pages = self.check(slots, name, owner)
+        self.release_pages(pages)
+        return pages
+
     def release_pages(self, pages: np.ndarray) -> None:
         """Release pages :meth:`check` returned (nothing changed them since)."""
         self._held[pages] = 0
@@ -144,18 +151,11 @@ class SlotLedger:
         """An operation took ``slots`` (fresh from the host allocator) from the host pool."""
         self._host_pages().hand_out(slots)
 
-    def check_host(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """The host page ids of ``slots`` if operations hold all of them (nothing changes),
-        else :class:`InvalidInputError` naming the first bad slot."""
-        return self._host_pages().check(slots, name)
-
     def host_returned(self, slots: SlotIndices, name: str = "slots") -> np.ndarray:
-        """An operation gives ``slots`` back (to be freed, or adopted by the tree): checked as
-        :meth:`check_host`, then no longer held. Returns their page ids."""
-        host = self._host_pages()
-        pages = host.check(slots, name)
-        host.release_pages(pages)
-        return pages
+        """An operation gives ``slots`` back (to be freed, or adopted by the tree): refused
+        (:class:`InvalidInputError` naming the first bad slot, nothing changed) unless
+        operations hold all of them. Returns their page ids."""
+        return self._host_pages().release(slots, name)
 
     def check_accounting(self, tree_device: int, device_used: int,
                          tree_host: int | None = None, host_used: int | None = None) -> None:
@@ -187,9 +187,7 @@ class SlotLedger:
         """``owner`` gives ``slots`` up (freed, or adopted by the tree): checked as
         :meth:`check`, then no longer held. Returns their page ids (checked: the allocator can
         free them without validating the slots again)."""
-        pages = self._dev.check(slots, name, owner)
-        self._dev.release_pages(pages)
-        return pages
+        return self._dev.release(slots, name, owner)
 
     def release_pages(self, pages: np.ndarray) -> None:
         """Release pages :meth:`check` returned (nothing changed them since)."""

@@ -243,8 +243,14 @@ class Tiering:
         is not ``owner``'s)."""
         arr = as_slots(slots, "slots")
         if len(arr):
-            pages = self.ledger.release(arr, "slots", owner)
-            self.slots.free(arr, pages)
+            self.free_checked(arr, self.ledger.check(arr, "slots", owner))
+
+    def free_checked(self, slots: np.ndarray, pages: np.ndarray) -> None:
+        """Free ``slots``, whose page ids ``pages`` the ledger's ``check`` returned for their
+        holder (nothing changed them since)."""
+        if len(slots):
+            self.ledger.release_pages(pages)
+            self.slots.free(slots, pages)
 
     # ------------------------------------------------------------------ host slots of operations
     def take_host(self, num_tokens: int, *, evict: bool = True) -> np.ndarray | None:
