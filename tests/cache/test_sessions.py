@@ -24,6 +24,15 @@ async def _serve_all(cache, kit, model, *reqs):
     cache.sanity_check()
 
 
+async def _computed_turn(cache, model, s, tokens):
+    """Start a streaming turn with ``tokens``, compute it (its KV written) and end it."""
+    req = s.turn(tokens)
+    new = await cache.extend(req, len(tokens))
+    cache.write_kv(new, model.expected(tokens))
+    s.end_turn()
+    return req
+
+
 def _cached(cache, tokens) -> int:
     return cache.match_prefix(tokens).device_prefix_len
 
@@ -174,10 +183,7 @@ async def test_streaming_session_close_without_caching_frees(make_cache, kit):
     cache = await make_cache(host_tokens=0)
     model = kit.KVModel.of(cache)
     s = cache.stream("chat")
-    req = s.turn(B)
-    new = await cache.extend(req, len(B))
-    cache.write_kv(new, model.expected(B))
-    s.end_turn()
+    await _computed_turn(cache, model, s, B)
     assert cache.device_pool.allocator.used_size == 8
     s.close(cache=False)
     assert cache.device_pool.allocator.used_size == 0
@@ -234,10 +240,7 @@ async def test_streaming_turn_refuses_token_ids_above_the_vocabulary(make_cache,
         cache.admit(BAD)
     assert str(admitted.value) == VOCAB_ERROR
     s = cache.stream("s1")
-    req = s.turn(A)
-    new = await cache.extend(req, len(A))
-    cache.write_kv(new, model.expected(A))
-    s.end_turn()
+    req = await _computed_turn(cache, model, s, A)
     cache.sanity_check()
     assert (s.held_tokens, cache.device_pool.allocator.used_size, cache.tree.held_locks) == (
         8, 8, 1)
@@ -311,10 +314,7 @@ async def test_streaming_close_that_fails_stays_open_and_retryable(make_cache, k
     cache = await make_cache(host_tokens=0)
     model = kit.KVModel.of(cache)
     s = cache.stream("s1")
-    req = s.turn(A)
-    new = await cache.extend(req, len(A))
-    cache.write_kv(new, model.expected(A))
-    s.end_turn()
+    req = await _computed_turn(cache, model, s, A)
     finish = cache.cache_finished_req
     calls: list[bool] = []
 
