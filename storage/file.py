@@ -264,15 +264,26 @@ class FileBackend(BackendBase):
         self._reserved += size
         return True
 
-    async def _claim(self, keys: list[str]) -> anyio.Event:
+    async def _claim(self, keys: list[str]) -> anyio.Event | None:
         """Wait until no other call is changing ``keys``, then mark them busy (release with
-        :meth:`_release`). No wait when none is busy (the usual case)."""
+        :meth:`_release`). No wait when none is busy (the usual case); None when they are
+        still busy after ``timeout_s`` (an unlink stuck on a dead disk keeps its keys busy
+        until its thread returns: the caller fails at its deadline instead of waiting)."""
         busy = self._busy
-        while True:
-            ev = next((e for k in keys if (e := busy.get(k)) is not None), None)
-            if ev is None:
-                return self._claim_now(keys)
-            await ev.wait()
+        with anyio.move_on_after(self.timeout_s):
+            while True:
+                ev = next((e for k in keys if (e := busy.get(k)) is not None), None)
+                if ev is None:
+                    return self._claim_now(keys)
+                await ev.wait()
+        return None
+
+    def _claim_timed_out(self, op: str, keys: list[str], sizes: list[int],
+                         started: float) -> list[bool]:
+        """Account a call whose keys stayed busy past its deadline: every page a timeout."""
+        why = f"another call's I/O on these pages did not end within {self.timeout_s} s"
+        return self._account(op, keys, ["timeout"] * len(keys), [why] * len(keys), sizes,
+                             started)
 
     def _claim_now(self, keys: list[str]) -> anyio.Event:
         ev = anyio.Event()
@@ -491,6 +502,9 @@ class FileBackend(BackendBase):
         index = self._index
         writing = [k for k in dict.fromkeys(key_list) if k not in index or k in quarantine]
         mark = await self._claim(writing)  # after a delete / eviction / set of them ends
+        if mark is None:
+            return self._claim_timed_out("set", key_list, [v.nbytes for v in views],
+                                         time.perf_counter())
         try:
             return await self._set_claimed(key_list, views)
         finally:
@@ -693,6 +707,8 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         started = time.perf_counter()
         mark = await self._claim(key_list)  # after a set / eviction of them ends
+        if mark is None:
+            return sum(self._claim_timed_out("delete", key_list, [0] * len(key_list), started))
         known = {key for key in key_list if self._index.drop(key)}
         outcomes, details = await self._unlink(key_list, mark)  # even if cancelled meanwhile
         self._quarantine.discard(

@@ -202,3 +202,30 @@ async def test_segment_page_deleted_by_another_instance_is_a_miss(
     assert [data[0], data[2], data[3]] == [page(0), page(2), page(3)]
     assert keys[1] not in a._index and await a.exists_prefix(keys) == 1
     assert_consistent(a)
+
+
+async def test_a_key_held_by_a_stuck_unlink_fails_later_calls_at_their_deadline(
+        tmp_path, layout, make_keys) -> None:
+    # A delete whose unlink hangs (a dead disk) keeps its key busy until the thread returns;
+    # a set or delete of that key waits for it at most timeout_s, then fails (counted), not
+    # for ever.
+    (k,) = make_keys(1)
+    b = FileBackend(tmp_path, layout, io_threads=4, timeout_s=0.2)
+    await b.start()
+    await b.set_batch([k], [page(1)])
+    gate = Gate(("delete", k))
+    b.set_fault_hook(gate)
+    try:
+        assert await b.delete([k]) == 0  # its unlink outlives the deadline
+        with anyio.fail_after(5):
+            assert await b.set_batch([k], [page(2)]) == [False]
+            assert await b.delete([k]) == 0
+        faults = b.stats()["faults"]
+        assert (faults.get("delete.timeout"), faults.get("set.timeout")) == (2, 1)
+    finally:
+        gate.opened.set()
+    assert await until(lambda: k not in b._busy)
+    assert await b.set_batch([k], [page(3)]) == [True]
+    assert (await read(b, [k])) == ([True], [page(3)])
+    assert_consistent(b)
+    await b.aclose()
