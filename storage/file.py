@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from asynccache.storage import filedir
 from asynccache.storage.backend import MISS, OK, PRESENT, BackendBase, os_error_reason
 from asynccache.storage.base import PageView, StorageLayout, check_batch, validate_keys
 from asynccache.storage.daemonpool import loop_caller
-from asynccache.storage.fileindex import LruIndex
+from asynccache.storage.fileindex import Evicted, LruIndex, keys_of
 from asynccache.storage.fileio import O_CLOEXEC, PageFiles, ReadReq, WriteReq, pre_fault
 from asynccache.storage.pageformat import HEADER_SIZE
 from asynccache.storage.quarantine import Quarantine
@@ -158,7 +159,7 @@ class FileBackend(BackendBase):
         )
         self._index = LruIndex()  # key -> file (unit); files in LRU order
         self._reserved = 0
-        self._victims: list[str] = []
+        self._victims: list[Evicted] = []
         #: Keys a call is changing on disk (a set writing them, a delete or an eviction
         #: unlinking them), each with an event set when that call is done with them. Calls on
         #: the same key wait their turn, eviction skips busy keys, and exists does not adopt
@@ -215,8 +216,8 @@ class FileBackend(BackendBase):
             if self.capacity_bytes is not None:
                 victims = self._index.evict(self.capacity_bytes, self._dir.tmp_bytes, protect=())
             if victims:
-                await self._runner.run(len(victims), self._unlink_job(victims), self._deadline())
-                self._gone(victims, "capacity")
+                mark = self._claim_now(keys_of(victims))
+                await self._evict_files(victims, mark, "capacity")
             self._set_usage()
             self._log.info(
                 "storage_started",
@@ -278,12 +279,12 @@ class FileBackend(BackendBase):
                 await ev.wait()
         return None
 
-    def _claim_timed_out(self, op: str, keys: list[str], sizes: list[int],
-                         started: float) -> list[bool]:
+    def _claim_timed_out(
+        self, op: str, keys: list[str], sizes: list[int], started: float
+    ) -> list[bool]:
         """Account a call whose keys stayed busy past its deadline: every page a timeout."""
         why = f"another call's I/O on these pages did not end within {self.timeout_s} s"
-        return self._account(op, keys, ["timeout"] * len(keys), [why] * len(keys), sizes,
-                             started)
+        return self._account(op, keys, ["timeout"] * len(keys), [why] * len(keys), sizes, started)
 
     def _claim_now(self, keys: list[str]) -> anyio.Event:
         ev = anyio.Event()
@@ -297,48 +298,117 @@ class FileBackend(BackendBase):
                 del self._busy[k]
         ev.set()
 
-    async def _unlink(self, keys: list[str], ev: anyio.Event) -> tuple[list[str], list[str | None]]:
+    async def _unlink(
+        self,
+        keys: list[str],
+        ev: anyio.Event,
+        late: Callable[[str, str], None] | None = None,
+    ) -> tuple[list[str], list[str | None]]:
         """Unlink ``keys`` (claimed with ``ev``, released here) even when the caller is
         cancelled meanwhile (their index entries are gone already: the names must go too). A
-        key whose unlink outlives the deadline stays busy until its thread returns."""
+        key whose unlink outlives the deadline stays busy until its thread returns; then
+        ``late(key, outcome)`` runs on the loop (before the key is released)."""
         call = loop_caller()
         pending = [0]
+        raw: list[str | None] = [None] * len(keys)  # outcomes, also of an abandoned unlink
 
-        def one_done() -> None:
+        def one_done(i: int) -> None:
+            if late is not None:
+                late(keys[i], raw[i] or "timeout")
             pending[0] -= 1
             if pending[0] == 0:
                 self._release(keys, ev)
 
-        def on_stuck(_i: int, _outcomes: list[str]) -> Callable[[], None]:
+        def on_stuck(i: int, _outcomes: list[str]) -> Callable[[], None]:
             pending[0] += 1
-            return lambda: call(one_done)
+            return lambda: call(lambda: one_done(i))
 
         try:
             with anyio.CancelScope(shield=True):
                 out = await self._runner.run(
-                    len(keys), self._unlink_job(keys), self._deadline(), on_stuck=on_stuck
+                    len(keys), self._unlink_job(keys, raw), self._deadline(), on_stuck=on_stuck
                 )
         finally:
             if pending[0] == 0:
                 self._release(keys, ev)
         return out
 
+    async def _evict_files(self, units: list[Evicted], ev: anyio.Event, cause: str) -> None:
+        """Unlink the files of ``units``, which the index dropped for ``cause`` (their keys
+        claimed with ``ev``, released here; cancel-safe), and tell listeners the pages gone.
+
+        A page whose unlink did not happen (it failed, the backend failed fast with
+        ``unavailable``, or it was still running at the deadline) still has its file on disk:
+        it goes back into the index, least recent first (the next eviction takes it), with
+        the bytes of its file, and is not told gone; the failure is counted
+        (``evict.<reason>`` faults) and logged (``storage_evict_failed``). An unlink that
+        outlived the deadline and then removed its page drops it from the index then."""
+        keys = keys_of(units)
+        restored: dict[str, int] = {}  # page -> id of the unit it went back into
+
+        def late(key: str, outcome: str) -> None:
+            uid = restored.pop(key, None)
+            if outcome in (OK, MISS) and uid is not None and self._index.unit_of(key) == uid:
+                self._index.drop(key)
+                self.metrics.evicted(1)
+                self._set_usage()
+                self._gone([key], cause)
+
+        outcomes, details = await self._unlink(keys, ev, late)
+        # No await from here on: a late() runs after this (on the loop, at the next await).
+        failed = {
+            k: (o, d)
+            for k, o, d in zip(keys, outcomes, details, strict=True)
+            if o not in (OK, MISS)
+        }
+        gone = [k for k in keys if k not in failed]
+        kept_bytes = 0
+        for unit in reversed(units):  # least recent ends up first
+            kept = [k for k in unit.keys if k in failed and k not in self._index]
+            uid = self._index.restore(kept, unit.nbytes)
+            if uid is not None:
+                kept_bytes += unit.nbytes
+                restored.update(dict.fromkeys(kept, uid))
+        self.metrics.evicted(len(gone))
+        if failed:
+            reasons = Counter(o for o, _ in failed.values())
+            for reason, count in reasons.items():
+                self.metrics.fault("evict", reason, count)
+            first_key, (_, detail) = next(iter(failed.items()))
+            self._log.warning(
+                "storage_evict_failed",
+                cause=cause,
+                pages=len(failed),
+                kept_bytes=kept_bytes,
+                reasons=dict(reasons),
+                first_key=first_key,
+                detail=detail,
+            )
+        self._set_usage()
+        self._gone(gone, cause)
+
     def _quarantine_keys(self, keys: list[str]) -> Callable[[], None]:
         lift = self._quarantine.add(keys)
         self._log.warning("storage_quarantined", keys=keys, quarantined=len(self._quarantine))
         return lift
 
-    def _unlink_job(self, keys: list[str], first_slot: int = 0) -> Job:
+    def _unlink_job(self, keys: list[str], raw: list[str | None] | None = None) -> Job:
+        """Unlink ``keys[i]``; ``raw[i]`` (if given) gets its outcome also after the call."""
+
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            key = keys[i - first_slot]
+            key = keys[i]
+            detail: str | None = None
             try:
                 pre_fault(self._fault("delete", key), "unlink")
                 os.unlink(self._path(key))
-                guard.finish(i, OK)
+                outcome = OK
             except FileNotFoundError:
-                guard.finish(i, MISS)
+                outcome = MISS
             except OSError as exc:
-                guard.finish(i, os_error_reason(exc), str(exc))
+                outcome, detail = os_error_reason(exc), str(exc)
+            if raw is not None:
+                raw[i] = outcome
+            guard.finish(i, outcome, detail)
 
         return job
 
@@ -503,8 +573,9 @@ class FileBackend(BackendBase):
         writing = [k for k in dict.fromkeys(key_list) if k not in index or k in quarantine]
         mark = await self._claim(writing)  # after a delete / eviction / set of them ends
         if mark is None:
-            return self._claim_timed_out("set", key_list, [v.nbytes for v in views],
-                                         time.perf_counter())
+            return self._claim_timed_out(
+                "set", key_list, [v.nbytes for v in views], time.perf_counter()
+            )
         try:
             return await self._set_claimed(key_list, views)
         finally:
@@ -570,7 +641,7 @@ class FileBackend(BackendBase):
         key_list: list[str],
         views: list[PageView],
         files: list[tuple[list[int], int]],
-        victims: list[str],
+        victims: list[Evicted],
         cause: str,
     ) -> dict[int, tuple[str, str | None]]:
         """Unlink ``victims`` (evicted for ``cause``) and write ``files`` (reserved page
@@ -578,8 +649,10 @@ class FileBackend(BackendBase):
 
         The victims are unlinked even when the call is cancelled (they left the index), and
         they stay busy until then (a set of one waits: the late unlink cannot take its new
-        file). Every page published is indexed, also when the call is cancelled after."""
-        vmark = self._claim_now(victims)  # before any await: chosen just now, none busy
+        file); a victim whose unlink does not happen goes back into the index
+        (:meth:`_evict_files`). Every page published is indexed, also when the call is
+        cancelled after."""
+        vmark = self._claim_now(keys_of(victims))  # before any await: chosen just now
         n = len(key_list)
         total = sum(views[i].nbytes for g, _ in files for i in g)
         writes = self._write_jobs(
@@ -602,12 +675,7 @@ class FileBackend(BackendBase):
 
         async def unlink_victims() -> None:
             with anyio.CancelScope(shield=True):
-                gone, _ = await self._unlink(victims, vmark)
-                self.metrics.evicted(len(victims))
-                for v, outcome in zip(victims, gone, strict=False):
-                    if outcome not in (OK, MISS):
-                        self._log.warning("storage_evict_failed", key=v, reason=outcome)
-                self._gone(victims, cause)
+                await self._evict_files(victims, vmark, cause)
 
         report: list[str | None] = []
         done: list[str] = ["timeout"] * n
@@ -659,7 +727,7 @@ class FileBackend(BackendBase):
 
     def _make_room(
         self, full: list[int], views: list[PageView], protect: set[str]
-    ) -> tuple[list[tuple[list[int], int]], list[str]] | None:
+    ) -> tuple[list[tuple[list[int], int]], list[Evicted]] | None:
         """After ENOSPC: evict least recently used files for twice the bytes of the pages
         that did not fit (so the next batch of that size usually fits at once); returns the
         files to write again (they fitted the capacity before: no new reservation check) and

@@ -5,14 +5,31 @@ links (:mod:`asynccache.storage.segment`). Its bytes stay on disk until the last
 gone, so capacity is counted per unit, and eviction takes whole units, least recently used
 first (a hit on any page refreshes its unit: pages of one segment were written together and
 are read together, as a prefix). Single-page units make this a plain per-page LRU.
+
+:meth:`LruIndex.evict` hands back the units it dropped (:class:`Evicted`), so a caller whose
+unlink of one did not happen can put it back, least recent first (:meth:`LruIndex.restore`):
+the index never stops counting a file still on disk.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+from typing import NamedTuple
 
-__all__ = ["LruIndex"]
+__all__ = ["Evicted", "LruIndex", "keys_of"]
+
+
+class Evicted(NamedTuple):
+    """A unit :meth:`LruIndex.evict` dropped: its pages and the bytes of its file."""
+
+    keys: list[str]
+    nbytes: int
+
+
+def keys_of(units: Iterable[Evicted]) -> list[str]:
+    """The pages of evicted units, in order."""
+    return [k for u in units for k in u.keys]
 
 
 class _Unit:
@@ -56,17 +73,29 @@ class LruIndex:
 
     def add(self, keys: Iterable[str], nbytes: int) -> None:
         """A new unit holding ``keys`` (most recent); keys already indexed move to it."""
+        self._add(keys, nbytes)
+
+    def restore(self, keys: Iterable[str], nbytes: int) -> int | None:
+        """Put back a unit :meth:`evict` dropped whose file is still on disk, as the least
+        recent (the next eviction takes it first); returns its id (None: no keys)."""
+        uid = self._add(keys, nbytes)
+        if uid is not None:
+            self._units.move_to_end(uid, last=False)
+        return uid
+
+    def _add(self, keys: Iterable[str], nbytes: int) -> int | None:
         fresh = list(dict.fromkeys(keys))
         for k in fresh:
             self.drop(k)
         if not fresh:
-            return
+            return None
         uid = self._next
         self._next += 1
         self._units[uid] = _Unit(fresh, nbytes)
         for k in fresh:
             self._where[k] = uid
         self.used += nbytes
+        return uid
 
     def touch(self, key: str) -> None:
         uid = self._where.get(key)
@@ -90,12 +119,13 @@ class LruIndex:
         self._where.clear()
         self.used = 0
 
-    def evict(self, limit: int, reserved: int, protect: Container[str]) -> list[str]:
-        """Drop least recently used units until ``used + reserved <= limit``; return their keys.
+    def evict(self, limit: int, reserved: int, protect: Container[str]) -> list[Evicted]:
+        """Drop least recently used units until ``used + reserved <= limit``; return them,
+        least recent first.
 
         Units holding a protected key (pages of the batch being written) are skipped.
         """
-        victims: list[str] = []
+        victims: list[Evicted] = []
         while self.used + reserved > limit:
             # Protected units are few and rarely least recent: found at or near the front.
             uid = next(
@@ -108,5 +138,5 @@ class LruIndex:
             for k in unit.keys:
                 del self._where[k]
             self.used -= unit.nbytes
-            victims += unit.keys
+            victims.append(Evicted(unit.keys, unit.nbytes))
         return victims
