@@ -30,7 +30,8 @@ counts in ``get_stats()["timeouts"]``. ``clear``, ``delete``, ``close`` and
 ended ``grace_s`` (10 s) past the deadline is given up on (``sglang_storage_loop_wedged`` error
 event, ``get_stats()["timeouts_unfinished"]``): only then can a late backend call still touch
 the pages. After :meth:`AsyncCacheStorage.close` every call raises
-:class:`~asynccache.errors.ClosedError`.
+:class:`~asynccache.errors.ClosedError`; a call racing ``close()`` from another thread ends
+normally or raises it (close() cancels the calls on the loop), never a timeout.
 
 SGLang's controller uses the generic calls (``batch_set`` of host pool pages, ``batch_get``
 into page tensors, ``batch_exists``), or, with ``"interface_v1": 1`` in the extra config,
@@ -142,6 +143,10 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
         self._url = url
         self._backend_kwargs = dict(extra.get("backend_kwargs") or {})
         self._closed = False
+        #: Held while a call checks ``_closed`` and hands its coroutine to the loop, and while
+        #: close() sets it: every call that found the adapter open is on the loop before
+        #: close() submits its shutdown (which cancels it), none lands on a stopped loop.
+        self._submit_lock = threading.Lock()
         self._counts_lock = threading.Lock()
         self._timeouts = 0
         self._timeouts_unfinished = 0
@@ -163,16 +168,18 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
     def _run(self, call: str, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the adapter's loop; ClosedError after :meth:`close` (``coro`` is
         closed unrun), TimeoutError past ``timeout_s`` (once ``coro`` has ended)."""
-        if self._closed:
-            coro.close()
-            raise self._closed_error(call)
-        return self._submit(call, coro)
+        return self._submit(call, coro, open_only=True)
 
-    def _submit(self, call: str, coro: Coroutine[Any, Any, T]) -> T:
+    def _submit(self, call: str, coro: Coroutine[Any, Any, T], open_only: bool = False) -> T:
         """The deadline cancels ``coro`` on the loop and this returns only once it has ended,
         so a timed-out call never touches the caller's buffers afterwards (the storage
         protocol's promise for a cancelled call). Only a loop that does not end a cancelled
-        call within ``grace_s`` is given up on: an error event and :class:`_Unfinished`."""
+        call within ``grace_s`` is given up on: an error event and :class:`_Unfinished`.
+
+        ``open_only``: ClosedError once :meth:`close` has begun. The check and the hand-over
+        to the loop are one step under ``_submit_lock`` (close() sets ``_closed`` under it):
+        a call that found the adapter open is on the loop before close()'s shutdown, which
+        cancels it (ClosedError) if it has not ended; it never lands on a stopped loop."""
         timeout_s = self.timeout_s
 
         async def bounded() -> T:
@@ -180,15 +187,21 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
                 return await coro
 
         runner = bounded()
-        try:
-            future = asyncio.run_coroutine_threadsafe(runner, self._loop)
-        except RuntimeError:  # the loop is closed: close() ran meanwhile
-            runner.close()
-            coro.close()
-            raise self._closed_error(call) from None
+        with self._submit_lock:
+            if open_only and self._closed:
+                runner.close()
+                coro.close()
+                raise self._closed_error(call)
+            try:
+                future = asyncio.run_coroutine_threadsafe(runner, self._loop)
+            except RuntimeError:  # a closed loop (defensive: close() stops it after these)
+                runner.close()
+                coro.close()
+                raise self._closed_error(call) from None
         try:
             return future.result(timeout_s + self.grace_s)
         except concurrent.futures.CancelledError:  # close() cancelled it
+            coro.close()  # ended (the task is done); one cancelled before it began: unrun
             raise self._closed_error(call) from None
         except TimeoutError:
             with self._counts_lock:
@@ -231,9 +244,10 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
     def close(self) -> None:
         """Close the backend and stop the adapter's loop (SGLang calls it on detach). Later
         calls raise :class:`~asynccache.errors.ClosedError`."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._submit_lock:  # after every call that found the adapter open is submitted
+            if self._closed:
+                return
+            self._closed = True
         try:
             self._submit("close", self._shutdown())
         finally:
