@@ -78,6 +78,8 @@ _READ_CHUNK_MIN = 1 * _MiB
 _WRITE_GROUP_MAX = 32 * _MiB
 #: ... and at most this many files (each open until synced: io_threads x this many fds).
 _WRITE_GROUP_FILES = 32
+#: Removal causes that are evictions (counted in ``evictions``).
+_EVICTIONS = frozenset({"capacity", "no_space"})
 
 Job = Callable[[int, PageGuard, Scratch], None]
 
@@ -335,57 +337,82 @@ class FileBackend(BackendBase):
 
     async def _evict_files(self, units: list[Evicted], ev: anyio.Event, cause: str) -> None:
         """Unlink the files of ``units``, which the index dropped for ``cause`` (their keys
-        claimed with ``ev``, released here; cancel-safe), and tell listeners the pages gone.
+        claimed with ``ev``, released here; cancel-safe), and tell listeners the pages gone
+        (:meth:`_remove`); a page whose unlink did not happen stays indexed, counted
+        (``evict.<reason>`` faults) and logged (``storage_evict_failed``)."""
+        result, kept_bytes = await self._remove(units, ev, cause)
+        self._unlink_failed("evict", cause, result, kept_bytes)
 
-        A page whose unlink did not happen (it failed, the backend failed fast with
-        ``unavailable``, or it was still running at the deadline) still has its file on disk:
-        it goes back into the index, least recent first (the next eviction takes it), with
-        the bytes of its file, and is not told gone; the failure is counted
-        (``evict.<reason>`` faults) and logged (``storage_evict_failed``). An unlink that
-        outlived the deadline and then removed its page drops it from the index then."""
-        keys = keys_of(units)
+    async def _remove(
+        self,
+        units: list[Evicted],
+        ev: anyio.Event,
+        cause: str,
+        unknown: Sequence[str] = (),
+    ) -> tuple[dict[str, tuple[str, str | None]], int]:
+        """Unlink the pages of ``units``, which the index dropped for ``cause`` (an eviction,
+        a delete, a clear), and the ``unknown`` pages (not in the index); all claimed with
+        ``ev``, released here; cancel-safe. Tell the listeners the pages gone: those unlinked,
+        and those indexed whose file was gone already. Returns each page's unlink outcome
+        and detail, and the bytes put back into the index.
+
+        A page of ``units`` whose unlink did not happen (it failed, the backend failed fast
+        with ``unavailable``, or it was still running at the deadline) still has its file on
+        disk: it goes back into the index with the bytes of its file (into its unit if that
+        still holds other pages, else as the least recent: the next eviction takes it first)
+        and is not told gone. An unlink that outlived the deadline and then removed its page
+        drops it from the index then (and tells it gone)."""
+        keys = [*keys_of(units), *unknown]
+        evicting = cause in _EVICTIONS
         restored: dict[str, int] = {}  # page -> id of the unit it went back into
 
         def late(key: str, outcome: str) -> None:
             uid = restored.pop(key, None)
             if outcome in (OK, MISS) and uid is not None and self._index.unit_of(key) == uid:
                 self._index.drop(key)
-                self.metrics.evicted(1)
+                if evicting:
+                    self.metrics.evicted(1)
                 self._set_usage()
                 self._gone([key], cause)
 
         outcomes, details = await self._unlink(keys, ev, late)
         # No await from here on: a late() runs after this (on the loop, at the next await).
-        failed = {
-            k: (o, d)
-            for k, o, d in zip(keys, outcomes, details, strict=True)
-            if o not in (OK, MISS)
-        }
-        gone = [k for k in keys if k not in failed]
-        kept_bytes = 0
+        result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
+        used = self._index.used
         for unit in reversed(units):  # least recent ends up first
-            kept = [k for k in unit.keys if k in failed and k not in self._index]
-            uid = self._index.restore(kept, unit.nbytes)
+            kept = [k for k in unit.keys if result[k][0] not in (OK, MISS)]
+            uid = self._index.restore(kept, unit.nbytes, unit.uid)
             if uid is not None:
-                kept_bytes += unit.nbytes
                 restored.update(dict.fromkeys(kept, uid))
-        self.metrics.evicted(len(gone))
-        if failed:
-            reasons = Counter(o for o, _ in failed.values())
-            for reason, count in reasons.items():
-                self.metrics.fault("evict", reason, count)
-            first_key, (_, detail) = next(iter(failed.items()))
-            self._log.warning(
-                "storage_evict_failed",
-                cause=cause,
-                pages=len(failed),
-                kept_bytes=kept_bytes,
-                reasons=dict(reasons),
-                first_key=first_key,
-                detail=detail,
-            )
+        indexed = set(keys_of(units))
+        gone = [k for k, (o, _) in result.items() if o == OK or (o == MISS and k in indexed)]
+        if evicting:
+            self.metrics.evicted(len(gone))
         self._set_usage()
         self._gone(gone, cause)
+        return result, self._index.used - used
+
+    def _unlink_failed(
+        self, op: str, cause: str, result: dict[str, tuple[str, str | None]], kept_bytes: int
+    ) -> None:
+        """Count (``<op>.<reason>`` faults) and log (``storage_<op>_failed``, once) the pages
+        of ``result`` (:meth:`_remove`) whose unlink did not happen."""
+        failed = {k: od for k, od in result.items() if od[0] not in (OK, MISS)}
+        if not failed:
+            return
+        reasons = Counter(o for o, _ in failed.values())
+        for reason, count in reasons.items():
+            self.metrics.fault(op, reason, count)
+        first_key, (_, detail) = next(iter(failed.items()))
+        self._log.warning(
+            f"storage_{op}_failed",
+            cause=cause,
+            pages=len(failed),
+            kept_bytes=kept_bytes,
+            reasons=dict(reasons),
+            first_key=first_key,
+            detail=detail,
+        )
 
     def _quarantine_keys(self, keys: list[str]) -> Callable[[], None]:
         lift = self._quarantine.add(keys)
@@ -570,7 +597,10 @@ class FileBackend(BackendBase):
                 await self._runner.call(self._dir.recheck, self._deadline())
         quarantine = self._quarantine
         index = self._index
-        writing = [k for k in dict.fromkeys(key_list) if k not in index or k in quarantine]
+        busy = self._busy  # indexed and busy: an unlink past its deadline may still take it
+        writing = [
+            k for k in dict.fromkeys(key_list) if k not in index or k in quarantine or k in busy
+        ]
         mark = await self._claim(writing)  # after a delete / eviction / set of them ends
         if mark is None:
             return self._claim_timed_out(
@@ -777,19 +807,18 @@ class FileBackend(BackendBase):
         mark = await self._claim(key_list)  # after a set / eviction of them ends
         if mark is None:
             return sum(self._claim_timed_out("delete", key_list, [0] * len(key_list), started))
-        known = {key for key in key_list if self._index.drop(key)}
-        outcomes, details = await self._unlink(key_list, mark)  # even if cancelled meanwhile
+        units = self._index.take(key_list)
+        indexed = set(keys_of(units))
+        unknown = [k for k in key_list if k not in indexed]
+        # Even if cancelled meanwhile; a page whose unlink did not happen stays indexed.
+        result, _ = await self._remove(units, mark, "delete", unknown)
+        outcomes = [result[k][0] for k in key_list]
+        details = [result[k][1] for k in key_list]
         self._quarantine.discard(
             [k for k, o in zip(key_list, outcomes, strict=True) if o in (OK, MISS)]
         )
-        self._set_usage()
         sizes = [0] * len(key_list)
-        removed = sum(self._account("delete", key_list, outcomes, details, sizes, started))
-        self._gone(
-            [k for k, o in zip(key_list, outcomes, strict=True) if o == OK or k in known],
-            "delete",
-        )
-        return removed
+        return sum(self._account("delete", key_list, outcomes, details, sizes, started))
 
     async def clear(self) -> int:
         """Remove every object of this layout under the root (also ones not in the index)."""

@@ -6,9 +6,10 @@ gone, so capacity is counted per unit, and eviction takes whole units, least rec
 first (a hit on any page refreshes its unit: pages of one segment were written together and
 are read together, as a prefix). Single-page units make this a plain per-page LRU.
 
-:meth:`LruIndex.evict` hands back the units it dropped (:class:`Evicted`), so a caller whose
-unlink of one did not happen can put it back, least recent first (:meth:`LruIndex.restore`):
-the index never stops counting a file still on disk.
+:meth:`LruIndex.evict` hands back the units it dropped (:class:`Evicted`), and
+:meth:`LruIndex.take` the pages it dropped for a delete grouped by unit, so a caller whose
+unlink of one did not happen can put it back (:meth:`LruIndex.restore`): the index never
+stops counting a file still on disk.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ __all__ = ["Evicted", "LruIndex", "keys_of"]
 
 
 class Evicted(NamedTuple):
-    """A unit :meth:`LruIndex.evict` dropped: its pages and the bytes of its file."""
+    """Pages :meth:`LruIndex.evict` (a whole unit) or :meth:`LruIndex.take` dropped from one
+    unit: the pages, the bytes of the unit's file and the unit's id."""
 
     keys: list[str]
     nbytes: int
+    uid: int
 
 
 def keys_of(units: Iterable[Evicted]) -> list[str]:
@@ -75,13 +78,22 @@ class LruIndex:
         """A new unit holding ``keys`` (most recent); keys already indexed move to it."""
         self._add(keys, nbytes)
 
-    def restore(self, keys: Iterable[str], nbytes: int) -> int | None:
-        """Put back a unit :meth:`evict` dropped whose file is still on disk, as the least
-        recent (the next eviction takes it first); returns its id (None: no keys)."""
-        uid = self._add(keys, nbytes)
-        if uid is not None:
-            self._units.move_to_end(uid, last=False)
-        return uid
+    def restore(self, keys: Iterable[str], nbytes: int, uid: int | None = None) -> int | None:
+        """Put back pages :meth:`evict` or :meth:`take` dropped whose file is still on disk
+        (pages indexed again meanwhile are left where they are): into their unit ``uid`` if
+        it still holds other pages (its bytes are counted, its place in the LRU order kept),
+        else as a new unit of ``nbytes``, the least recent (the next eviction takes it first).
+        Returns the unit's id (None: no keys)."""
+        fresh = [k for k in dict.fromkeys(keys) if k not in self._where]
+        if uid is not None and uid in self._units and fresh:
+            self._units[uid].keys += fresh
+            for k in fresh:
+                self._where[k] = uid
+            return uid
+        new = self._add(fresh, nbytes)
+        if new is not None:
+            self._units.move_to_end(new, last=False)
+        return new
 
     def _add(self, keys: Iterable[str], nbytes: int) -> int | None:
         fresh = list(dict.fromkeys(keys))
@@ -114,6 +126,17 @@ class LruIndex:
             self.used -= unit.nbytes
         return True
 
+    def take(self, keys: Iterable[str]) -> list[Evicted]:
+        """Drop the indexed ones of ``keys`` (a delete): per unit, in order of first key, the
+        pages taken from it (its bytes are released with its last page)."""
+        taken: dict[int, Evicted] = {}
+        for k in dict.fromkeys(keys):
+            uid = self._where.get(k)
+            if uid is not None:
+                taken.setdefault(uid, Evicted([], self._units[uid].nbytes, uid)).keys.append(k)
+                self.drop(k)
+        return list(taken.values())
+
     def clear(self) -> None:
         self._units.clear()
         self._where.clear()
@@ -138,5 +161,5 @@ class LruIndex:
             for k in unit.keys:
                 del self._where[k]
             self.used -= unit.nbytes
-            victims.append(Evicted(unit.keys, unit.nbytes))
+            victims.append(Evicted(unit.keys, unit.nbytes, uid))
         return victims
