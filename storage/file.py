@@ -305,11 +305,13 @@ class FileBackend(BackendBase):
         keys: list[str],
         ev: anyio.Event,
         late: Callable[[str, str], None] | None = None,
+        deadline: float | None = None,
     ) -> tuple[list[str], list[str | None]]:
         """Unlink ``keys`` (claimed with ``ev``, released here) even when the caller is
-        cancelled meanwhile (their index entries are gone already: the names must go too). A
-        key whose unlink outlives the deadline stays busy until its thread returns; then
-        ``late(key, outcome)`` runs on the loop (before the key is released)."""
+        cancelled meanwhile (their index entries are gone already: the names must go too),
+        within ``deadline`` seconds (default :meth:`_deadline`). A key whose unlink outlives
+        the deadline stays busy until its thread returns; then ``late(key, outcome)`` runs on
+        the loop (before the key is released)."""
         call = loop_caller()
         pending = [0]
         raw: list[str | None] = [None] * len(keys)  # outcomes, also of an abandoned unlink
@@ -328,7 +330,10 @@ class FileBackend(BackendBase):
         try:
             with anyio.CancelScope(shield=True):
                 out = await self._runner.run(
-                    len(keys), self._unlink_job(keys, raw), self._deadline(), on_stuck=on_stuck
+                    len(keys),
+                    self._unlink_job(keys, raw),
+                    self._deadline() if deadline is None else deadline,
+                    on_stuck=on_stuck,
                 )
         finally:
             if pending[0] == 0:
@@ -349,10 +354,11 @@ class FileBackend(BackendBase):
         ev: anyio.Event,
         cause: str,
         unknown: Sequence[str] = (),
+        deadline: float | None = None,
     ) -> tuple[dict[str, tuple[str, str | None]], int]:
         """Unlink the pages of ``units``, which the index dropped for ``cause`` (an eviction,
         a delete, a clear), and the ``unknown`` pages (not in the index); all claimed with
-        ``ev``, released here; cancel-safe. Tell the listeners the pages gone: those unlinked,
+        ``ev``, released here; cancel-safe; within ``deadline`` (default :meth:`_deadline`). Tell the listeners the pages gone: those unlinked,
         and those indexed whose file was gone already. Returns each page's unlink outcome
         and detail, and the bytes put back into the index.
 
@@ -375,7 +381,7 @@ class FileBackend(BackendBase):
                 self._set_usage()
                 self._gone([key], cause)
 
-        outcomes, details = await self._unlink(keys, ev, late)
+        outcomes, details = await self._unlink(keys, ev, late, deadline)
         # No await from here on: a late() runs after this (on the loop, at the next await).
         result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
         used = self._index.used
@@ -821,31 +827,39 @@ class FileBackend(BackendBase):
         return sum(self._account("delete", key_list, outcomes, details, sizes, started))
 
     async def clear(self) -> int:
-        """Remove every object of this layout under the root (also ones not in the index)."""
+        """Remove every object of this layout under the root (also ones not in the index);
+        returns how many were removed. Keys another call is changing are left to it. A page
+        whose unlink does not happen stays (in the index, counted, if it was there); counted
+        (``clear.<reason>`` faults) and logged (``storage_clear_failed``), like a directory
+        that cannot be listed (then nothing is removed)."""
         self._check_open()
         await self._ensure_started()
-        known = self._index.keys()
-        self._index.clear()
-        self._quarantine.clear()
-        removed: list[str] = []
+        deadline = max(self.timeout_s, 60.0)
+        found: list[list[tuple[int, str, int, int]]] = []
 
-        def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
-            for _mtime, key, _size, _ino in self._scan():
-                try:
-                    os.unlink(self._path(key))
-                    removed.append(key)
-                except FileNotFoundError:
-                    pass
-            guard.finish(i, OK)
+        def scan(i: int, guard: PageGuard, _scratch: Scratch) -> None:
+            try:
+                found.append(self._scan())
+                guard.finish(i, OK)
+            except OSError as exc:
+                guard.finish(i, os_error_reason(exc), str(exc))
 
-        outcomes, details = await self._runner.run(1, job, max(self.timeout_s, 60.0))
+        outcomes, details = await self._runner.run(1, scan, deadline)
         if outcomes[0] != OK:
             self.metrics.fault("clear", outcomes[0])
             self._log.warning("storage_clear_failed", reason=outcomes[0], detail=details[0])
-        self._set_usage()
-        done = list(removed)  # a timed-out thread may still append
-        self._gone(list(dict.fromkeys([*done, *known])), "clear")
-        return len(done)
+            return 0
+        on_disk = [key for _mtime, key, _size, _ino in found[0]]
+        busy = self._busy
+        keys = [k for k in dict.fromkeys([*self._index.keys(), *on_disk]) if k not in busy]
+        mark = self._claim_now(keys)
+        units = self._index.take(keys)
+        indexed = set(keys_of(units))
+        unknown = [k for k in keys if k not in indexed]
+        result, kept_bytes = await self._remove(units, mark, "clear", unknown, deadline)
+        self._quarantine.discard([k for k, (o, _) in result.items() if o in (OK, MISS)])
+        self._unlink_failed("clear", "clear", result, kept_bytes)
+        return sum(o == OK for o, _ in result.values())
 
     # -- misc -----------------------------------------------------------------------------------
 

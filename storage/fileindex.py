@@ -137,11 +137,6 @@ class LruIndex:
                 self.drop(k)
         return list(taken.values())
 
-    def clear(self) -> None:
-        self._units.clear()
-        self._where.clear()
-        self.used = 0
-
     def evict(self, limit: int, reserved: int, protect: Container[str]) -> list[Evicted]:
         """Drop least recently used units until ``used + reserved <= limit``; return them,
         least recent first.
