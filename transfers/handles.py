@@ -41,6 +41,20 @@ def _await_shielded(fut: asyncio.Future[Any]) -> Generator[Any, None, Any]:
     return fut.result()
 
 
+async def wait_all(handles: Sequence[CopyHandle]) -> None:
+    """Wait until every one of ``handles`` has finished, failed ones included (their errors
+    are not raised), and the done-callbacks added before this call have run (a handle that
+    finished in this loop iteration has them still queued: this yields once for them).
+    Cancelling the waiter cancels no copy. One wake-up for all: no task or shield per handle."""
+    if not handles:
+        return
+    futs = [h._fut for h in handles if not h._fut.done()]
+    if futs:
+        await asyncio.wait(futs)  # wakes up after the callbacks added before its own
+    else:
+        await asyncio.sleep(0)
+
+
 class Awaitable:
     """A reusable, cancellation-safe awaitable over one future (awaiting it is optional)."""
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from asynccache.errors import TransferError
 from asynccache.ranks import Agreement
-from asynccache.transfers.handles import CopyHandle
+from asynccache.transfers.handles import CopyHandle, wait_all
 
 Commit = Callable[[BaseException | None], object]  # called with a peer rank's error, or None
 
@@ -98,8 +98,7 @@ class ImmediateCommits:
         handle.add_done_callback(lambda _h: commit(None))
 
     async def settle(self, handles: Sequence[CopyHandle]) -> None:
-        if handles:
-            await asyncio.gather(*(h.done() for h in handles), return_exceptions=True)
+        await wait_all(handles)
 
     def committed(self, handle: CopyHandle) -> Callable[[], Awaitable[None]] | None:
         return None
