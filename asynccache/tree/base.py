@@ -159,6 +159,9 @@ class TreeBase:
         self._protected = 0
         self._host_pinned = 0  # of _protected: tokens only host pins protect (class 3)
         self._host_size = 0
+        # Write-back trees: the order in which evict_host reclaims host duplicates (see
+        # _note_dup and HostTier.evict_host).
+        self._dup_order: dict[int, Node] = {}
         self._pending: dict[int, _PendingOp] = {}
         self._receipts: dict[int, tuple[Node, bool]] = {}
         old = getattr(self, "_srefs", {})
@@ -288,6 +291,21 @@ class TreeBase:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _note_dup(self, n: Node) -> None:
+        """Write-back trees: ``n`` may have just become a host duplicate (its backup committed,
+        it got device KV back, or it is the prefix split off one). A settled duplicate (on
+        device and on host, no copy in flight) joins the reclaim order at its end, unless it
+        still has an entry there: entries are only dropped when a reclaim walk passes a node
+        that is no longer a duplicate, or when the node is deleted, so a node that was demoted
+        and came back keeps its old place. Any other node loses its entry. This is the
+        reference's bookkeeping (SGLang 0.5.23 registers duplicates at these same points and
+        reclaims them in registration order), which host eviction must follow to take the same
+        victims."""
+        if n.value is not None and n.host_value is not None and not n.pending:
+            self._dup_order.setdefault(n.id, n)
+        else:
+            self._dup_order.pop(n.id, None)
 
     def _touch_path(self, path: list[Node]) -> None:
         """A match walked ``path`` (root first): stamp each node's access, deepest newest, and
@@ -527,6 +545,8 @@ class TreeBase:
             if self._host:
                 hybrid_host.split_host(self, x, p, m)
             hybrid.refresh_aux(self, p)
+        if self._write_back:
+            self._note_dup(p)  # (the suffix keeps its id and its entry)
         return p
 
     # ------------------------------------------------------------------ locks

@@ -118,6 +118,8 @@ class HostTier(TreeBase):
                     self._host_size += m
                     self._emit_stored(child, Medium.CPU_PINNED)
                     self._refresh(child)
+                    if self._write_back:
+                        self._note_dup(child)
                 else:
                     result.device_frees.append(span)
             node = child
@@ -215,6 +217,8 @@ class HostTier(TreeBase):
         self._emit_stored(n, Medium.GPU)
         self._refresh(parent)
         self._refresh(n)
+        if self._write_back:
+            self._note_dup(n)
         if self._arc is not None:
             self._arc.admit(n)
 
@@ -328,6 +332,9 @@ class HostTier(TreeBase):
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
+        if self._write_back:  # (the reference registers them at the copy's ack, root first)
+            for f in op.fragments:
+                self._note_dup(f)
         return [f.id for f in op.fragments]
 
     def abort_backup(self, op_id: int) -> None:
@@ -445,6 +452,14 @@ class HostTier(TreeBase):
         self._dec(op.fragments[-1])
         for f in op.fragments:
             self._refresh(f)
+        if self._write_back:
+            self._note_loaded_dups(op)
+
+    def _note_loaded_dups(self, op: _PendingOp) -> None:
+        """A committed load-back's nodes are duplicates now; the reference registers them
+        when the load's ack walks from the anchor up to the root: deepest first."""
+        for f in reversed(op.fragments):
+            self._note_dup(f)
 
     def abort_load_back(self, op_id: int) -> list[np.ndarray]:
         """The H->D copy of ``op_id`` failed: the nodes go back to host only.
@@ -534,6 +549,7 @@ class HostTier(TreeBase):
             if n.anchors:
                 self._move_anchors(n, parent)
             del self._nodes[n.id]
+            self._dup_order.pop(n.id, None)
         self._detach(top)
         if top_on_device:
             parent.dchildren -= 1
@@ -544,45 +560,39 @@ class HostTier(TreeBase):
     ) -> HostEvictResult:
         """Free at least ``num_tokens`` host tokens.
 
-        Host-only leaves go. Host copies of nodes still on device (duplicates) are reclaimed
-        only under write-back, and first there, as the reference system (SGLang's HiCache)
-        does: under write-through a device node without a host copy is deleted at eviction with
-        its host-only subtree, so taking a parent's copy would lose its host-only children.
+        Host-only leaves go, in eviction-policy order. Host copies of nodes still on device
+        (duplicates) are reclaimed only under write-back, and first there, in the reference
+        system's order (SGLang's HiCache; see :meth:`_reclaim_write_back_dups`): under
+        write-through a device node without a host copy is deleted at eviction with its
+        host-only subtree, so taking a parent's copy would lose its host-only children.
         ``reclaim_duplicates``: None follows the write policy; False never touches duplicates;
-        True reclaims them under write-through too, but only those none of whose children holds
-        a host copy, so the host copies stay prefix-closed (a parent's goes after its
-        children's, within the same call if needed). True under write-through is a deliberate
-        difference from the reference (docs/differences.md).
+        True reclaims them under write-through too, in policy order after the host leaves, but
+        only those none of whose children holds a host copy, so the host copies stay
+        prefix-closed (a parent's goes after its children's, within the same call if needed).
+        True under write-through is a deliberate difference from the reference
+        (docs/differences.md).
         """
         self._check_owner()
         num_tokens = _check_count("num_tokens", num_tokens)
         res = HostEvictResult()
         use_dups = self._write_back if reclaim_duplicates is None else bool(reclaim_duplicates)
-        closed = not self._write_back  # keep the host copies prefix-closed
-        order = (HDUP, HLEAF) if self._write_back else (HLEAF, HDUP)
+        if self._write_back:
+            if use_dups:
+                self._reclaim_write_back_dups(num_tokens, res)
+            order: tuple[int, ...] = (HLEAF,)
+        else:
+            order = (HLEAF, HDUP) if use_dups else (HLEAF,)
         for slot in order:
-            if slot == HDUP and not use_dups:
-                continue
             q = self._queues[slot]
             held: dict[int, Node] = {}  # duplicates skipped for a host-copied child
             while res.num_evicted < num_tokens:
                 n = q.pop()
                 if n is None:
                     break
-                if slot == HDUP and closed and any(
-                    c.host_value is not None for c in n.children.values()
-                ):
+                if slot == HDUP and any(c.host_value is not None for c in n.children.values()):
                     held[n.id] = n
                     continue
-                host = n.host_value
-                assert host is not None
-                self._emit_removed(n, Medium.CPU_PINNED)
-                res.host_frees.append(host)
-                res.num_evicted += n.ntok
-                self._host_size -= n.ntok
-                n.host_value = None
-                if self._aux:
-                    hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
+                self._free_host_copy(n, res)
                 parent = n.parent
                 assert parent is not None
                 if slot == HLEAF:
@@ -592,6 +602,7 @@ class HostTier(TreeBase):
                     if n.anchors:
                         self._move_anchors(n, parent)
                     del self._nodes[n.id]
+                    self._dup_order.pop(n.id, None)
                     self._refresh(parent)
                 else:
                     self._refresh(n)
@@ -600,3 +611,45 @@ class HostTier(TreeBase):
             for n in held.values():
                 self._refresh(n)
         return res
+
+    def _free_host_copy(self, n: Node, res: HostEvictResult) -> None:
+        """Give back ``n``'s host copy (and, in hybrid trees, its components' host copies)."""
+        host = n.host_value
+        assert host is not None
+        self._emit_removed(n, Medium.CPU_PINNED)
+        res.host_frees.append(host)
+        res.num_evicted += n.ntok
+        self._host_size -= n.ntok
+        n.host_value = None
+        if self._aux:
+            hybrid_host.drop_host_parts(n, self._aux, res.component_host_frees)
+
+    def _reclaim_write_back_dups(self, num_tokens: int, res: HostEvictResult) -> None:
+        """Reclaim host duplicates as SGLang 0.5.23 does under write-back: in the order they
+        became duplicates (``_dup_order``, see :meth:`_note_dup`), in two passes. The first
+        spares the evictable device leaves (a device eviction would demote them next and need
+        their host copy); the second takes them too. A host-pinned copy or a node with a copy in
+        flight is skipped; an entry whose node is no longer a duplicate is dropped when a pass
+        reaches it. The walk stops as soon as ``num_tokens`` are free, so entries beyond that
+        point stay as they are. Neither the eviction policy nor the host copies of the
+        children matter here (write-back keeps no prefix closure of host copies)."""
+        order = self._dup_order
+        gone: list[int] = []
+        for spare_leaves in (True, False):
+            if res.num_evicted >= num_tokens:
+                break
+            for n in order.values():
+                if res.num_evicted >= num_tokens:
+                    break
+                if n.value is None or n.host_value is None:
+                    gone.append(n.id)
+                    continue
+                if n.pending or n.host_lock_ref:
+                    continue
+                if spare_leaves and not n.lock_ref and not n.dchildren:
+                    continue
+                self._free_host_copy(n, res)
+                self._refresh(n)
+                gone.append(n.id)
+        for node_id in gone:
+            order.pop(node_id, None)

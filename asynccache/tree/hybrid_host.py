@@ -563,6 +563,8 @@ def commit_load_back(tree: HostTier, op: _PendingOp) -> None:
     for f in op.fragments:
         tree._refresh(f)
         refresh_aux(tree, f)
+    if tree._write_back:
+        tree._note_loaded_dups(op)
 
 
 def abort_load_back(tree: HostTier, op: _PendingOp) -> list[np.ndarray]:

@@ -91,6 +91,8 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
                 tree._host_size += hi - pos
                 tree._emit_stored(child, Medium.CPU_PINNED)
                 tree._refresh(child)
+                if tree._write_back:
+                    tree._note_dup(child)
             else:
                 res.device_frees.append(span)
             if swa is not None and swa_c is not None:

@@ -165,6 +165,7 @@ def check_tree(tree: RadixTree) -> None:
         )
     if tree._arc is not None:
         check_arc(tree, seen)
+    check_dup_order(tree, seen)
     for name, parts in (("device", dev_slots), ("host", host_slots)):
         if parts:
             allslots = np.concatenate(parts)
@@ -172,6 +173,23 @@ def check_tree(tree: RadixTree) -> None:
                 _fail(f"a {name} slot index is negative")
             if np.bincount(allslots).max() > 1:
                 _fail(f"a {name} slot is held by two nodes")
+
+
+def check_dup_order(tree: RadixTree, seen: dict[int, Node]) -> None:
+    """Write-back trees: every settled host duplicate has an entry in the reclaim order, and
+    every entry names a live node (entries of nodes that stopped being duplicates may stay)."""
+    order = tree._dup_order
+    if not tree._write_back:
+        if order:
+            _fail(f"a tree without write-back keeps {len(order)} duplicate-order entries")
+        return
+    for node_id, n in order.items():
+        if seen.get(node_id) is not n:
+            _fail(f"the duplicate order names node {node_id}, which is not in the tree")
+    for n in seen.values():
+        if (n is not tree._root and n.value is not None and n.host_value is not None
+                and not n.pending and n.id not in order):
+            _fail(f"host duplicate {n.id} has no place in the duplicate order")
 
 
 def check_arc(tree: RadixTree, seen: dict[int, Node]) -> None:

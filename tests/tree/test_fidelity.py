@@ -171,10 +171,35 @@ def test_write_through_counts_hits(policy: str, alloc) -> None:
 @pytest.mark.parametrize("window", (0, 4096))
 def test_insert_refiles_host_duplicates_it_walks(window: int, policy: str, ps: int,
                                                  alloc) -> None:
-    """Write-back: [1,1] is backed up at eviction (a host duplicate); insert [1] splits it and
-    stamps the prefix, which is newer than the refreshed suffix: the suffix's host copy goes
-    first. (Hybrid trees re-filed walked nodes only in the device-leaf queue, so the prefix kept
-    the queue position of its old stamp.)"""
+    """Write-through, duplicates reclaimed on request (in policy order): [1] and [2] are backed
+    up at their inserts; inserting [1] again stamps it (and counts a hit), so [2]'s host copy
+    goes first. (Hybrid trees re-filed walked nodes only in the device-leaf queue, so [1] kept
+    the queue position of its old stamp and went first.)"""
+    kw: dict[str, Any] = {"sliding_window": window} if window else {}
+    tree = RadixTree(page_size=ps, host_enabled=True, write_policy="write_through",
+                     eviction_policy=policy, **kw)
+    hosts = []
+    for key in ([1], [2]):
+        (req,) = tree.insert(_key(key, ps), alloc.take(ps)).backups
+        hosts.append(alloc.take(ps))
+        parts = {n: alloc.take(len(v)) for n, v in (req.component_slots or {}).items()}
+        tree.commit_backup(req.op_id, hosts[-1], parts or None)
+    tree.insert(_key([1], ps), alloc.take(ps))
+    res = tree.evict_host(1, reclaim_duplicates=True)
+    assert [f.tolist() for f in res.host_frees] == [hosts[1].tolist()]
+    tree.sanity_check()
+
+
+@pytest.mark.parametrize("ps", (1, 16))
+@pytest.mark.parametrize("policy", ACCESS_POLICIES)
+@pytest.mark.parametrize("window", (0, 4096))
+def test_write_back_split_duplicate_prefix_goes_first(window: int, policy: str, ps: int,
+                                                      alloc) -> None:
+    """Write-back: [1,1] is backed up at eviction (a host duplicate until the next evict demotes
+    it); insert [1] splits it. The reference reclaims duplicates in the order they became ones,
+    sparing device leaves in a first pass (tests/tree/test_write_back_dup_order.py): the suffix
+    keeps the place of [1,1] but is a device leaf, the prefix (listed last) has a device child,
+    so the prefix's host copy goes first, whatever the policy's stamps say."""
     kw: dict[str, Any] = {"sliding_window": window} if window else {}
     tree = RadixTree(page_size=ps, host_enabled=True, write_policy="write_back",
                      eviction_policy=policy, **kw)
@@ -184,6 +209,9 @@ def test_insert_refiles_host_duplicates_it_walks(window: int, policy: str, ps: i
     parts = {n: alloc.take(len(v)) for n, v in (req.component_slots or {}).items()}
     tree.commit_backup(req.op_id, host, parts or None)
     tree.insert(_key([1], ps), alloc.take(ps))
+    res = tree.evict_host(1)
+    assert [f.tolist() for f in res.host_frees] == [host[:ps].tolist()]
+    tree.sanity_check()
     res = tree.evict_host(1)
     assert [f.tolist() for f in res.host_frees] == [host[ps:].tolist()]
     tree.sanity_check()

@@ -14,11 +14,17 @@ from the tree's code: a plain radix tree of page symbols whose operations scan e
   else deleted with its host-only subtree, or under write-back backed up first;
 * evict_host: host-only leaves in policy order, and host copies of device nodes only under
   write-back (first there) or when asked, and then (under write-through) only those with no
-  host-copied child.
+  host-copied child, in policy order. Under write-back they go in the order SGLang 0.5.23
+  reclaims them (tests/tree/test_sglang_write_back.py checks that order against its own tree):
+  a node joins the order when it becomes a duplicate (its backup committed, its device KV given
+  back by an insert or a load-back, deepest first, or split off one as the new prefix) unless it
+  still has an entry; an entry goes when its node is deleted or when a reclaim pass reaches it
+  and it is no longer a duplicate. A first pass spares the device leaves, a second takes them;
+  a pass stops as soon as enough is free.
 
 Every evict and evict_host must free exactly the slots the model predicts, in the same order;
 inserts must report the predicted duplicates and backups, matches the predicted device and
-host hits. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
+host hits, load-backs (host trees, FULL only) the predicted host slots. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
 page sizes 1 and 16. Mamba trees (device only): a state goes to the node ending at the insert's
 end, a split leaves it on the suffix, a match's best node is the deepest holding one (only the
 path up to it is stamped), and a deleted leaf takes with it every ancestor left a leaf without a
@@ -78,6 +84,18 @@ class Model:
         self.threshold = THRESHOLD[write_policy] if host else None
         self.root = MNode([], None)
         self.clock = 0
+        # Write-back: the host duplicates' reclaim order (a node stays listed after it stops
+        # being a duplicate, until a reclaim pass reaches it or it is deleted).
+        self.dup_order: dict[MNode, None] = {}
+
+    def note_dup(self, n: MNode) -> None:
+        """``n`` may have become a host duplicate: list it at the end unless it is listed."""
+        if not self.write_back:
+            return
+        if n.dev is not None and n.host is not None and not n.pending:
+            self.dup_order.setdefault(n)
+        else:
+            self.dup_order.pop(n, None)
 
     def tick(self) -> int:
         self.clock += 1
@@ -102,11 +120,13 @@ class Model:
         n.dev = None if n.dev is None else n.dev[cut:]
         n.host = None if n.host is None else n.host[cut:]
         p.access, p.creation, p.hits, p.prio = n.access, n.creation, n.hits, n.prio
+        p.pending = n.pending
         n.access = self.tick()  # (a Mamba state stays on the suffix)
         parent.children[p.pages[0]] = p
         n.pages = n.pages[k:]
         p.children[n.pages[0]] = n
         n.parent = p
+        self.note_dup(p)  # (the suffix keeps its place)
         return p
 
     def _walk(self, key: list[int], visit: Any = None) -> list[tuple[MNode, int]]:
@@ -149,6 +169,7 @@ class Model:
             span = slots[i * ps : (i + len(c.pages)) * ps]
             if c.dev is None:
                 c.dev = span  # a host-only node takes the caller's slots
+                self.note_dup(c)
             else:
                 dups.extend(span.tolist())
             if self.swa:
@@ -173,6 +194,28 @@ class Model:
         if state and node is not self.root:
             node.state = True
         return dups, backups
+
+    def load(self, key: list[int], slots: np.ndarray) -> list[int]:
+        """Load the host-only end of ``key``'s matched path back with ``slots`` (after a match
+        of ``key``); returns the host slots read, top first."""
+        path = [c for c, _ in self._walk(key) if c.dev is None]
+        host: list[int] = []
+        pos = 0
+        for c in path:
+            assert c.host is not None
+            k = len(c.pages) * self.ps
+            c.dev = slots[pos : pos + k]
+            pos += k
+            host.extend(c.host.tolist())
+        assert pos == len(slots)
+        for c in reversed(path):
+            self.note_dup(c)
+        return host
+
+    def backed_up(self, n: MNode, host: np.ndarray) -> None:
+        n.host = host
+        n.pending = False
+        self.note_dup(n)
 
     def match(self, key: list[int]) -> tuple[int, int]:
         path = [c for c, _ in self._walk(key)]
@@ -208,6 +251,11 @@ class Model:
     def _remove(self, n: MNode) -> None:
         assert n.parent is not None
         del n.parent.children[n.pages[0]]
+        todo = [n]
+        while todo:
+            d = todo.pop()
+            self.dup_order.pop(d, None)
+            todo.extend(d.children.values())
 
     def evict(self, n: int, seen: list[int]) -> tuple[list[list[int]], list[int], list[MNode]]:
         """Returns (device frees in order, host frees of deleted subtrees, write-back victims)."""
@@ -272,7 +320,28 @@ class Model:
         reclaim = self.write_back if dups is None else dups
         freed = 0
         out: list[list[int]] = []
-        for kind in ("dup", "leaf") if self.write_back else ("leaf", "dup"):
+        if self.write_back and reclaim:
+            gone: list[MNode] = []
+            for spare_leaves in (True, False):
+                if freed >= n:
+                    break
+                for x in list(self.dup_order):
+                    if freed >= n:
+                        break
+                    if x.dev is None or x.host is None:
+                        gone.append(x)
+                        continue
+                    if x.pending:
+                        continue
+                    if spare_leaves and all(c.dev is None for c in x.children.values()):
+                        continue
+                    out.append(x.host.tolist())
+                    freed += len(x.host)
+                    x.host = None
+                    gone.append(x)
+            for x in gone:
+                self.dup_order.pop(x, None)
+        for kind in ("leaf",) if self.write_back else ("leaf", "dup"):
             if kind == "dup" and not reclaim:
                 continue
             while freed < n:
@@ -281,8 +350,7 @@ class Model:
                              if x.dev is None and x.host is not None and not x.children]
                 else:
                     cands = [x for x in self.nodes() if x.dev is not None and x.host is not None
-                             and (self.write_back or all(c.host is None
-                                                         for c in x.children.values()))]
+                             and all(c.host is None for c in x.children.values())]
                 if not cands:
                     break
                 v = self._first(cands, seen, host=True)
@@ -335,8 +403,7 @@ class VictimMachine(RuleBasedStateMachine):
                      for name, v in (r.component_slots or {}).items()}
             self.tree.commit_backup(r.op_id, host, parts or None)
             (m,) = [m for m in want if m.dev is not None and m.dev[0] == r.device_slots[0]]
-            m.host = host
-            m.pending = False
+            self.model.backed_up(m, host)
 
     @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5), prio=st.integers(0, 3),
           state=st.booleans())
@@ -366,6 +433,19 @@ class VictimMachine(RuleBasedStateMachine):
         assert sorted(s for f in res.host_frees for s in f.tolist()) == sorted(hfrees)
         assert res.num_evicted == sum(map(len, frees))
         self._commit(res.backups, backups)
+
+    @precondition(lambda self: self.HOST and not self.WINDOW and not self.MAMBA)
+    @rule(key=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def load_back(self, key: list[int]) -> None:
+        """Match ``key`` and load its host hit back (FULL-only trees)."""
+        m = self.tree.match_prefix(self._tokens(key))
+        assert (m.device_prefix_len, m.host_hit_length) == self.model.match(key)
+        if not m.host_hit_length:
+            return
+        slots = self._slots(self.tree.load_back_sizes(m.best_node)["full"])
+        ticket = self.tree.start_load_back(m.best_node, slots)
+        assert ticket.host_slots.tolist() == self.model.load(key, slots)
+        self.tree.commit_load_back(ticket.op_id)
 
     @precondition(lambda self: self.HOST)
     @rule(n=st.integers(1, 4), dups=st.sampled_from([None, True, False]))

@@ -1,0 +1,313 @@
+"""Drivers that run one write-back workload on SGLang's real tree and on ours, side by side.
+
+``SGLangWriteBack`` drives SGLang 0.5.23's own ``UnifiedTreeCore`` (its Python core, or the
+Rust core its cache uses by default) the way its ``UnifiedRadixCache`` does under
+``--hicache-write-policy write_back`` for a FULL-only model: an eviction backs each un-backed
+victim up, retires the copy's acknowledgement and demotes the victim before the walk picks the
+next one; a load-back pins, commits and then finishes the loaded path; host eviction is the
+tree's ``drive_host_eviction``. The copies themselves are not simulated (slot numbers only): the
+tree decides the victims, the cache only moves data. Only the tree core is needed, so the
+driver imports without SGLang's serving stack (``openai`` and friends).
+
+``OursWriteBack`` runs the same operations on asynccache's ``RadixTree``: an eviction commits
+the backups it asks for and evicts again until it has freed enough (what the engine's
+``evict_async`` does), a load-back starts and commits at once. Every operation ends with the
+tree's ``sanity_check``.
+
+Both report what happened through the trees' KV events, so nothing depends on node ids: every
+page is named by its token path from the root (the events' block hashes are chained, so a hash
+names one path). ``evict_host`` returns the pages whose host copies went, in order.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from asynccache.tree import RadixTree
+from asynccache.tree.events import BlockRemoved, BlockStored
+
+try:
+    from asynccache.integrations.sglang_import_guard import missing_package_stand_in
+
+    with missing_package_stand_in():
+        import torch
+        from sglang.srt.disaggregation.kv_events import BlockRemoved as SgRemoved
+        from sglang.srt.disaggregation.kv_events import BlockStored as SgStored
+        from sglang.srt.environ import envs
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+        from sglang.srt.mem_cache.unified_cache.tree_core_registry import create_tree_core
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core import (  # noqa: F401
+            UnifiedTreeCore,  # (importing it registers the Python core)
+        )
+    SGLANG_PROBLEM: str | None = None
+except Exception as exc:  # not installed (scripts/install_sglang_cpu.sh installs it)
+    SGLANG_PROBLEM = f"SGLang's tree core does not import here ({exc!r})"
+
+FULL = None if SGLANG_PROBLEM else ComponentType.FULL
+
+
+def rust_core_problem() -> str | None:
+    """Why SGLang's Rust tree core cannot be driven here, or None (SGLang quietly falls back
+    to its Python core where the Rust one is unsupported)."""
+    if SGLANG_PROBLEM is not None:
+        return SGLANG_PROBLEM
+    try:
+        got = SGLangWriteBack(backend="rust").backend
+    except Exception as exc:
+        return f"SGLang's Rust tree core does not load here ({exc!r})"
+    return None if "Rust" in got else f"SGLang chose its {got} instead of the Rust core"
+
+
+def _paths(events: list[Any], names: dict[int, tuple[int, ...]], ps: int,
+           stored_type: type, removed_type: type) -> list[tuple[str, tuple[int, ...]]]:
+    """Record the pages ``events`` store (hash -> token path) and return the removals, in
+    order, as (medium, path) pairs."""
+    out = []
+    for e in events:
+        if isinstance(e, stored_type):
+            prev = names.get(e.parent_block_hash, ()) if e.parent_block_hash is not None else ()
+            for i, h in enumerate(e.block_hashes):
+                prev = prev + tuple(e.token_ids[i * ps : (i + 1) * ps])
+                names[h] = prev
+        elif isinstance(e, removed_type):
+            medium = "cpu" if "CPU" in str(e.medium) else "gpu"
+            out.extend((medium, names[h]) for h in e.block_hashes)
+    return out
+
+
+class SGLangWriteBack:
+    """SGLang's ``UnifiedTreeCore`` (backend ``"python"`` or ``"rust"``) under write-back."""
+
+    def __init__(self, page_size: int = 1, backend: str = "python", policy: str = "lru") -> None:
+        assert SGLANG_PROBLEM is None, SGLANG_PROBLEM
+        self.ps = page_size
+        params = CacheInitParams(
+            req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size,
+            disable=False, tree_components=(FULL,), eviction_policy=policy,
+            enable_kv_cache_events=True, tree_core_backend=backend)
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(backend):
+            # (the component reads only these of its cache on the paths driven here)
+            owner = SimpleNamespace(enable_session_radix_cache=False, page_size=page_size,
+                                    is_swa_enabled=False)
+            self.core = create_tree_core(backend, params, {FULL: FullComponent(owner, params)})
+        self.backend = type(self.core).__name__
+        self.core.set_hicache_enabled()
+        self.core.is_write_back = True
+        self.core.write_through_threshold = 2  # (what the cache sets; write-back counts no hits)
+        self.next_slot = 0
+        self.names: dict[int, tuple[int, ...]] = {}
+        self.locks: list[tuple[int, Any]] = []
+
+    def _slots(self, n: int) -> Any:
+        out = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int64)
+        self.next_slot += n
+        return out
+
+    def _key(self, tokens: list[int]) -> Any:
+        return RadixKey(array("q", tokens))
+
+    def removed(self) -> list[tuple[str, tuple[int, ...]]]:
+        return _paths(self.core.take_events(), self.names, self.ps, SgStored, SgRemoved)
+
+    @staticmethod
+    def _actions(actions: list[Any]) -> None:
+        # Under write-back an insert or a match only frees duplicate slots or moves a pending
+        # copy to a split fragment; a backup there would need the cache's write-through path.
+        assert not any(isinstance(a, BackupKV) for a in actions), actions
+
+    def insert(self, tokens: list[int]) -> None:
+        step = self.core.begin_insert(InsertParams(key=self._key(tokens),
+                                                   value=self._slots(len(tokens))))
+        try:
+            while True:
+                self._actions(step.actions)
+                if step.result is not None:
+                    break
+                step = self.core.resume_insert()
+        finally:
+            self._actions(self.core.end_insert())
+
+    def match(self, tokens: list[int]) -> tuple[int, int, Any]:
+        m = self.core.match_prefix(MatchPrefixParams(key=self._key(tokens)))
+        self._actions(m.cache_actions)
+        return m.device_prefix_len, m.host_hit_length, m
+
+    def _spent(self, res: Any) -> dict[Any, int]:
+        """Take a step result's frees and actions (the cache frees the slots; SGLang's results
+        assert at disposal that they were taken) and return its evicted counts."""
+        self._actions(res.cache_actions)
+        res.cache_actions.clear()
+        res.device_frees.clear()
+        res.host_frees.clear()
+        return dict(res.tracker)
+
+    def _backup(self, node_id: Any) -> None:
+        """The cache's write-back copy of one victim: commit, mark pending, retire the ack."""
+        device_value, comp = self.core.build_backup_spec(node_id)
+        assert device_value.numel() and not comp
+        self.core.commit_backup(node_id, self._slots(len(device_value)) + 10**6, comp)
+        ids = self.core.mark_write_through_pending([node_id], ack_id=node_id)
+        self.core.finish_write_through(ids, node_id)
+
+    def evict(self, num_tokens: int) -> int:
+        tracker = {FULL: 0}
+
+        def add(delta: dict[Any, int]) -> None:
+            for ct, k in delta.items():
+                tracker[ct] = tracker.get(ct, 0) + k
+
+        if num_tokens <= 0:
+            return 0
+        self.core.evict_device_start(FULL, num_tokens)
+        try:
+            while True:
+                step = self.core.evict_device_next_node(FULL, dict(tracker))
+                add(self._spent(step))
+                node_id = step.node_id
+                if node_id is None:
+                    if not step.made_progress:
+                        break
+                    continue
+                leaf = self.core.evict_device_leaf(node_id, True)
+                add(self._spent(leaf))
+                if leaf.backup_kv is not None:
+                    for nid in leaf.backup_kv.node_ids:
+                        self._backup(nid)
+                    add(self._spent(self.core.demote(node_id)))
+        finally:
+            self.core.evict_device_end(FULL)
+        return tracker[FULL]
+
+    def load(self, tokens: list[int]) -> int:
+        """Match ``tokens`` and load its host hit back (as the cache's ``load_back`` then its
+        ``loading_check``); returns the tokens loaded."""
+        _, host, m = self.match(tokens)
+        if not host:
+            return 0
+        node = m.best_match_node
+        host_lock = self.core.inc_host_lock_ref(node).to_dec_params()
+        path_lock = self.core.inc_lock_ref(node).to_dec_params()
+        kv, comp = self.core.build_load_back_spec(node)
+        assert not comp
+        n = len(kv.host_indices)
+        assert n == host, (n, host)
+        device = self._slots(n)
+        self.core.dec_lock_ref(node, path_lock)
+        self.core.commit_load_back(node, device, kv, comp)
+        hold = self.core.inc_lock_ref(node).to_dec_params()
+        # the copy lands: loading_check
+        self.core.dec_lock_ref(node, hold)
+        self.core.dec_host_lock_ref(node, host_lock)
+        self.core.finish_load_back(node)
+        return n
+
+    def lock(self, tokens: list[int]) -> bool:
+        dev, _, m = self.match(tokens)
+        if not dev:
+            return False
+        node = m.last_device_node
+        self.locks.append((node, self.core.inc_lock_ref(node).to_dec_params()))
+        return True
+
+    def unlock(self) -> None:
+        node, params = self.locks.pop(0)
+        self.core.dec_lock_ref(node, params)
+
+    def evict_host(self, num_tokens: int) -> tuple[int, list[tuple[int, ...]]]:
+        self.removed()
+        freed = self._spent(self.core.drive_host_eviction(FULL, num_tokens)).get(FULL, 0)
+        gone = self.removed()
+        assert all(m == "cpu" for m, _ in gone), gone
+        return freed, [p for _, p in gone]
+
+
+class OursWriteBack:
+    """asynccache's ``RadixTree`` under write-back, driven like :class:`SGLangWriteBack`."""
+
+    def __init__(self, page_size: int = 1, policy: str = "lru") -> None:
+        self.ps = page_size
+        self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy="write_back",
+                              eviction_policy=policy, enable_kv_events=True)
+        self.next_slot = 0
+        self.names: dict[int, tuple[int, ...]] = {}
+        self.locks: list[Any] = []
+        self.stranded: list[tuple[tuple[int, ...], int]] = []
+
+    def _slots(self, n: int) -> np.ndarray:
+        out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
+        self.next_slot += n
+        return out
+
+    def removed(self) -> list[tuple[str, tuple[int, ...]]]:
+        return _paths(self.tree.take_events(), self.names, self.ps, BlockStored, BlockRemoved)
+
+    def insert(self, tokens: list[int]) -> None:
+        res = self.tree.insert(tokens, self._slots(len(tokens)))
+        assert not res.backups
+        self.tree.sanity_check()
+
+    def match(self, tokens: list[int]) -> tuple[int, int, Any]:
+        m = self.tree.match_prefix(tokens)
+        self.tree.sanity_check()
+        return m.device_prefix_len, m.host_hit_length, m
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict as the engine's ``evict_async`` does. Victims whose copies landed after the
+        demotions of later victims had freed enough stay on device (the reference demotes each
+        victim before taking the next, so it frees them too): their token paths are left in
+        ``stranded`` as (token path to the node's end, the node's tokens)."""
+        freed = 0
+        backed: list[int] = []
+        while freed < num_tokens:
+            res = self.tree.evict(num_tokens - freed)
+            freed += res.num_evicted
+            if not res.backups:
+                break
+            for b in res.backups:
+                backed += self.tree.commit_backup(b.op_id,
+                                                  self._slots(len(b.device_slots)) + 10**6)
+        self.tree.sanity_check()
+        nodes = {n.id: n for n in self.tree.iter_nodes()}
+        left = [nodes[i] for i in dict.fromkeys(backed) if i in nodes and nodes[i].value is not None]
+        self.stranded = [(tuple(self.tree.node_key(n.id).tokens), n.ntok) for n in left]
+        return freed
+
+    def load(self, tokens: list[int]) -> int:
+        _, host, m = self.match(tokens)
+        if not host:
+            return 0
+        need = self.tree.load_back_sizes(m.best_node)["full"]
+        assert need == host, (need, host)
+        ticket = self.tree.start_load_back(m.best_node, self._slots(need))
+        self.tree.commit_load_back(ticket.op_id)
+        self.tree.sanity_check()
+        return need
+
+    def lock(self, tokens: list[int]) -> bool:
+        dev, _, m = self.match(tokens)
+        if not dev:
+            return False
+        self.locks.append(self.tree.lock(m.last_device_node))
+        self.tree.sanity_check()
+        return True
+
+    def unlock(self) -> None:
+        self.tree.unlock(self.locks.pop(0))
+        self.tree.sanity_check()
+
+    def evict_host(self, num_tokens: int) -> tuple[int, list[tuple[int, ...]]]:
+        self.removed()
+        res = self.tree.evict_host(num_tokens)
+        self.tree.sanity_check()
+        gone = self.removed()
+        assert all(m == "cpu" for m, _ in gone), gone
+        return res.num_evicted, [p for _, p in gone]

@@ -1,0 +1,121 @@
+"""Differential test of write-back victims against SGLang 0.5.23's own tree.
+
+A Hypothesis state machine runs each operation on SGLang's ``UnifiedTreeCore`` (driven as its
+``UnifiedRadixCache`` drives it under ``--hicache-write-policy write_back``, see
+``tests/tree/sglang_write_back.py``) and on our ``RadixTree``, and compares what each did:
+inserts, matches (device and host hit), device evictions (the pages demoted: the same set; the
+order of their events differs by design, since our write-back copies run after the eviction
+call and their nodes are demoted by the next one), load-backs, device locks and host evictions
+(the pages whose host copies went, in order: host duplicates first, in the order they became
+duplicates, sparing the evictable device leaves in a first pass, then host-only leaves). FULL
+trees, page sizes 1 and 2, every eviction policy both trees have. Ours runs ``sanity_check``
+after every step.
+
+Not covered here: host locks (SGLang pins the anchor node's host copy only, ours the whole
+path, so a duplicate above a pinned node is reclaimable there and not here: a difference not yet
+resolved) and hybrid trees. One difference of device eviction is recognised and its example
+dropped: a write-back victim whose copy lands after later victims freed enough stays on device
+here (the engine's ``evict_async`` stops there; a later call demotes it), the reference demotes
+it at once. Skipped where SGLang's tree
+core does not import (scripts/install_sglang_cpu.sh installs it).
+
+A soak run: ``ASYNCCACHE_STATEFUL_EXAMPLES=2000 ASYNCCACHE_STATEFUL_RANDOM=1 pytest ...``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from tests.tree.sglang_write_back import (
+    SGLANG_PROBLEM,
+    OursWriteBack,
+    SGLangWriteBack,
+    rust_core_problem,
+)
+from tests.tree.stateful_cases import machine_case, stateful_settings
+
+if SGLANG_PROBLEM is not None:
+    pytest.skip(SGLANG_PROBLEM, allow_module_level=True)
+
+POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]
+keys = st.lists(st.integers(0, 3), min_size=1, max_size=5)
+pages = st.integers(1, 6)
+
+
+class WriteBackDifferential(RuleBasedStateMachine):
+    BACKEND = "python"
+
+    @initialize(ps=st.sampled_from([1, 2]), policy=st.sampled_from(POLICIES))
+    def setup(self, ps: int, policy: str) -> None:
+        self.ps = ps
+        self.ref = SGLangWriteBack(page_size=ps, backend=self.BACKEND, policy=policy)
+        self.ours = OursWriteBack(page_size=ps, policy=policy)
+
+    def _tokens(self, key: list[int]) -> list[int]:
+        """Page symbols -> tokens (page ``p`` is ``10p, 10p+1, ...``)."""
+        return [10 * p + j for p in key for j in range(self.ps)]
+
+    def _same_events(self, sort: bool = False) -> None:
+        got, want = self.ours.removed(), self.ref.removed()
+        if sort:
+            got, want = sorted(got), sorted(want)
+        assert got == want
+
+    @rule(key=keys)
+    def insert(self, key: list[int]) -> None:
+        tokens = self._tokens(key)
+        self.ours.insert(tokens)
+        self.ref.insert(tokens)
+        self._same_events()
+
+    @rule(key=keys)
+    def match(self, key: list[int]) -> None:
+        tokens = self._tokens(key)
+        assert self.ours.match(tokens)[:2] == self.ref.match(tokens)[:2]
+
+    @rule(n=pages)
+    def evict(self, n: int) -> None:
+        got, want = self.ours.evict(n * self.ps), self.ref.evict(n * self.ps)
+        gone, ref_gone = sorted(self.ours.removed()), sorted(self.ref.removed())
+        if got != want and self.ours.stranded:
+            # The one difference of device eviction met here (module docstring): a victim
+            # whose copy was still running when later victims had freed enough stays on
+            # device here, the reference demotes it. Check that this is all, then drop the
+            # example (the trees differ from here on).
+            ps = self.ps
+            extra = [("gpu", path[: len(path) - k + ps * (i + 1)])
+                     for path, k in self.ours.stranded for i in range(k // ps)]
+            assert want - got == sum(k for _, k in self.ours.stranded)
+            assert sorted(gone + extra) == ref_gone
+            assume(False)
+        assert got == want
+        assert gone == ref_gone
+
+    @rule(key=keys)
+    def load(self, key: list[int]) -> None:
+        tokens = self._tokens(key)
+        assert self.ours.load(tokens) == self.ref.load(tokens)
+        self._same_events()
+
+    @rule(key=keys)
+    def lock(self, key: list[int]) -> None:
+        tokens = self._tokens(key)
+        assert self.ours.lock(tokens) == self.ref.lock(tokens)
+
+    @precondition(lambda self: hasattr(self, "ours") and self.ours.locks)
+    @rule()
+    def unlock(self) -> None:
+        self.ours.unlock()
+        self.ref.unlock()
+
+    @rule(n=pages)
+    def evict_host(self, n: int) -> None:
+        assert self.ours.evict_host(n * self.ps) == self.ref.evict_host(n * self.ps)
+
+
+TestPythonCore = machine_case(WriteBackDifferential, "PythonCore", stateful_settings(300))
+TestRustCore = pytest.mark.skipif((why := rust_core_problem()) is not None, reason=why or "")(
+    machine_case(WriteBackDifferential, "RustCore", stateful_settings(100), BACKEND="rust"))
