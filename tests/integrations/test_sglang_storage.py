@@ -396,8 +396,9 @@ def test_calls_after_close_raise_closed_error_and_leave_no_coroutine_behind(tmp_
     assert [str(w.message) for w in caught] == []
 
 
-def test_a_call_still_running_at_close_ends_with_closed_error(tmp_path):
-    storage = _create(f"file://{tmp_path}", timeout_s=5.0)
+def _slow_gets(storage):
+    """Make ``storage``'s reads run 5 s; returns the events set when one starts and ends (a
+    read still running when close() cancels the loop's calls)."""
     started, ended = threading.Event(), threading.Event()
 
     async def slow_get(keys, bufs):
@@ -409,6 +410,12 @@ def test_a_call_still_running_at_close_ends_with_closed_error(tmp_path):
         return [True] * len(keys)
 
     storage.backend.get_batch = slow_get
+    return started, ended
+
+
+def test_a_call_still_running_at_close_ends_with_closed_error(tmp_path):
+    storage = _create(f"file://{tmp_path}", timeout_s=5.0)
+    started, ended = _slow_gets(storage)
     page = torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(storage.batch_get, _keys(1), [page])
@@ -430,17 +437,7 @@ def test_a_call_being_submitted_when_close_begins_is_not_a_wedged_timeout(
     two coroutines never awaited) instead of raising ClosedError."""
     storage = _create(f"file://{tmp_path}", timeout_s=2.0)
     storage.grace_s = 0.2
-    started, ended = threading.Event(), threading.Event()
-
-    async def slow_get(keys, bufs):  # still running when close() cancels the loop's calls
-        started.set()
-        try:
-            await asyncio.sleep(5.0)
-        finally:
-            ended.set()
-        return [True] * len(keys)
-
-    storage.backend.get_batch = slow_get
+    started, ended = _slow_gets(storage)
     caller = "sglang-caller"
     in_window, go, submitted, loop_closing = (threading.Event() for _ in range(4))
     submit = asyncio.run_coroutine_threadsafe
