@@ -240,7 +240,7 @@ class OursWriteBack:
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
         self.locks: list[Any] = []
-        self.stranded: list[tuple[tuple[int, ...], int]] = []
+        self.waited = False
 
     def _slots(self, n: int) -> np.ndarray:
         out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
@@ -261,24 +261,22 @@ class OursWriteBack:
         return m.device_prefix_len, m.host_hit_length, m
 
     def evict(self, num_tokens: int) -> int:
-        """Evict as the engine's ``evict_async`` does. Victims whose copies landed after the
-        demotions of later victims had freed enough stay on device (the reference demotes each
-        victim before taking the next, so it frees them too): their token paths are left in
-        ``stranded`` as (token path to the node's end, the node's tokens)."""
+        """Evict as the engine's ``evict_async`` does. The tree counts victims still waiting
+        for their copies (and a parent it will demote after them) towards the target, so the
+        call may end with some of them still on device (demoted by a later call), where the
+        reference demotes each victim before it takes the next and so frees them (and maybe
+        more) in this call: ``waited`` tells whether any victim waited."""
         freed = 0
-        backed: list[int] = []
+        self.waited = False
         while freed < num_tokens:
             res = self.tree.evict(num_tokens - freed)
             freed += res.num_evicted
+            self.waited = self.waited or res.pending_tokens > 0
             if not res.backups:
                 break
             for b in res.backups:
-                backed += self.tree.commit_backup(b.op_id,
-                                                  self._slots(len(b.device_slots)) + 10**6)
+                self.tree.commit_backup(b.op_id, self._slots(len(b.device_slots)) + 10**6)
         self.tree.sanity_check()
-        nodes = {n.id: n for n in self.tree.iter_nodes()}
-        left = [nodes[i] for i in dict.fromkeys(backed) if i in nodes and nodes[i].value is not None]
-        self.stranded = [(tuple(self.tree.node_key(n.id).tokens), n.ntok) for n in left]
         return freed
 
     def load(self, tokens: list[int]) -> int:
