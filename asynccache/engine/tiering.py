@@ -319,12 +319,18 @@ class Tiering:
         """Like :meth:`evict`, but waits for write-back copies and demotes their nodes."""
         fx = self.effects
         before = fx.evicted_total
-        while fx.evicted_total - before < num_tokens:
+        # Tokens of this call's victims that wait for their copies: the tree counts them
+        # toward the target, and they are demoted by the next round once their copies landed,
+        # also when the demotions of other victims reached the target meanwhile (the
+        # reference demotes each victim before it takes the next).
+        owed = 0
+        while (want := max(num_tokens - (fx.evicted_total - before), owed)) > 0:
             started = time.perf_counter()
-            res = self.tree.evict(num_tokens - (fx.evicted_total - before))
+            res = self.tree.evict(want)
             handles = fx.evicted(res, started)
             if not res.backups:
                 break
+            owed = res.pending_tokens
             if not handles:
                 continue  # no host memory: the victims were dropped (counted)
             await self.commits.settle(handles)

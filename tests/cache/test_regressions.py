@@ -367,3 +367,36 @@ async def test_a_failed_copy_in_a_write_back_chain_never_drops_the_parent(make_c
     assert (m.device_prefix_len, m.host_hit_length) == ((0, 2) if fail == 0 else (0, 3))
     assert cache.tree.device_size == 0
     cache.sanity_check()
+
+
+@pytest.mark.parametrize("policy", ["mru", "lru"])
+async def test_write_back_evict_async_demotes_every_victim_it_backed_up(make_cache, policy):
+    """Reference (behavior.md 1.5): a write-back victim is backed up, then demoted, before
+    the next one is taken. Page 1, [0,0] evicted (host only), inserted again (a duplicate),
+    then [1] (no host copy). evict_async(2) takes both [1] and [0,0] (MRU: [1] first; LRU:
+    [0,0] first, 2 tokens, then nothing more is needed: [1] stays). Under MRU it counted
+    [1] (waiting for its copy) toward the target, stopped once [0,0] was demoted and left [1]
+    on device with a host copy made for it: 2 tokens freed where SGLang frees 3."""
+    cache = await make_cache(page_size=1, write_policy="write_back", eviction_policy=policy,
+                             device_tokens=64, host_tokens=64)
+
+    async def insert(tokens: list[int]) -> None:
+        m = cache.match_prefix(tokens)
+        slots = await cache.alloc_device(len(tokens) - m.device_prefix_len)
+        cache.insert(tokens, np.concatenate([m.device_indices, slots]),
+                     prev_prefix_len=m.device_prefix_len)
+
+    await insert([0, 0])
+    assert await cache.evict_async(1) == 2
+    await insert([0, 0])
+    await insert([1])
+    freed = await cache.evict_async(2)
+    await cache.flush()
+    cache.sanity_check()
+    on_device = cache.match_prefix([1]).device_prefix_len
+    if policy == "mru":
+        assert (freed, on_device, cache.tree.device_size) == (3, 0, 0)
+        assert cache.match_prefix([1]).host_hit_length == 1
+    else:
+        assert (freed, on_device, cache.tree.device_size) == (2, 1, 1)
+        assert cache.match_prefix([1]).host_hit_length == 0  # never backed up
