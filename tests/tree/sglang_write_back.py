@@ -240,7 +240,6 @@ class OursWriteBack:
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
         self.locks: list[Any] = []
-        self.waited = False
 
     def _slots(self, n: int) -> np.ndarray:
         out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
@@ -261,19 +260,17 @@ class OursWriteBack:
         return m.device_prefix_len, m.host_hit_length, m
 
     def evict(self, num_tokens: int) -> int:
-        """Evict as the engine's ``evict_async`` does. The tree counts victims still waiting
-        for their copies (and a parent it will demote after them) towards the target, so the
-        call may end with some of them still on device (demoted by a later call), where the
-        reference demotes each victim before it takes the next and so frees them (and maybe
-        more) in this call: ``waited`` tells whether any victim waited."""
-        freed = 0
-        self.waited = False
-        while freed < num_tokens:
-            res = self.tree.evict(num_tokens - freed)
+        """Evict as the engine's ``evict_async`` does: rounds of ``tree.evict``, each round's
+        write-back copies committed before the next, which asks for at least the tokens of the
+        last round's victims that still wait for their demotion (the tree counts them toward
+        the target; the reference demotes each victim before it takes the next)."""
+        freed = owed = 0
+        while (want := max(num_tokens - freed, owed)) > 0:
+            res = self.tree.evict(want)
             freed += res.num_evicted
-            self.waited = self.waited or res.pending_tokens > 0
             if not res.backups:
                 break
+            owed = res.pending_tokens
             for b in res.backups:
                 self.tree.commit_backup(b.op_id, self._slots(len(b.device_slots)) + 10**6)
         self.tree.sanity_check()
