@@ -82,18 +82,25 @@ class LruIndex:
         """Put back pages :meth:`evict` or :meth:`take` dropped whose file is still on disk
         (pages indexed again meanwhile are left where they are): into their unit ``uid`` if
         it still holds other pages (its bytes are counted, its place in the LRU order kept),
-        else as a new unit of ``nbytes``, the least recent (the next eviction takes it first).
+        else as the unit of ``nbytes`` made again under the same id (one file, one unit: pages
+        of one segment that two calls took and both failed to unlink go back into one unit,
+        its bytes counted once), the least recent (the next eviction takes it first).
         Returns the unit's id (None: no keys)."""
         fresh = [k for k in dict.fromkeys(keys) if k not in self._where]
-        if uid is not None and uid in self._units and fresh:
-            self._units[uid].keys += fresh
-            for k in fresh:
-                self._where[k] = uid
-            return uid
-        new = self._add(fresh, nbytes)
-        if new is not None:
-            self._units.move_to_end(new, last=False)
-        return new
+        if not fresh:
+            return None
+        if uid is None:
+            uid = self._next
+            self._next += 1
+        unit = self._units.get(uid)
+        if unit is None:
+            unit = self._units[uid] = _Unit([], nbytes)
+            self._units.move_to_end(uid, last=False)
+            self.used += nbytes
+        unit.keys += fresh
+        for k in fresh:
+            self._where[k] = uid
+        return uid
 
     def _add(self, keys: Iterable[str], nbytes: int) -> int | None:
         fresh = list(dict.fromkeys(keys))

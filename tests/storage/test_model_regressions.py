@@ -1,0 +1,74 @@
+"""Races of the file backend's bookkeeping found by tests/storage/test_file_model.py, each
+ordered here with a fault hook that holds a worker thread at a chosen raw operation.
+
+* Two calls take pages of one segment and both fail to unlink them: the pages go back into
+  the index as one file, counted once (they were two units of the same bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+
+import anyio
+
+from asynccache.storage.faults import Fault, FaultKind
+from asynccache.storage.file import FileBackend
+from asynccache.storage.segment import file_bytes
+from tests.storage.test_evict_faults import PAGE, disk_bytes, suffix_of, until
+
+
+class Hold:
+    """Unlinks of the keys in ``held`` wait until their event is set (then fail with EIO if
+    the key is in ``eio``); other unlinks of ``eio`` keys fail at once."""
+
+    def __init__(self, held: dict[str, threading.Event], eio: Iterable[str] = ()) -> None:
+        self.held = held
+        self.eio = set(eio)
+        self.reached = {k: threading.Event() for k in held}
+
+    def decide(self, op: str, key: str) -> Fault | None:
+        if op != "delete":
+            return None
+        if key in self.held:
+            self.reached[key].set()
+            self.held[key].wait(10)
+        return Fault(FaultKind.EIO) if key in self.eio else None
+
+
+def consistent(b: FileBackend, root) -> bool:
+    st = b.stats()
+    indexed = b._index.keys()
+    on_disk = {k for k in indexed if os.path.exists(b.path(k))}
+    return st["used_bytes"] == disk_bytes(root, suffix_of(b)) and on_disk == set(indexed)
+
+
+async def test_segment_pages_two_deletes_fail_to_unlink_are_counted_once(
+    tmp_path, layout, make_keys, make_pages
+) -> None:
+    """delete([a]) and delete([b]) of one segment's pages: the first takes a (the segment's
+    entry keeps b), the second takes b (the entry goes, its bytes with it); both unlinks fail
+    (EIO). Both pages go back, into one entry of the segment's bytes: before, the second
+    made a second entry, and the index counted the file twice."""
+    a, b_, c = make_keys(3)
+    b = FileBackend(tmp_path, layout, segment_bytes=1 << 20, io_threads=4)
+    assert await b.set_batch([a, b_, c], make_pages(3, PAGE)) == [True] * 3
+    size = file_bytes([PAGE] * 3, False)
+    assert b.stats()["used_bytes"] == size
+    assert await b.delete([c]) == 1  # the segment still holds a and b
+    go = threading.Event()
+    hook = Hold({a: go}, eio={a, b_})
+    b.set_fault_hook(hook)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.delete, [a])  # takes a; its unlink waits
+        assert await until(hook.reached[a].is_set)
+        assert await b.delete([b_]) == 0  # takes b (the last page: the unit goes); EIO
+        go.set()  # a's unlink fails too
+    st = b.stats()
+    assert (st["objects"], st["files"]) == (2, 1)
+    assert st["used_bytes"] == disk_bytes(tmp_path, suffix_of(b)) == size
+    assert consistent(b, tmp_path)
+    b.set_fault_hook(None)
+    assert await b.delete([a, b_]) == 2
+    assert b.stats()["used_bytes"] == disk_bytes(tmp_path, suffix_of(b)) == 0
