@@ -267,17 +267,19 @@ class FileBackend(BackendBase):
         self._reserved += size
         return True
 
-    async def _claim(self, keys: list[str]) -> anyio.Event | None:
-        """Wait until no other call is changing ``keys``, then mark them busy (release with
-        :meth:`_release`). No wait when none is busy (the usual case); None when they are
-        still busy after ``timeout_s`` (an unlink stuck on a dead disk keeps its keys busy
-        until its thread returns: the caller fails at its deadline instead of waiting)."""
+    async def _claim(self, want: Callable[[], list[str]]) -> tuple[list[str], anyio.Event] | None:
+        """Wait until no other call is changing the keys ``want()`` names (asked again after
+        each wait), then mark them busy (release with :meth:`_release`); returns them and the
+        mark. No wait when none is busy (the usual case); None when they are still busy after
+        ``timeout_s`` (an unlink stuck on a dead disk keeps its keys busy until its thread
+        returns: the caller fails at its deadline instead of waiting)."""
         busy = self._busy
         with anyio.move_on_after(self.timeout_s):
             while True:
+                keys = want()
                 ev = next((e for k in keys if (e := busy.get(k)) is not None), None)
                 if ev is None:
-                    return self._claim_now(keys)
+                    return keys, self._claim_now(keys)
                 await ev.wait()
         return None
 
@@ -604,14 +606,19 @@ class FileBackend(BackendBase):
         quarantine = self._quarantine
         index = self._index
         busy = self._busy  # indexed and busy: an unlink past its deadline may still take it
-        writing = [
-            k for k in dict.fromkeys(key_list) if k not in index or k in quarantine or k in busy
-        ]
-        mark = await self._claim(writing)  # after a delete / eviction / set of them ends
-        if mark is None:
+        unique = list(dict.fromkeys(key_list))
+
+        def to_write() -> list[str]:
+            return [k for k in unique if k not in index or k in quarantine or k in busy]
+
+        # After a delete / eviction / set of them ends; chosen again after each wait (an
+        # eviction may have taken a page meanwhile that was indexed: it must be claimed too).
+        claimed = await self._claim(to_write)
+        if claimed is None:
             return self._claim_timed_out(
                 "set", key_list, [v.nbytes for v in views], time.perf_counter()
             )
+        writing, mark = claimed
         try:
             return await self._set_claimed(key_list, views)
         finally:
@@ -810,9 +817,10 @@ class FileBackend(BackendBase):
         key_list = list(dict.fromkeys(validate_keys(keys)))
         await self._ensure_started()
         started = time.perf_counter()
-        mark = await self._claim(key_list)  # after a set / eviction of them ends
-        if mark is None:
+        claimed = await self._claim(lambda: key_list)  # after a set / eviction of them ends
+        if claimed is None:
             return sum(self._claim_timed_out("delete", key_list, [0] * len(key_list), started))
+        mark = claimed[1]
         units = self._index.take(key_list)
         indexed = set(keys_of(units))
         unknown = [k for k in key_list if k not in indexed]

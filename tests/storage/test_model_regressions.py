@@ -3,6 +3,9 @@ ordered here with a fault hook that holds a worker thread at a chosen raw operat
 
 * Two calls take pages of one segment and both fail to unlink them: the pages go back into
   the index as one file, counted once (they were two units of the same bytes).
+* A set waiting for one key another call keeps busy wrote a key that a delete or an eviction
+  took meanwhile: it must wait for that call too (it wrote the new page, then the other
+  call's unlink removed it, and the index kept a page that was gone).
 """
 
 from __future__ import annotations
@@ -72,3 +75,40 @@ async def test_segment_pages_two_deletes_fail_to_unlink_are_counted_once(
     b.set_fault_hook(None)
     assert await b.delete([a, b_]) == 2
     assert b.stats()["used_bytes"] == disk_bytes(tmp_path, suffix_of(b)) == 0
+
+
+async def test_a_set_waiting_for_one_key_also_waits_for_a_key_taken_meanwhile(
+    tmp_path, layout, make_keys, make_pages
+) -> None:
+    """set([x, k]) finds x indexed (present) and k busy (a delete unlinking it) and waits for
+    k. Meanwhile a delete (or an eviction) takes x and its unlink waits. When k is free, x
+    is no longer indexed: the set must wait for x's unlink too before writing x, else the
+    unlink removes the page the set just published and the index keeps it."""
+    x, k = make_keys(2)
+    pages = make_pages(4, PAGE)
+    b = FileBackend(tmp_path, layout, io_threads=4)
+    assert await b.set_batch([x, k], pages[:2]) == [True, True]
+    k_go, x_go = threading.Event(), threading.Event()
+    hook = Hold({k: k_go, x: x_go})
+    b.set_fault_hook(hook)
+    done: list[list[bool]] = []
+
+    async def set_x_and_k() -> None:
+        done.append(await b.set_batch([x, k], pages[2:4]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.delete, [k])  # k busy: its unlink waits
+        assert await until(hook.reached[k].is_set)
+        tg.start_soon(set_x_and_k)  # x indexed (present), k busy: waits for k
+        await anyio.sleep(0.05)
+        tg.start_soon(b.delete, [x])  # takes x; its unlink waits
+        assert await until(hook.reached[x].is_set)
+        k_go.set()  # the delete of k ends: the waiting set goes on (and must wait for x)
+        await until(lambda: bool(done), 40)
+        x_go.set()  # the unlink of (the old) x
+    assert done == [[True, True]]
+    assert os.path.exists(b.path(x)) and x in b._index  # the new x, written after the unlink
+    assert consistent(b, tmp_path)
+    bufs = [bytearray(PAGE), bytearray(PAGE)]
+    assert await b.get_batch([x, k], bufs) == [True, True]
+    assert [bytes(v) for v in bufs] == pages[2:4]
