@@ -194,7 +194,9 @@ def scan(
 ) -> tuple[list[tuple[int, str, int, int]], dict[str, TempFile]]:
     """Blocking. ``(mtime_ns, key, size, inode)`` of the objects whose names end with
     ``suffix``, and the temp files kept (path -> TempFile); removes the temp files no live
-    writer can own, and dead writers' lock files."""
+    writer can own, and dead writers' lock files. The scanning writer's own temp files
+    (``liveness.own``: its writes in flight, a ``clear`` scanning during a ``set``) are
+    neither kept nor removed."""
     os.makedirs(root, exist_ok=True)
     liveness.sweep_locks()
     now = time.time()
@@ -208,7 +210,9 @@ def scan(
                 name = e.name
                 try:
                     if name.startswith("."):
-                        if name.endswith(".tmp"):
+                        if name.endswith(".tmp") and (
+                            liveness.own is None or writer_of(name) != liveness.own
+                        ):  # (the scanning writer's own: writes in flight, counted by it)
                             st = e.stat()
                             if _garbage(name, st.st_mtime, liveness, now):
                                 os.unlink(e.path)

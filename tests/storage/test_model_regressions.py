@@ -6,6 +6,8 @@ ordered here with a fault hook that holds a worker thread at a chosen raw operat
 * A set waiting for one key another call keeps busy wrote a key that a delete or an eviction
   took meanwhile: it must wait for that call too (it wrote the new page, then the other
   call's unlink removed it, and the index kept a page that was gone).
+* A ``clear`` listing the directory while a set writes counted the set's own temp files as
+  another writer's (capacity taken for up to ``tmp_recheck_s``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import anyio
 from asynccache.storage.faults import Fault, FaultKind
 from asynccache.storage.file import FileBackend
 from asynccache.storage.segment import file_bytes
-from tests.storage.test_evict_faults import PAGE, disk_bytes, suffix_of, until
+from tests.storage.test_evict_faults import FILE, PAGE, disk_bytes, suffix_of, until
 
 
 class Hold:
@@ -112,3 +114,23 @@ async def test_a_set_waiting_for_one_key_also_waits_for_a_key_taken_meanwhile(
     bufs = [bytearray(PAGE), bytearray(PAGE)]
     assert await b.get_batch([x, k], bufs) == [True, True]
     assert [bytes(v) for v in bufs] == pages[2:4]
+
+
+async def test_clear_during_a_write_does_not_count_the_writers_own_temp_files(
+    tmp_path, layout, make_keys, make_pages
+) -> None:
+    keys = make_keys(3)
+    b = FileBackend(tmp_path, layout, capacity_bytes=2 * FILE)
+    await b.start()
+    assert b.writer_id is not None
+    # One of this backend's writes in flight: its temp file, named with its writer id.
+    sub = tmp_path / keys[2][:2]
+    sub.mkdir(exist_ok=True)
+    tmp = sub / f".{b.writer_id}.{keys[2]}.abcd.tmp"
+    tmp.write_bytes(b"\0" * FILE)
+    assert await b.clear() == 0
+    assert tmp.exists()  # its own in-flight write: left alone ...
+    st = b.stats()
+    assert (st["temp_files"], st["temp_bytes"]) == (0, 0)  # ... and counted as reserved only
+    tmp.unlink()  # the write ends
+    assert await b.set_batch(keys[:2], make_pages(2, PAGE)) == [True, True]  # room for two
