@@ -22,7 +22,7 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
   segment in one ``preadv``), verify every page against its own header, and only then copy
   into the caller's buffer under the call's :class:`~asynccache.storage.threadio.PageGuard` (a
   timed-out call's threads can never write a buffer the caller has reused). A bad page's
-  name is removed.
+  name is removed after the read, under the key's claim, if it still names the bad file.
 * Bulk I/O runs on ``io_threads`` daemon worker threads (:mod:`asynccache.storage.threadio`)
   with ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
   (open, read, close: three per page) and ``read()`` allocates a new bytes object per page;
@@ -308,12 +308,14 @@ class FileBackend(BackendBase):
         ev: anyio.Event,
         late: Callable[[str, str], None] | None = None,
         deadline: float | None = None,
+        inodes: Sequence[int] | None = None,
     ) -> tuple[list[str], list[str | None]]:
         """Unlink ``keys`` (claimed with ``ev``, released here) even when the caller is
         cancelled meanwhile (their index entries are gone already: the names must go too),
         within ``deadline`` seconds (default :meth:`_deadline`). A key whose unlink outlives
         the deadline stays busy until its thread returns; then ``late(key, outcome)`` runs on
-        the loop (before the key is released)."""
+        the loop (before the key is released). With ``inodes``, a name is unlinked only if
+        it still names that file (else ``miss``)."""
         call = loop_caller()
         pending = [0]
         raw: list[str | None] = [None] * len(keys)  # outcomes, also of an abandoned unlink
@@ -333,7 +335,7 @@ class FileBackend(BackendBase):
             with anyio.CancelScope(shield=True):
                 out = await self._runner.run(
                     len(keys),
-                    self._unlink_job(keys, raw),
+                    self._unlink_job(keys, raw, inodes),
                     self._deadline() if deadline is None else deadline,
                     on_stuck=on_stuck,
                 )
@@ -427,15 +429,25 @@ class FileBackend(BackendBase):
         self._log.warning("storage_quarantined", keys=keys, quarantined=len(self._quarantine))
         return lift
 
-    def _unlink_job(self, keys: list[str], raw: list[str | None] | None = None) -> Job:
-        """Unlink ``keys[i]``; ``raw[i]`` (if given) gets its outcome also after the call."""
+    def _unlink_job(
+        self,
+        keys: list[str],
+        raw: list[str | None] | None = None,
+        inodes: Sequence[int] | None = None,
+    ) -> Job:
+        """Unlink ``keys[i]`` (with ``inodes``: only if its name still names file
+        ``inodes[i]``, else ``miss``); ``raw[i]`` (if given) gets its outcome also after the
+        call."""
 
         def job(i: int, guard: PageGuard, _scratch: Scratch) -> None:
             key = keys[i]
+            path = self._path(key)
             detail: str | None = None
             try:
                 pre_fault(self._fault("delete", key), "unlink")
-                os.unlink(self._path(key))
+                if inodes is not None and os.stat(path).st_ino != inodes[i]:
+                    raise FileNotFoundError(path)  # another file now: not the bad one
+                os.unlink(path)
                 outcome = OK
             except FileNotFoundError:
                 outcome = MISS
@@ -546,30 +558,64 @@ class FileBackend(BackendBase):
 
         index = self._index
         before = [index.unit_of(k) for k in key_list]  # a drop below needs the same file
+        deadline = self._deadline(total)
         if reqs:
             done, done_details = await self._runner.run(
-                len(runs), job, self._deadline(total), slots=len(reqs), on_stuck=on_stuck
+                len(runs), job, deadline, slots=len(reqs), on_stuck=on_stuck
             )
             for j, i in enumerate(live):
                 outcomes[i], details[i] = done[j], done_details[j]
-        corrupt: list[str] = []
+        bad: dict[str, int] = {}  # key -> the file its read found corrupt (first one)
         missing: list[str] = []
+        for j, i in enumerate(live):
+            ino = reqs[j].bad
+            if outcomes[i] in ("corrupt", "partial") and ino is not None:
+                bad.setdefault(key_list[i], ino)
         for key, outcome, unit in zip(key_list, outcomes, before, strict=True):
             if outcome == OK:
                 index.touch(key)
-            elif outcome in ("corrupt", "partial"):
-                if unit is not None and index.unit_of(key) == unit:
-                    index.drop(key)  # (not a file a set indexed meanwhile)
-                corrupt.append(key)  # the object was removed
             elif outcome == MISS and unit is not None and index.unit_of(key) == unit:
                 index.drop(key)
                 missing.append(key)  # known, but gone: deleted behind this backend's back
         self._set_usage()
         sizes = [v.nbytes for v in views]
         results = self._account("get", key_list, outcomes, details, sizes, started)
-        self._gone(corrupt, "corrupt")
+        left = deadline - (time.perf_counter() - started)
+        if bad and left > 0:  # (none left: the next read finds them again)
+            await self._remove_corrupt(bad, missing, left)
         self._gone(missing, "missing")
         return results
+
+    async def _remove_corrupt(
+        self, bad: dict[str, int], missing: list[str], deadline: float
+    ) -> None:
+        """Unlink the names of the bad files a read found (``bad``: key -> inode), each only
+        if it still names that file, within ``deadline`` s; drop them from the index and tell
+        them gone (``corrupt``; not the ``missing`` ones, told by the caller). A key another
+        call is changing is left to that call (a set replaces it, a delete or an eviction
+        unlinks and tells it); a name whose unlink does not happen stays (the next read
+        finds it again). Cancel-safe, like delete."""
+        keys = [k for k in bad if k not in self._busy]
+        if not keys:
+            return
+        mark = self._claim_now(keys)
+        told = set(missing)
+        index = self._index
+        unknown = {k for k in keys if k not in index}  # a file the index did not know
+
+        def gone(removed: list[str]) -> None:
+            # The index knew this very file, if it knew the key (nothing can index another
+            # one under the claim); a page a concurrent get_batch missed was dropped and told.
+            tell = [k for k in removed if (index.drop(k) or k in unknown) and k not in told]
+            self._set_usage()
+            self._gone(tell, "corrupt")
+
+        def late(key: str, outcome: str) -> None:
+            if outcome == OK:
+                gone([key])
+
+        outcomes, _ = await self._unlink(keys, mark, late, deadline, [bad[k] for k in keys])
+        gone([k for k, o in zip(keys, outcomes, strict=True) if o == OK])
 
     def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
         """Split a batch into read jobs: neighbouring pages of one segment go together

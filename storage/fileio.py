@@ -119,21 +119,15 @@ def pre_fault(fault: Fault | None, what: str) -> None:
         raise fault_error(fault.kind, what)
 
 
-def remove_bad(path: str, ino: int) -> None:
-    """Unlink ``path`` if it still names inode ``ino`` (not a good page a writer just put there)."""
-    try:
-        if os.stat(path).st_ino == ino:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 @dataclass(slots=True)
 class ReadReq:
     slot: int
     key: str
     name: str
     target: memoryview | Pieces
+    #: The inode of the file this page was found corrupt or partial in (the reader removes
+    #: nothing: the caller removes the name, if it still names that file).
+    bad: int | None = None
 
 
 @dataclass(slots=True)
@@ -492,7 +486,7 @@ class PageFiles:
             self._touch(fd, st)
             return 1
         except CorruptPageError as exc:
-            remove_bad(path, ino)
+            first.bad = ino
             guard.finish(first.slot, "partial" if exc.reason == "partial" else "corrupt", str(exc))
             return 1
         except OSError as exc:
@@ -545,7 +539,7 @@ class PageFiles:
                     pre_fault(fault, "read")
                 self._check_and_copy(req, page, avail, entry.length, fault, guard)
             except CorruptPageError as exc:
-                remove_bad(self.path(req.key), st.st_ino)
+                req.bad = st.st_ino
                 reason = "partial" if exc.reason == "partial" else "corrupt"
                 guard.finish(req.slot, reason, str(exc))
             except OSError as exc:
