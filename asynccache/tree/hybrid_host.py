@@ -352,17 +352,17 @@ def evict(tree: HostTier, num_tokens: int, swa_num_tokens: int, mamba_num: int) 
         res.component_frees[c.name] = []
         res.component_host_frees[c.name] = []
     dq = tree._queues[DLEAF]
-    while res.num_evicted + res.pending_tokens < num_tokens:
-        n = dq.pop()
-        if n is None:
-            break
-        if n.host_value is not None:
-            demote(tree, n, res)
-        elif tree._write_back:
-            res.backups.append(tree._begin_backup(n, write_back=True))
-            res.pending_tokens += n.ntok
-        else:
-            delete_subtree(tree, n, res)
+    if tree._write_back:  # victims in the reference's order (HostTier._evict_write_back)
+        tree._evict_write_back(num_tokens, res, lambda n, r: demote(tree, n, r))
+    else:
+        while res.num_evicted < num_tokens:
+            n = dq.pop()
+            if n is None:
+                break
+            if n.host_value is not None:
+                demote(tree, n, res)
+            else:
+                delete_subtree(tree, n, res)
     for c in tree._aux:
         target = swa_num_tokens if c.name == "swa" else mamba_num
         while (res.swa_num_evicted if c.name == "swa" else res.mamba_num_evicted) < target:

@@ -448,7 +448,7 @@ class RadixTree(HostTier):
         res = EvictResult()
         dq = self._queues[DLEAF]
         if self._write_back:
-            return self._evict_write_back(num_tokens, res)
+            return self._evict_write_back(num_tokens, res, self._demote)
         while res.num_evicted + res.pending_tokens < num_tokens:
             n = dq.pop()
             if n is None:
@@ -458,64 +458,6 @@ class RadixTree(HostTier):
             else:
                 self._delete_subtree(n, res)
         return res
-
-    def _evict_write_back(self, num_tokens: int, res: EvictResult) -> EvictResult:
-        """Write-back eviction, in the reference's victim order without waiting for copies.
-
-        The reference backs a victim up, demotes it and then lets its parent, now a device
-        leaf, compete with the other leaves. Here the copies run after this call, so a victim
-        waiting for its copy is counted (``pending_tokens``) and its parent becomes a
-        candidate as soon as every device child of it waits in this call: the parent is queued
-        by its own key (a parent with a host copy is only counted: it is demoted by a later
-        call, after its children). The parent's backup (``after_children``) does not drop it
-        if it fails: it stays on device."""
-        dq = self._queues[DLEAF]
-        root = self._root
-        locks: dict[int, int] = {}  # node id -> locks this call's backups put on it
-        waiting: set[int] = set()  # victims whose demotion waits for a copy (this call's)
-        offered: set[int] = set()  # parents queued as candidates by this call
-
-        def offer(p: Node | None) -> None:
-            """Queue ``p`` once every device child of it waits in this call."""
-            assert p is not None
-            if p is root or p.value is None or p.pending or p.id in offered:
-                return
-            if p.lock_ref != locks.get(p.id, 0):  # pinned by something else
-                return
-            kids = p.children.values()
-            if any(c.id in waiting for c in kids) and all(
-                    c.value is None or c.id in waiting for c in kids):
-                offered.add(p.id)
-                dq.push(p)
-
-        while res.num_evicted + res.pending_tokens < num_tokens:
-            n = dq.pop()
-            if n is None:
-                break
-            if n.id not in offered and n.host_value is not None:
-                self._demote(n, res)  # (a parent left with waiting children only: offered)
-            else:
-                if n.host_value is None:
-                    res.backups.append(self._begin_backup(
-                        n, write_back=True, after_children=n.id in offered))
-                    self._count_locks(n, locks)
-                # (an offered parent with a host copy is demoted by a later call)
-                waiting.add(n.id)
-                res.pending_tokens += n.ntok
-            offer(n.parent)
-        for node_id in offered:  # still queued: not a leaf until its children are demoted
-            node = self._nodes.get(node_id)
-            if node is not None:
-                dq.discard(node)
-        return res
-
-    def _count_locks(self, n: Node, locks: dict[int, int]) -> None:
-        """Count the lock a backup of ``n`` put on it and each ancestor (as ``_inc`` does)."""
-        root = self._root
-        while n is not root:
-            locks[n.id] = locks.get(n.id, 0) + 1
-            assert n.parent is not None
-            n = n.parent
 
     # ------------------------------------------------------------------ reset / inspection
     def reset(self) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -214,8 +214,8 @@ def test_mamba_state_host_round_trip_loads_the_anchor_state_only() -> None:
 def test_write_back_copies_components_then_demotes_and_reinsert_adopts() -> None:
     t = RadixTree(page_size=2, sliding_window=2, mamba=True, host_enabled=True,
                   write_policy="write_back")
-    t.insert([1, 2, 3, 4, 5, 6], np.arange(6), mamba_value=5)
-    e = t.evict(6)
+    t.insert([1, 2, 3, 4, 5, 6], np.arange(6), mamba_value=5)  # [1..4] -> [5, 6] (cap-split)
+    e = t.evict(2)  # (more would take the parent [1..4] too: tests/tree/test_hybrid_write_back.py)
     t.sanity_check()
     assert (e.num_evicted, e.pending_tokens) == (0, 2)
     assert [(L(b.device_slots), L(b.component_slots), b.write_back) for b in e.backups] == [

@@ -263,10 +263,11 @@ class Model:
         frees: list[list[int]] = []
         hfrees: list[int] = []
         backups: list[MNode] = []
-        # FULL-only write-back trees take a victim's parent once all its device children wait
-        # for their copies in this call (the reference demotes each victim before the next pop;
-        # a parent with a host copy is counted, and demoted by a later call).
-        chain = self.write_back and not self.mamba and not self.swa
+        # Write-back trees (FULL-only and hybrid alike: the FULL walk ranks leaves by FULL
+        # alone) take a victim's parent once all its device children wait for their copies in
+        # this call (the reference demotes each victim before the next pop; a parent with a
+        # host copy is counted, and demoted by a later call).
+        chain = self.write_back
         waiting: set[int] = set()
 
         def free_below(x: MNode) -> bool:

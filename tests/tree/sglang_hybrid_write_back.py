@@ -1,0 +1,262 @@
+"""Drivers that run one write-back workload on SGLang's real *hybrid* tree and on ours.
+
+The hybrid counterparts of ``tests/tree/sglang_write_back.py``: ``SGLangHybridWriteBack``
+drives SGLang 0.5.23's own ``UnifiedTreeCore`` (its Python core) with a sliding-window (SWA)
+and / or a Mamba component next to FULL attention, the way its ``UnifiedRadixCache`` does under
+``--hicache-write-policy write_back`` in host-cache mode: an eviction backs each un-backed victim
+up (FULL KV and the component data its ``build_backup_spec`` names), retires the copy's
+acknowledgement and demotes the victim before the walk picks the next one.
+
+What the cache would do outside the tree is reduced to bookkeeping: the SWA allocator is a
+stand-in whose full->SWA translation is the identity (our tree names SWA data by FULL slots
+too), and frees go nowhere; component actions the tree emits (``SWARebuild`` and the other SWA
+recoveries) are applied by the component itself, as the cache routes them. The Mamba component
+is built without the server arguments its constructor reads (checkpoint grid = page size, no
+per-path state cap).
+
+``OursHybridWriteBack`` runs the same operations on asynccache's hybrid ``RadixTree``, as
+``OursWriteBack`` does (the component host slots of each backup are fresh numbers). Both report
+device removals through the trees' KV events, pages named by their token paths.
+
+Not driven: load-backs (the reference's SWA load-back allocates through the cache's SWA pool
+in its prepare step) and host eviction.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+from typing import Any
+
+from asynccache.tree import RadixTree
+from tests.tree.sglang_write_back import SGLANG_PROBLEM, OursWriteBack, SGLangWriteBack
+
+if SGLANG_PROBLEM is None:
+    from asynccache.integrations.sglang_import_guard import missing_package_stand_in
+
+    with missing_package_stand_in():
+        import torch
+        from sglang.srt.environ import envs
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.cache_action import ComponentAction
+        from sglang.srt.mem_cache.unified_cache.components.base import (
+            ComponentType,
+            TreeComponent,
+        )
+        from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+        from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+        from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+        from sglang.srt.mem_cache.unified_cache.tree_core_registry import create_tree_core
+
+    class _SWAAllocator(SWATokenToKVPoolAllocator):
+        """The SWA allocator the component insists on, reduced to what the tree paths driven
+        here call: the full->SWA translation is the identity, mappings and frees are no-ops."""
+
+        def __init__(self) -> None:  # (the real one sizes device pools)
+            self.device = "cpu"
+
+        def translate_swa_indices_for_transfer(self, full: Any) -> Any:
+            return full.clone()
+
+        def set_full_to_swa_mapping(self, *args: Any) -> None:
+            pass
+
+        def clear_full_to_swa_mapping(self, *args: Any) -> None:
+            pass
+
+        def free_full_segment(self, *args: Any, **kw: Any) -> None:
+            pass
+
+        def free_swa_segment(self, *args: Any, **kw: Any) -> None:
+            pass
+
+    class _Mamba(MambaComponent):
+        """SGLang's Mamba component without the server arguments its constructor reads."""
+
+        def __init__(self, cache: Any, params: Any) -> None:
+            TreeComponent.__init__(self, cache, params)
+            self.mamba_cache_chunk_size = params.page_size
+            self.mamba_checkpoint_grid = params.page_size
+            self.mamba_max_states_per_path = -1  # (no per-path cap)
+            self._mamba_pool_host = None
+
+
+class SGLangHybridWriteBack(SGLangWriteBack):
+    """SGLang's Python ``UnifiedTreeCore`` with FULL plus SWA (``window`` > 0) and / or Mamba
+    components under write-back (host-cache mode)."""
+
+    def __init__(self, page_size: int = 1, policy: str = "lru", window: int = 0,
+                 mamba: bool = False) -> None:
+        assert SGLANG_PROBLEM is None, SGLANG_PROBLEM
+        assert window > 0 or mamba
+        full, swa, mam = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+        self.ps = page_size
+        kinds = (full,) + ((swa,) if window else ()) + ((mam,) if mamba else ())
+        alloc: Any = _SWAAllocator() if window else SimpleNamespace(device="cpu")
+        pool = HybridReqToTokenPool.__new__(HybridReqToTokenPool) if mamba else None
+        params = CacheInitParams(
+            req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page_size,
+            disable=False, tree_components=kinds, eviction_policy=policy,
+            enable_kv_cache_events=True, tree_core_backend="python",
+            sliding_window_size=window or None)
+        # (the components read only these of their cache on the paths driven here)
+        owner = SimpleNamespace(
+            enable_session_radix_cache=False, page_size=page_size, is_swa_enabled=bool(window),
+            is_mamba_enabled=mamba, token_to_kv_pool_allocator=alloc, req_to_token_pool=pool,
+            tree_components=kinds, enable_mamba_extra_buffer=False)
+        comps: dict[Any, Any] = {full: FullComponent(owner, params)}
+        if window:
+            comps[swa] = SWAComponent(owner, params)
+        if mamba:
+            comps[mam] = _Mamba(owner, params)
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override("python"):
+            self.core = create_tree_core("python", params, comps)
+        self.backend = type(self.core).__name__
+        self.core.set_hicache_enabled()
+        self.core.is_write_back = True
+        self.core.write_through_threshold = 2
+        self.core.has_swa_host_pool = bool(window)  # (a host SWA pool: host-cache mode)
+        self.kinds = kinds
+        self.mamba = mamba
+        self.next_slot = 0
+        self.next_state = 0
+        self.names: dict[int, tuple[int, ...]] = {}
+        self.locks: list[tuple[int, Any]] = []
+
+    def _actions(self, actions: list[Any]) -> None:
+        """Route the component actions to their component (as the cache does); the cache's
+        own actions are frees here. Under write-back nothing asks for a backup."""
+        super()._actions(actions)
+        for a in actions:
+            if isinstance(a, ComponentAction):
+                self.core.components_by_type[a.component_type].apply_component_action(a)
+
+    def insert(self, tokens: list[int], state: int | None = None) -> None:
+        """Insert ``tokens``; ``state``: a Mamba state slot for its end (Mamba trees)."""
+        kw: dict[str, Any] = {}
+        if state is not None:
+            kw["mamba_value"] = torch.tensor([state], dtype=torch.int64)
+        step = self.core.begin_insert(InsertParams(key=RadixKey(array("q", tokens)),
+                                                   value=self._slots(len(tokens)), **kw))
+        try:
+            while True:
+                self._actions(step.actions)
+                if step.result is not None:
+                    break
+                step = self.core.resume_insert()
+        finally:
+            self._actions(self.core.end_insert())
+
+    def _backup(self, node_id: Any) -> None:
+        """The cache's write-back copy of one victim with its component data."""
+        device_value, comp = self.core.build_backup_spec(node_id)
+        assert device_value.numel()
+        for xfers in comp.values():
+            for x in xfers:
+                x.host_indices = self._slots(len(x.device_indices)) + 2 * 10**6
+        self.core.commit_backup(node_id, self._slots(len(device_value)) + 10**6, comp)
+        ids = self.core.mark_write_through_pending([node_id], ack_id=node_id)
+        self.core.finish_write_through(ids, node_id)
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict ``num_tokens`` FULL tokens (the FULL walk, as the cache's ``_evict`` runs it)."""
+        full = ComponentType.FULL
+        tracker = {ct: 0 for ct in self.kinds}
+
+        def add(delta: dict[Any, int]) -> None:
+            for ct, k in delta.items():
+                tracker[ct] = tracker.get(ct, 0) + k
+
+        if num_tokens <= 0:
+            return 0
+        self.core.evict_device_start(full, num_tokens)
+        try:
+            while True:
+                step = self.core.evict_device_next_node(full, dict(tracker))
+                add(self._spent(step))
+                node_id = step.node_id
+                if node_id is None:
+                    if not step.made_progress:
+                        break
+                    continue
+                leaf = self.core.evict_device_leaf(node_id, True)
+                add(self._spent(leaf))
+                if leaf.backup_kv is not None:
+                    for nid in leaf.backup_kv.node_ids:
+                        self._backup(nid)
+                    add(self._spent(self.core.demote(node_id)))
+        finally:
+            self.core.evict_device_end(full)
+        return tracker[full]
+
+    def load(self, tokens: list[int]) -> int:
+        raise NotImplementedError("hybrid load-backs are not driven (module docstring)")
+
+    def evict_host(self, num_tokens: int) -> tuple[int, list[tuple[int, ...]]]:
+        raise NotImplementedError("hybrid host eviction is not driven (module docstring)")
+
+
+class OursHybridWriteBack(OursWriteBack):
+    """asynccache's hybrid ``RadixTree`` under write-back, driven like
+    :class:`SGLangHybridWriteBack`."""
+
+    def __init__(self, page_size: int = 1, policy: str = "lru", window: int = 0,
+                 mamba: bool = False) -> None:
+        assert window > 0 or mamba
+        self.ps = page_size
+        self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy="write_back",
+                              eviction_policy=policy, enable_kv_events=True,
+                              sliding_window=window, mamba=mamba)
+        self.next_slot = 0
+        self.names: dict[int, tuple[int, ...]] = {}
+        self.locks: list[Any] = []
+        self.stranded: list[tuple[tuple[int, ...], int]] = []
+        self.waited = False
+
+    def insert(self, tokens: list[int], state: int | None = None) -> None:
+        kw: dict[str, Any] = {} if state is None else {"mamba_value": state}
+        res = self.tree.insert(tokens, self._slots(len(tokens)), **kw)
+        assert not res.backups
+        self.tree.sanity_check()
+
+    def _commit(self, req: Any) -> list[int]:
+        parts = {name: self._slots(len(v)) + 2 * 10**6
+                 for name, v in (req.component_slots or {}).items()}
+        return self.tree.commit_backup(req.op_id, self._slots(req.num_tokens) + 10**6,
+                                       parts or None)
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict as the engine's ``evict_async`` does: evict, commit the copies asked for,
+        evict again until enough is freed. The tree counts victims waiting for their copies
+        (and a parent it demotes after them) towards the target, so the call may end with some
+        still on device (a later call demotes them) where the reference, which demotes each
+        victim before it takes the next, freed them: ``waited`` says whether any victim
+        waited, ``stranded`` lists the backed-up victims left on device (token path to the
+        node's end, the node's tokens)."""
+        freed = 0
+        backed: list[int] = []
+        self.waited = False
+        while freed < num_tokens:
+            res = self.tree.evict(num_tokens - freed)
+            self.tree.sanity_check()
+            freed += res.num_evicted
+            self.waited = self.waited or res.pending_tokens > 0
+            if not res.backups:
+                break
+            for b in res.backups:
+                backed += self._commit(b)
+                self.tree.sanity_check()
+        nodes = {n.id: n for n in self.tree.iter_nodes()}
+        left = [nodes[i] for i in dict.fromkeys(backed) if i in nodes and nodes[i].value is not None]
+        self.stranded = [(tuple(self.tree.node_key(n.id).tokens), n.ntok) for n in left]
+        return freed
+
+    def load(self, tokens: list[int]) -> int:
+        raise NotImplementedError("hybrid load-backs are not driven (module docstring)")
+
+    def evict_host(self, num_tokens: int) -> tuple[int, list[tuple[int, ...]]]:
+        raise NotImplementedError("hybrid host eviction is not driven (module docstring)")
