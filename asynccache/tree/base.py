@@ -3,6 +3,7 @@ accounting and eviction-queue membership, page hashes and KV events, splits and 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections.abc import Iterator
@@ -160,8 +161,15 @@ class TreeBase:
         self._host_pinned = 0  # of _protected: tokens only host pins protect (class 3)
         self._host_size = 0
         # Write-back trees: the order in which evict_host reclaims host duplicates (see
-        # _note_dup and HostTier.evict_host).
+        # _note_dup and HostTier.evict_host): each entry's place, and a heap of the places of
+        # the entries a first reclaim pass must visit (every entry that is not an evictable
+        # device leaf; items of dropped entries go stale), so that a pass never walks the
+        # leaves it spares.
         self._dup_order: dict[int, Node] = {}
+        self._dup_place: dict[int, int] = {}
+        self._dup_heap: list[tuple[int, int]] = []
+        self._dup_queued: set[int] = set()
+        self._dup_places = itertools.count()
         self._pending: dict[int, _PendingOp] = {}
         self._receipts: dict[int, tuple[Node, bool]] = {}
         old = getattr(self, "_srefs", {})
@@ -303,9 +311,35 @@ class TreeBase:
         reclaims them in registration order), which host eviction must follow to take the same
         victims."""
         if n.value is not None and n.host_value is not None and not n.pending:
-            self._dup_order.setdefault(n.id, n)
+            if n.id not in self._dup_order:
+                self._dup_order[n.id] = n
+                self._dup_place[n.id] = next(self._dup_places)
+            self._dup_watch(n)
         else:
-            self._dup_order.pop(n.id, None)
+            self._dup_forget(n.id)
+
+    def _dup_forget(self, node_id: int) -> None:
+        """Drop ``node_id``'s entry from the duplicate order (its heap item goes stale)."""
+        if self._dup_order.pop(node_id, None) is not None:
+            del self._dup_place[node_id]
+            self._dup_queued.discard(node_id)
+
+    def _dup_watch(self, n: Node) -> None:
+        """``n`` has an entry in the duplicate order and its state may have changed: queue it
+        for the first reclaim pass unless it is an evictable device leaf with a settled host
+        copy (what that pass spares)."""
+        if n.id in self._dup_queued or (
+            n.value is not None and n.host_value is not None and not n.pending
+            and not n.host_lock_ref and not n.lock_ref and not n.dchildren
+        ):
+            return
+        heap = self._dup_heap
+        if len(heap) > 2 * len(self._dup_queued) + 64:  # mostly stale items: rebuild
+            place = self._dup_place
+            heap[:] = [(place[i], i) for i in self._dup_queued]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (self._dup_place[n.id], n.id))
+        self._dup_queued.add(n.id)
 
     def _touch_path(self, path: list[Node]) -> None:
         """A match walked ``path`` (root first): stamp each node's access, deepest newest, and
@@ -419,6 +453,8 @@ class TreeBase:
                 uq.push(n)
         elif n.aux[HDUP] is not None:
             uq.discard(n)
+        if self._dup_order and n.id in self._dup_order:
+            self._dup_watch(n)
 
     def _requeue(self, n: Node) -> None:
         """Re-key ``n`` in the queues it is in (its policy key changed)."""
@@ -562,6 +598,8 @@ class TreeBase:
                 self._account(n)
                 if n.aux[DLEAF] is not None:
                     self._queues[DLEAF].discard(n)
+                if self._dup_order and n.id in self._dup_order:
+                    self._dup_watch(n)
             else:
                 n.lock_ref += 1
             parent = n.parent

@@ -3,6 +3,7 @@ subtree deletion and host eviction."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -615,7 +616,7 @@ class HostTier(TreeBase):
             if n.anchors:
                 self._move_anchors(n, parent)
             del self._nodes[n.id]
-            self._dup_order.pop(n.id, None)
+            self._dup_forget(n.id)
         self._detach(top)
         if top_on_device:
             parent.dchildren -= 1
@@ -668,7 +669,7 @@ class HostTier(TreeBase):
                     if n.anchors:
                         self._move_anchors(n, parent)
                     del self._nodes[n.id]
-                    self._dup_order.pop(n.id, None)
+                    self._dup_forget(n.id)
                     self._refresh(parent)
                 else:
                     self._refresh(n)
@@ -699,23 +700,41 @@ class HostTier(TreeBase):
         reaches it. The walk stops as soon as ``num_tokens`` are free, so entries beyond that
         point stay as they are. Neither the eviction policy nor the host copies of the
         children matter here (write-back keeps no prefix closure of host copies)."""
-        order = self._dup_order
+        # First pass: the entries that are not evictable device leaves, in order (the heap
+        # holds every one of them, so the pass never walks the leaves it spares).
+        heap, queued, place, order = (self._dup_heap, self._dup_queued, self._dup_place,
+                                      self._dup_order)
+        kept: list[Node] = []
+        while heap and res.num_evicted < num_tokens:
+            at, node_id = heapq.heappop(heap)
+            if place.get(node_id) != at:
+                continue  # stale: its entry was dropped (and maybe made again)
+            queued.discard(node_id)
+            n = order[node_id]
+            if n.value is None or n.host_value is None:
+                self._dup_forget(node_id)
+            elif n.pending or n.host_lock_ref:
+                kept.append(n)
+            elif n.lock_ref or n.dchildren:
+                self._free_host_copy(n, res)
+                self._dup_forget(node_id)
+                self._refresh(n)
+            # else: an evictable device leaf by now; queued again when it stops being one
+        for n in kept:
+            self._dup_watch(n)
+        if res.num_evicted >= num_tokens:
+            return
+        # Second pass: every entry, in order.
         gone: list[int] = []
-        for spare_leaves in (True, False):
+        for n in order.values():
             if res.num_evicted >= num_tokens:
                 break
-            for n in order.values():
-                if res.num_evicted >= num_tokens:
-                    break
-                if n.value is None or n.host_value is None:
-                    gone.append(n.id)
-                    continue
-                if n.pending or n.host_lock_ref:
-                    continue
-                if spare_leaves and not n.lock_ref and not n.dchildren:
-                    continue
+            if n.value is None or n.host_value is None:
+                gone.append(n.id)
+            elif not (n.pending or n.host_lock_ref):
                 self._free_host_copy(n, res)
-                self._refresh(n)
                 gone.append(n.id)
         for node_id in gone:
-            order.pop(node_id, None)
+            n = order[node_id]
+            self._dup_forget(node_id)
+            self._refresh(n)

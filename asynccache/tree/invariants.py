@@ -190,6 +190,16 @@ def check_dup_order(tree: RadixTree, seen: dict[int, Node]) -> None:
         if (n is not tree._root and n.value is not None and n.host_value is not None
                 and not n.pending and n.id not in order):
             _fail(f"host duplicate {n.id} has no place in the duplicate order")
+    if tree._dup_place.keys() != order.keys():
+        _fail("the duplicate order's places do not match its entries")
+    for node_id, n in order.items():
+        spared = (n.value is not None and n.host_value is not None and not n.pending
+                  and not n.host_lock_ref and not n.lock_ref and not n.dchildren)
+        if not spared and node_id not in tree._dup_queued:
+            _fail(f"duplicate-order entry {node_id} is not an evictable device leaf but is not "
+                  "queued for the first reclaim pass")
+    if not tree._dup_queued <= order.keys():
+        _fail("a node queued for the first reclaim pass has no entry in the duplicate order")
 
 
 def check_arc(tree: RadixTree, seen: dict[int, Node]) -> None:
