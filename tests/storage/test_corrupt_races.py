@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 
 from asynccache.storage.faults import Fault, FaultKind
 from asynccache.storage.file import FileBackend
-from tests.storage.test_evict_faults import FILE, PAGE, disk_bytes, suffix_of, until
+from tests.storage.test_evict_faults import FILE, PAGE, consistent, until
 
 
 class HeldRead:
@@ -47,12 +49,27 @@ class HeldRead:
         return None
 
 
-def consistent(b: FileBackend, root) -> bool:
-    """The index counts exactly the page files on disk."""
-    st = b.stats()
-    indexed = b._index.keys()
-    names = {k for k in indexed if os.path.exists(b.path(k))}
-    return st["used_bytes"] == disk_bytes(root, suffix_of(b)) and names == set(indexed)
+@asynccontextmanager
+async def held_get(
+    b: FileBackend, key: str, eio: frozenset[str] = frozenset()
+) -> AsyncIterator[list[list[bool]]]:
+    """Run ``get_batch([key])`` under a :class:`HeldRead` hook (``eio`` as there): the body
+    runs while the read is held, which goes on (and finds the page corrupt) when the body
+    ends. Yields the list the get's result is appended to (filled once the block exits)."""
+    hook = HeldRead(key, eio=eio)
+    b.set_fault_hook(hook)
+    got: list[list[bool]] = []
+
+    async def get() -> None:
+        got.append(await b.get_batch([key], [bytearray(PAGE)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(get)
+        assert await until(hook.reached.is_set)
+        try:
+            yield got
+        finally:
+            hook.open()
 
 
 async def test_a_key_read_twice_in_one_batch_is_told_removed_once(
@@ -100,19 +117,9 @@ async def test_a_corrupt_read_of_a_page_whose_delete_failed_drops_it(
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
     assert await b.set_batch(keys, make_pages(2, PAGE)) == [True, True]
-    hook = HeldRead(k, eio=frozenset({k}))
-    b.set_fault_hook(hook)
-    got: list[list[bool]] = []
-
-    async def get() -> None:
-        got.append(await b.get_batch([k], [bytearray(PAGE)]))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(get)
-        assert await until(hook.reached.is_set)
+    async with held_get(b, k, eio=frozenset({k})) as got:
         assert await b.delete([k]) == 0  # the unlink failed: still there, still indexed
         assert k in b._index and heard == []
-        hook.open()
     assert got == [[False]]
     assert not os.path.exists(b.path(k))  # removed as corrupt
     assert heard == [k] and b.stats()["removed"] == {"corrupt": 1}
@@ -132,19 +139,9 @@ async def test_a_corrupt_read_of_a_page_written_again_meanwhile_drops_it(
     b.add_eviction_listener(heard.extend)
     old, new = make_pages(2, PAGE)
     assert await b.set_batch([k], [old]) == [True]
-    hook = HeldRead(k)
-    b.set_fault_hook(hook)
-    got: list[list[bool]] = []
-
-    async def get() -> None:
-        got.append(await b.get_batch([k], [bytearray(PAGE)]))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(get)
-        assert await until(hook.reached.is_set)
+    async with held_get(b, k) as got:
         assert await b.delete([k]) == 1
         assert await b.set_batch([k], [new]) == [True]
-        hook.open()
     assert got == [[False]]
     assert not os.path.exists(b.path(k))
     assert heard == [k, k]  # the old file deleted, the new one removed as corrupt

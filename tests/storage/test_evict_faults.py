@@ -47,6 +47,14 @@ def suffix_of(b: FileBackend) -> str:
     return b.object_name("0" * 64)[64:]
 
 
+def consistent(b: FileBackend, root: Path) -> bool:
+    """The index counts exactly the page files on disk."""
+    st = b.stats()
+    indexed = b._index.keys()
+    on_disk = {k for k in indexed if os.path.exists(b.path(k))}
+    return st["used_bytes"] == disk_bytes(root, suffix_of(b)) and on_disk == set(indexed)
+
+
 def evict_failed(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
     """The ``storage_evict_failed`` events logged (cause, pages, reasons)."""
     return [

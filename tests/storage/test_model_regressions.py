@@ -21,7 +21,7 @@ import anyio
 from asynccache.storage.faults import Fault, FaultKind
 from asynccache.storage.file import FileBackend
 from asynccache.storage.segment import file_bytes
-from tests.storage.test_evict_faults import FILE, PAGE, disk_bytes, suffix_of, until
+from tests.storage.test_evict_faults import FILE, PAGE, consistent, disk_bytes, suffix_of, until
 
 
 class Hold:
@@ -40,13 +40,6 @@ class Hold:
             self.reached[key].set()
             self.held[key].wait(10)
         return Fault(FaultKind.EIO) if key in self.eio else None
-
-
-def consistent(b: FileBackend, root) -> bool:
-    st = b.stats()
-    indexed = b._index.keys()
-    on_disk = {k for k in indexed if os.path.exists(b.path(k))}
-    return st["used_bytes"] == disk_bytes(root, suffix_of(b)) and on_disk == set(indexed)
 
 
 async def test_segment_pages_two_deletes_fail_to_unlink_are_counted_once(

@@ -24,11 +24,9 @@ in its prepare step) and host eviction.
 
 from __future__ import annotations
 
-from array import array
 from types import SimpleNamespace
 from typing import Any
 
-from asynccache.tree import RadixTree
 from tests.tree.sglang_write_back import SGLANG_PROBLEM, OursWriteBack, SGLangWriteBack
 
 if SGLANG_PROBLEM is None:
@@ -38,10 +36,8 @@ if SGLANG_PROBLEM is None:
         import torch
         from sglang.srt.environ import envs
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-        from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.mem_cache.unified_cache.cache_action import ComponentAction
         from sglang.srt.mem_cache.unified_cache.components.base import (
             ComponentType,
@@ -114,18 +110,11 @@ class SGLangHybridWriteBack(SGLangWriteBack):
         if mamba:
             comps[mam] = _Mamba(owner, params)
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override("python"):
-            self.core = create_tree_core("python", params, comps)
-        self.backend = type(self.core).__name__
-        self.core.set_hicache_enabled()
-        self.core.is_write_back = True
-        self.core.write_through_threshold = 2
+            core = create_tree_core("python", params, comps)
+        self._adopt(core, kinds)
         self.core.has_swa_host_pool = bool(window)  # (a host SWA pool: host-cache mode)
-        self.kinds = kinds
         self.mamba = mamba
-        self.next_slot = 0
         self.next_state = 0
-        self.names: dict[int, tuple[int, ...]] = {}
-        self.locks: list[tuple[int, Any]] = []
 
     def _actions(self, actions: list[Any]) -> None:
         """Route the component actions to their component (as the cache does); the cache's
@@ -137,61 +126,16 @@ class SGLangHybridWriteBack(SGLangWriteBack):
 
     def insert(self, tokens: list[int], state: int | None = None) -> None:
         """Insert ``tokens``; ``state``: a Mamba state slot for its end (Mamba trees)."""
-        kw: dict[str, Any] = {}
-        if state is not None:
-            kw["mamba_value"] = torch.tensor([state], dtype=torch.int64)
-        step = self.core.begin_insert(InsertParams(key=RadixKey(array("q", tokens)),
-                                                   value=self._slots(len(tokens)), **kw))
-        try:
-            while True:
-                self._actions(step.actions)
-                if step.result is not None:
-                    break
-                step = self.core.resume_insert()
-        finally:
-            self._actions(self.core.end_insert())
+        if state is None:
+            super().insert(tokens)
+        else:
+            super().insert(tokens, mamba_value=torch.tensor([state], dtype=torch.int64))
 
-    def _backup(self, node_id: Any) -> None:
-        """The cache's write-back copy of one victim with its component data."""
-        device_value, comp = self.core.build_backup_spec(node_id)
-        assert device_value.numel()
+    def _place_components(self, comp: Any) -> None:
+        """The component data of a backup gets fresh host slot numbers."""
         for xfers in comp.values():
             for x in xfers:
                 x.host_indices = self._slots(len(x.device_indices)) + 2 * 10**6
-        self.core.commit_backup(node_id, self._slots(len(device_value)) + 10**6, comp)
-        ids = self.core.mark_write_through_pending([node_id], ack_id=node_id)
-        self.core.finish_write_through(ids, node_id)
-
-    def evict(self, num_tokens: int) -> int:
-        """Evict ``num_tokens`` FULL tokens (the FULL walk, as the cache's ``_evict`` runs it)."""
-        full = ComponentType.FULL
-        tracker = {ct: 0 for ct in self.kinds}
-
-        def add(delta: dict[Any, int]) -> None:
-            for ct, k in delta.items():
-                tracker[ct] = tracker.get(ct, 0) + k
-
-        if num_tokens <= 0:
-            return 0
-        self.core.evict_device_start(full, num_tokens)
-        try:
-            while True:
-                step = self.core.evict_device_next_node(full, dict(tracker))
-                add(self._spent(step))
-                node_id = step.node_id
-                if node_id is None:
-                    if not step.made_progress:
-                        break
-                    continue
-                leaf = self.core.evict_device_leaf(node_id, True)
-                add(self._spent(leaf))
-                if leaf.backup_kv is not None:
-                    for nid in leaf.backup_kv.node_ids:
-                        self._backup(nid)
-                    add(self._spent(self.core.demote(node_id)))
-        finally:
-            self.core.evict_device_end(full)
-        return tracker[full]
 
     def load(self, tokens: list[int]) -> int:
         raise NotImplementedError("hybrid load-backs are not driven (module docstring)")
@@ -207,13 +151,7 @@ class OursHybridWriteBack(OursWriteBack):
     def __init__(self, page_size: int = 1, policy: str = "lru", window: int = 0,
                  mamba: bool = False) -> None:
         assert window > 0 or mamba
-        self.ps = page_size
-        self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy="write_back",
-                              eviction_policy=policy, enable_kv_events=True,
-                              sliding_window=window, mamba=mamba)
-        self.next_slot = 0
-        self.names: dict[int, tuple[int, ...]] = {}
-        self.locks: list[Any] = []
+        super().__init__(page_size, policy, sliding_window=window, mamba=mamba)
         self.stranded: list[tuple[tuple[int, ...], int]] = []
         self.waited = False
 

@@ -17,6 +17,9 @@ tree's ``sanity_check``.
 Both report what happened through the trees' KV events, so nothing depends on node ids: every
 page is named by its token path from the root (the events' block hashes are chained, so a hash
 names one path). ``evict_host`` returns the pages whose host copies went, in order.
+
+``Differential`` holds what the FULL and hybrid differential state machines
+(``test_sglang_write_back.py``, ``test_sglang_hybrid_write_back.py``) share.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from hypothesis import assume
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from asynccache.tree import RadixTree
 from asynccache.tree.events import BlockRemoved, BlockStored
@@ -98,11 +104,18 @@ class SGLangWriteBack:
             # (the component reads only these of its cache on the paths driven here)
             owner = SimpleNamespace(enable_session_radix_cache=False, page_size=page_size,
                                     is_swa_enabled=False)
-            self.core = create_tree_core(backend, params, {FULL: FullComponent(owner, params)})
-        self.backend = type(self.core).__name__
-        self.core.set_hicache_enabled()
-        self.core.is_write_back = True
-        self.core.write_through_threshold = 2  # (what the cache sets; write-back counts no hits)
+            core = create_tree_core(backend, params, {FULL: FullComponent(owner, params)})
+        self._adopt(core, (FULL,))
+
+    def _adopt(self, core: Any, kinds: tuple[Any, ...]) -> None:
+        """Take ``core`` (with the component types ``kinds``) as the cache does under
+        write-back, and start the driver's own bookkeeping."""
+        self.core = core
+        self.kinds = kinds
+        self.backend = type(core).__name__
+        core.set_hicache_enabled()
+        core.is_write_back = True
+        core.write_through_threshold = 2  # (what the cache sets; write-back counts no hits)
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
         self.locks: list[tuple[int, Any]] = []
@@ -124,9 +137,10 @@ class SGLangWriteBack:
         # copy to a split fragment; a backup there would need the cache's write-through path.
         assert not any(isinstance(a, BackupKV) for a in actions), actions
 
-    def insert(self, tokens: list[int]) -> None:
+    def insert(self, tokens: list[int], **params: Any) -> None:
+        """Insert ``tokens`` (``params``: more ``InsertParams`` fields)."""
         step = self.core.begin_insert(InsertParams(key=self._key(tokens),
-                                                   value=self._slots(len(tokens))))
+                                                   value=self._slots(len(tokens)), **params))
         try:
             while True:
                 self._actions(step.actions)
@@ -150,16 +164,22 @@ class SGLangWriteBack:
         res.host_frees.clear()
         return dict(res.tracker)
 
+    def _place_components(self, comp: Any) -> None:
+        """Give the component data of a backup its host slots (none in a FULL-only tree)."""
+        assert not comp
+
     def _backup(self, node_id: Any) -> None:
         """The cache's write-back copy of one victim: commit, mark pending, retire the ack."""
         device_value, comp = self.core.build_backup_spec(node_id)
-        assert device_value.numel() and not comp
+        assert device_value.numel()
+        self._place_components(comp)
         self.core.commit_backup(node_id, self._slots(len(device_value)) + 10**6, comp)
         ids = self.core.mark_write_through_pending([node_id], ack_id=node_id)
         self.core.finish_write_through(ids, node_id)
 
     def evict(self, num_tokens: int) -> int:
-        tracker = {FULL: 0}
+        """Evict ``num_tokens`` FULL tokens (the FULL walk, as the cache's ``_evict`` runs it)."""
+        tracker = {ct: 0 for ct in self.kinds}
 
         def add(delta: dict[Any, int]) -> None:
             for ct, k in delta.items():
@@ -233,10 +253,11 @@ class SGLangWriteBack:
 class OursWriteBack:
     """asynccache's ``RadixTree`` under write-back, driven like :class:`SGLangWriteBack`."""
 
-    def __init__(self, page_size: int = 1, policy: str = "lru") -> None:
+    def __init__(self, page_size: int = 1, policy: str = "lru", **tree: Any) -> None:
+        """``tree``: more ``RadixTree`` arguments (the hybrid driver's components)."""
         self.ps = page_size
         self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy="write_back",
-                              eviction_policy=policy, enable_kv_events=True)
+                              eviction_policy=policy, enable_kv_events=True, **tree)
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
         self.locks: list[Any] = []
@@ -306,3 +327,45 @@ class OursWriteBack:
         gone = self.removed()
         assert all(m == "cpu" for m, _ in gone), gone
         return res.num_evicted, [p for _, p in gone]
+
+
+POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]  # (the ones both trees have)
+pages = st.integers(1, 6)
+
+
+class Differential(RuleBasedStateMachine):
+    """The rules and helpers the differential machines share. A subclass's ``setup`` sets
+    ``ps``, ``ref`` (SGLang's driver) and ``ours`` (ours, driven alike), and adds the rules
+    that draw keys."""
+
+    # Drop an eviction's example where the two differ and a victim of ours waited for its
+    # copy (the hybrid test's module docstring says why).
+    DROP_WAITED_EVICTIONS = False
+    ps: int
+    ref: Any
+    ours: Any
+
+    def _tokens(self, key: list[int]) -> list[int]:
+        """Page symbols -> tokens (page ``p`` is ``10p, 10p+1, ...``)."""
+        return [10 * p + j for p in key for j in range(self.ps)]
+
+    def _same_events(self, sort: bool = False) -> None:
+        got, want = self.ours.removed(), self.ref.removed()
+        if sort:
+            got, want = sorted(got), sorted(want)
+        assert got == want
+
+    @rule(n=pages)
+    def evict(self, n: int) -> None:
+        got, want = self.ours.evict(n * self.ps), self.ref.evict(n * self.ps)
+        gone, ref_gone = sorted(self.ours.removed()), sorted(self.ref.removed())
+        if self.DROP_WAITED_EVICTIONS and (got, gone) != (want, ref_gone) and self.ours.waited:
+            assume(False)
+        assert got == want
+        assert gone == ref_gone
+
+    @precondition(lambda self: hasattr(self, "ours") and self.ours.locks)
+    @rule()
+    def unlock(self) -> None:
+        self.ours.unlock()
+        self.ref.unlock()

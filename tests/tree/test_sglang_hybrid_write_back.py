@@ -27,28 +27,27 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import assume
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, rule
 
 from tests.tree.sglang_hybrid_write_back import (
     SGLANG_PROBLEM,
     OursHybridWriteBack,
     SGLangHybridWriteBack,
 )
+from tests.tree.sglang_write_back import POLICIES, Differential
 from tests.tree.stateful_cases import machine_case, stateful_settings
 
 if SGLANG_PROBLEM is not None:
     pytest.skip(SGLANG_PROBLEM, allow_module_level=True)
 
-POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=6)
-pages = st.integers(1, 6)
 
 
-class HybridWriteBackDifferential(RuleBasedStateMachine):
+class HybridWriteBackDifferential(Differential):
     SWA = True
     MAMBA = False
+    DROP_WAITED_EVICTIONS = True  # (the difference of device eviction in the module docstring)
 
     @initialize(ps=st.sampled_from([1, 2]), window_pages=st.sampled_from([6, 8]),
                 policy=st.sampled_from(POLICIES))
@@ -62,10 +61,6 @@ class HybridWriteBackDifferential(RuleBasedStateMachine):
         self.ours = OursHybridWriteBack(**kw)
         self.next_state = 0
 
-    def _tokens(self, key: list[int]) -> list[int]:
-        """Page symbols -> tokens (page ``p`` is ``10p, 10p+1, ...``)."""
-        return [10 * p + j for p in key for j in range(self.ps)]
-
     @rule(key=keys)
     def insert(self, key: list[int]) -> None:
         tokens = self._tokens(key)
@@ -75,32 +70,17 @@ class HybridWriteBackDifferential(RuleBasedStateMachine):
             slot = self.next_state
         self.ours.insert(tokens, slot)
         self.ref.insert(tokens, slot)
-        assert self.ours.removed() == self.ref.removed()
+        self._same_events()
 
     @rule(key=keys)
     def match(self, key: list[int]) -> None:
         tokens = self._tokens(key)
         assert self.ours.match(tokens)[:2] == self.ref.match(tokens)[:2]
 
-    @rule(n=pages)
-    def evict(self, n: int) -> None:
-        got, want = self.ours.evict(n * self.ps), self.ref.evict(n * self.ps)
-        gone, ref_gone = sorted(self.ours.removed()), sorted(self.ref.removed())
-        if (got, gone) != (want, ref_gone) and self.ours.waited:
-            assume(False)  # (the difference of device eviction in the module docstring)
-        assert got == want
-        assert gone == ref_gone
-
     @rule(key=keys)
     def lock(self, key: list[int]) -> None:
         tokens = self._tokens(key)
         assert self.ours.lock(tokens) == self.ref.lock(tokens)
-
-    @precondition(lambda self: hasattr(self, "ours") and self.ours.locks)
-    @rule()
-    def unlock(self) -> None:
-        self.ours.unlock()
-        self.ref.unlock()
 
 
 TestSWA = machine_case(HybridWriteBackDifferential, "SWA", stateful_settings(200))

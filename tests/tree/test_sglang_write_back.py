@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, rule
 
 from tests.tree.sglang_write_back import (
+    POLICIES,
     SGLANG_PROBLEM,
+    Differential,
     OursWriteBack,
     SGLangWriteBack,
+    pages,
     rust_core_problem,
 )
 from tests.tree.stateful_cases import machine_case, stateful_settings
@@ -37,12 +40,10 @@ from tests.tree.stateful_cases import machine_case, stateful_settings
 if SGLANG_PROBLEM is not None:
     pytest.skip(SGLANG_PROBLEM, allow_module_level=True)
 
-POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=5)
-pages = st.integers(1, 6)
 
 
-class WriteBackDifferential(RuleBasedStateMachine):
+class WriteBackDifferential(Differential):
     BACKEND = "python"
 
     @initialize(ps=st.sampled_from([1, 2]), policy=st.sampled_from(POLICIES))
@@ -50,16 +51,6 @@ class WriteBackDifferential(RuleBasedStateMachine):
         self.ps = ps
         self.ref = SGLangWriteBack(page_size=ps, backend=self.BACKEND, policy=policy)
         self.ours = OursWriteBack(page_size=ps, policy=policy)
-
-    def _tokens(self, key: list[int]) -> list[int]:
-        """Page symbols -> tokens (page ``p`` is ``10p, 10p+1, ...``)."""
-        return [10 * p + j for p in key for j in range(self.ps)]
-
-    def _same_events(self, sort: bool = False) -> None:
-        got, want = self.ours.removed(), self.ref.removed()
-        if sort:
-            got, want = sorted(got), sorted(want)
-        assert got == want
 
     @rule(key=keys)
     def insert(self, key: list[int]) -> None:
@@ -73,13 +64,6 @@ class WriteBackDifferential(RuleBasedStateMachine):
         tokens = self._tokens(key)
         assert self.ours.match(tokens)[:2] == self.ref.match(tokens)[:2]
 
-    @rule(n=pages)
-    def evict(self, n: int) -> None:
-        got, want = self.ours.evict(n * self.ps), self.ref.evict(n * self.ps)
-        gone, ref_gone = sorted(self.ours.removed()), sorted(self.ref.removed())
-        assert got == want
-        assert gone == ref_gone
-
     @rule(key=keys)
     def load(self, key: list[int]) -> None:
         tokens = self._tokens(key)
@@ -90,12 +74,6 @@ class WriteBackDifferential(RuleBasedStateMachine):
     def lock(self, key: list[int]) -> None:
         tokens = self._tokens(key)
         assert self.ours.lock(tokens) == self.ref.lock(tokens)
-
-    @precondition(lambda self: hasattr(self, "ours") and self.ours.locks)
-    @rule()
-    def unlock(self) -> None:
-        self.ours.unlock()
-        self.ref.unlock()
 
     @rule(n=pages)
     def evict_host(self, n: int) -> None:
