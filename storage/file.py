@@ -214,7 +214,7 @@ class FileBackend(BackendBase):
             for _mtime, size, keys in sorted(files.values(), key=lambda f: (f[0], f[2][0])):
                 self._index.add(keys, size)
             self._started = True
-            victims: list[str] = []
+            victims: list[Evicted] = []
             if self.capacity_bytes is not None:
                 victims = self._index.evict(self.capacity_bytes, self._dir.tmp_bytes, protect=())
             if victims:
