@@ -40,7 +40,7 @@ from asynccache.tree.keys import (
     decode_pairs,
     decode_tokens,
 )
-from asynccache.tree.node import DLEAF, HDUP, HLEAF, BigramNode, Node
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, BigramNode, Node, settled_dup, spared_dup
 from asynccache.tree.queues import (
     USES_ACCESS,
     USES_HITS,
@@ -310,7 +310,7 @@ class TreeBase:
         reference's bookkeeping (SGLang 0.5.23 registers duplicates at these same points and
         reclaims them in registration order), which host eviction must follow to take the same
         victims."""
-        if n.value is not None and n.host_value is not None and not n.pending:
+        if settled_dup(n):
             if n.id not in self._dup_order:
                 self._dup_order[n.id] = n
                 self._dup_place[n.id] = next(self._dup_places)
@@ -328,10 +328,7 @@ class TreeBase:
         """``n`` has an entry in the duplicate order and its state may have changed: queue it
         for the first reclaim pass unless it is an evictable device leaf with a settled host
         copy (what that pass spares)."""
-        if n.id in self._dup_queued or (
-            n.value is not None and n.host_value is not None and not n.pending
-            and not n.host_lock_ref and not n.lock_ref and not n.dchildren
-        ):
+        if n.id in self._dup_queued or spared_dup(n):
             return
         heap = self._dup_heap
         if len(heap) > 2 * len(self._dup_queued) + 64:  # mostly stale items: rebuild

@@ -8,7 +8,7 @@ import numpy as np
 
 from asynccache.tree.hashing import chain_digests
 from asynccache.tree.keys import DEFAULT_NAMESPACE
-from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node, settled_dup, spared_dup
 
 if TYPE_CHECKING:
     from asynccache.tree.tree import RadixTree
@@ -187,15 +187,12 @@ def check_dup_order(tree: RadixTree, seen: dict[int, Node]) -> None:
         if seen.get(node_id) is not n:
             _fail(f"the duplicate order names node {node_id}, which is not in the tree")
     for n in seen.values():
-        if (n is not tree._root and n.value is not None and n.host_value is not None
-                and not n.pending and n.id not in order):
+        if n is not tree._root and settled_dup(n) and n.id not in order:
             _fail(f"host duplicate {n.id} has no place in the duplicate order")
     if tree._dup_place.keys() != order.keys():
         _fail("the duplicate order's places do not match its entries")
     for node_id, n in order.items():
-        spared = (n.value is not None and n.host_value is not None and not n.pending
-                  and not n.host_lock_ref and not n.lock_ref and not n.dchildren)
-        if not spared and node_id not in tree._dup_queued:
+        if not spared_dup(n) and node_id not in tree._dup_queued:
             _fail(f"duplicate-order entry {node_id} is not an evictable device leaf but is not "
                   "queued for the first reclaim pass")
     if not tree._dup_queued <= order.keys():

@@ -104,6 +104,17 @@ class BigramNode(Node):
     UNIT_SHIFT = 3
 
 
+def settled_dup(n: Node) -> bool:
+    """``n`` is a host duplicate with no copy in flight: on device and on host, settled."""
+    return n.value is not None and n.host_value is not None and not n.pending
+
+
+def spared_dup(n: Node) -> bool:
+    """``n`` is a settled duplicate that is an evictable device leaf (not locked on device or
+    host, no device children): what write-back host eviction's first pass spares."""
+    return settled_dup(n) and not n.host_lock_ref and not n.lock_ref and not n.dchildren
+
+
 def frozen(slots: np.ndarray) -> np.ndarray:
     """A read-only copy of the 1-D slot array ``slots`` (the tree never aliases a caller's
     array): an array over a bytes copy, read-only from birth (a seventh cheaper than copying
