@@ -156,7 +156,7 @@ class AgreedCommits:
         except BaseException:
             # The ranks could not agree (a peer failed): the caller frees the slots, so the
             # copy must have landed here first.
-            await asyncio.gather(handle.done(), return_exceptions=True)
+            await wait_all([handle])
             raise
         err = outcome["error"]
         if err is not None:
