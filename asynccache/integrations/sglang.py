@@ -29,7 +29,8 @@ counts in ``get_stats()["timeouts"]``. ``clear``, ``delete``, ``close`` and
 ``register_mem_pool_host`` raise ``TimeoutError``. A loop so wedged that a cancelled call has not
 ended ``grace_s`` (10 s) past the deadline is given up on (``sglang_storage_loop_wedged`` error
 event, ``get_stats()["timeouts_unfinished"]``): only then can a late backend call still touch
-the pages. After :meth:`AsyncCacheStorage.close` every call raises
+the pages. ``close()`` on such a loop raises ``TimeoutError`` after the same wait
+(``sglang_storage_close_unfinished``); its shutdown runs once the blocking call returns. After :meth:`AsyncCacheStorage.close` every call raises
 :class:`~asynccache.errors.ClosedError`; a call racing ``close()`` from another thread ends
 normally or raises it (close() cancels the calls on the loop), never a timeout.
 
@@ -151,7 +152,7 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
         self._timeouts = 0
         self._timeouts_unfinished = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+        self._thread = threading.Thread(target=self._run_loop, daemon=True,
                                         name="asynccache-sglang-storage")
         self._thread.start()
         try:
@@ -226,32 +227,58 @@ class AsyncCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (sglang ships 
             return None
 
     async def _shutdown(self) -> None:
-        """Close the backend, then cancel the calls still on the loop (they raise ClosedError)."""
+        """Close the backend (bounded by ``timeout_s``), cancel the calls still on the loop
+        (they raise ClosedError), then stop the loop, whatever happened before."""
         try:
-            await self.backend.aclose()
+            async with asyncio.timeout(self.timeout_s):
+                await self.backend.aclose()
         finally:
             me = asyncio.current_task()
             rest = [t for t in asyncio.all_tasks() if t is not me]
             for task in rest:
                 task.cancel()
             await asyncio.gather(*rest, return_exceptions=True)
+            # Next iteration: that iteration still runs this task's completion callbacks (they
+            # are queued before it starts), so close() hears of the end before the loop stops.
+            self._loop.call_soon(self._loop.stop)
+
+    def _run_loop(self) -> None:
+        """The loop thread: runs the loop until it is stopped, then closes it (here, so that a
+        loop blocked when close() gave up on it is still closed once the blocking call ends)."""
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(self.timeout_s)
-        self._loop.close()
+        self._thread.join(self.grace_s)
 
     def close(self) -> None:
         """Close the backend and stop the adapter's loop (SGLang calls it on detach). Later
-        calls raise :class:`~asynccache.errors.ClosedError`."""
+        calls raise :class:`~asynccache.errors.ClosedError`. Past ``timeout_s`` it raises
+        ``TimeoutError``; on a loop blocked by a backend call, only after ``grace_s`` more,
+        with a ``sglang_storage_close_unfinished`` error event: the shutdown then runs, and
+        the loop closes, once the blocking call returns."""
         with self._submit_lock:  # after every call that found the adapter open is submitted
             if self._closed:
                 return
             self._closed = True
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
         try:
-            self._submit("close", self._shutdown())
-        finally:
-            self._stop_loop()
+            future.result(self.timeout_s + self.grace_s)
+        except TimeoutError:
+            with self._counts_lock:
+                self._timeouts += 1
+            if future.done():
+                raise  # the backend's aclose() outlived timeout_s; the loop has stopped
+            with self._counts_lock:
+                self._timeouts_unfinished += 1
+            _log.error("sglang_storage_close_unfinished", timeout_s=self.timeout_s,
+                       grace_s=self.grace_s, url=self._url)
+            raise _Unfinished(f"close: the adapter's loop did not run the shutdown within "
+                              f"{self.timeout_s + self.grace_s:.3g} s") from None
+        self._thread.join(self.grace_s)
 
     # ------------------------------------------------------------------ SGLang's interface
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

@@ -523,3 +523,49 @@ def test_the_documented_extra_config_creates_the_backend_through_sglangs_factory
         assert storage.batch_exists(_keys(1)) == 1
     finally:
         storage.close()
+
+
+def test_close_on_a_wedged_loop_returns_logs_it_and_the_loop_closes_once_it_ends(
+        tmp_path, caplog):
+    """A backend call that blocks the adapter's loop thread (sync I/O on a hung mount): close()
+    gives up after the deadline plus grace with a TimeoutError (as for any close past its
+    deadline) and an error event, and the shutdown still runs -- the backend is closed and the
+    loop closed by its own thread -- once the blocking call returns."""
+    storage = _create(f"file://{tmp_path}", timeout_s=0.1)
+    storage.grace_s = 0.1
+    started, release = threading.Event(), threading.Event()
+    caplog.set_level(logging.WARNING, logger="asynccache")
+
+    async def wedged(keys, bufs):
+        started.set()
+        release.wait(5.0)  # blocks the loop thread itself
+        return [False] * len(keys)
+
+    storage.backend.get_batch = wedged
+    page = torch.full((PAGE_NUMEL,), SENTINEL, dtype=torch.float16)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(storage.batch_get, _keys(1), [page])
+        assert started.wait(2.0)
+        with pytest.raises(TimeoutError, match="did not run the shutdown"):
+            storage.close()  # not RuntimeError("Cannot close a running event loop")
+        assert call.result(2.0) == [None]  # the wedged read: a miss, as before
+    closed = []
+    real_aclose = storage.backend.aclose
+
+    async def aclose():
+        closed.append(True)
+        await real_aclose()
+
+    storage.backend.aclose = aclose  # read when the queued shutdown finally runs
+    events = [r.asynccache_event["event"] for r in caplog.records
+              if r.levelno == logging.ERROR]
+    assert "sglang_storage_close_unfinished" in events
+    assert not storage._loop.is_closed()  # still running the blocked call
+    release.set()
+    storage._thread.join(5.0)
+    assert not storage._thread.is_alive()
+    assert storage._loop.is_closed()  # closed by its own thread once the call returned
+    assert closed == [True]
+    assert storage.get_stats()["timeouts_unfinished"] == 2  # the read and the close
+    with pytest.raises(ClosedError):
+        storage.batch_exists(_keys(1))
