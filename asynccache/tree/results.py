@@ -94,7 +94,9 @@ class MatchResult:
 
     ``device_indices`` are the device slots of the first ``device_prefix_len`` tokens (read-only).
     ``best_node`` is the deepest matched node, device or host (anchor for load-back and storage
-    prefetch); ``host_hit_length`` the tokens after the device prefix that are on host only.
+    prefetch); ``host_hit_length`` the tokens from the device prefix's end to ``best_node``'s,
+    which a load-back makes device-usable (on host only, in a FULL-only tree; a hybrid tree also
+    counts nodes whose FULL KV is on device but whose SWA / Mamba part must come from host).
     ``pending_loads`` names load-backs still copying pages that follow the device prefix (they
     count in ``host_hit_length`` until they commit): wait for them, then match again.
 

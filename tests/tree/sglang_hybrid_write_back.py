@@ -167,6 +167,20 @@ class OursHybridWriteBack(OursWriteBack):
         return self.tree.commit_backup(req.op_id, self._slots(req.num_tokens) + 10**6,
                                        parts or None)
 
+    def match(self, tokens: list[int]) -> tuple[int, int, Any]:
+        """Ours, with the host hit measured as the reference measures it: the host copies
+        between ``best_node`` and ``last_device_node``. Ours counts every token a load-back
+        adds to the device prefix, which in a hybrid tree includes nodes whose FULL KV is on
+        device but whose state or window is not (docs/differences.md)."""
+        dev, _, m = super().match(tokens)
+        nodes = {n.id: n for n in self.tree.iter_nodes()}
+        copied = 0
+        node = nodes.get(m.best_node)
+        while node is not None and node.id != m.last_device_node:
+            copied += node.ntok if node.host_value is not None else 0
+            node = node.parent
+        return dev, copied, m
+
     def evict(self, num_tokens: int) -> int:
         """Evict as the engine's ``evict_async`` does: evict, commit the copies asked for,
         evict again until enough is freed. The tree counts victims waiting for their copies

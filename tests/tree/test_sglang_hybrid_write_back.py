@@ -83,6 +83,27 @@ class HybridWriteBackDifferential(Differential):
         assert self.ours.lock(tokens) == self.ref.lock(tokens)
 
 
+def test_a_host_hit_below_a_device_node_without_a_state_counts_what_the_load_back_adds():
+    """Soak finding: a Mamba state backed up at eviction below a node whose FULL KV stays on
+    device but that has no state. The reference's ``host_hit_length`` sums the host copies
+    between the two match anchors (1); ours counts every token a load-back adds to the device
+    prefix (2: the parent's device KV becomes usable with the loaded state), as
+    ``total_hit_length`` promises (docs/differences.md). The drivers compare the reference's
+    measure, which ours also gives."""
+    kw: dict[str, Any] = {"page_size": 1, "policy": "lru", "mamba": True}
+    ref, ours = SGLangHybridWriteBack(**kw), OursHybridWriteBack(**kw)
+    for state, tokens in enumerate(([10, 10], [10, 0]), 1):
+        ours.insert(tokens, state)
+        ref.insert(tokens, state)
+    for _ in range(2):
+        assert ours.evict(1) == ref.evict(1) == 1
+    assert ref.match([10, 0])[:2] == (0, 1)
+    assert ours.match([10, 0])[:2] == (0, 1)
+    m = ours.tree.match_prefix([10, 0])
+    assert (m.device_prefix_len, m.host_hit_length, m.total_hit_length) == (0, 2, 2)
+    assert ours.tree.load_back_sizes(m.best_node) == {"full": 1, "mamba": 1}
+
+
 TestSWA = machine_case(HybridWriteBackDifferential, "SWA", stateful_settings(200))
 TestMamba = machine_case(HybridWriteBackDifferential, "Mamba", stateful_settings(150),
                          SWA=False, MAMBA=True)
