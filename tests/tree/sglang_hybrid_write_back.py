@@ -152,8 +152,6 @@ class OursHybridWriteBack(OursWriteBack):
                  mamba: bool = False) -> None:
         assert window > 0 or mamba
         super().__init__(page_size, policy, sliding_window=window, mamba=mamba)
-        self.stranded: list[tuple[tuple[int, ...], int]] = []
-        self.waited = False
 
     def insert(self, tokens: list[int], state: int | None = None) -> None:
         kw: dict[str, Any] = {} if state is None else {"mamba_value": state}
@@ -180,32 +178,6 @@ class OursHybridWriteBack(OursWriteBack):
             copied += node.ntok if node.host_value is not None else 0
             node = node.parent
         return dev, copied, m
-
-    def evict(self, num_tokens: int) -> int:
-        """Evict as the engine's ``evict_async`` does: evict, commit the copies asked for,
-        evict again until enough is freed. The tree counts victims waiting for their copies
-        (and a parent it demotes after them) towards the target, so the call may end with some
-        still on device (a later call demotes them) where the reference, which demotes each
-        victim before it takes the next, freed them: ``waited`` says whether any victim
-        waited, ``stranded`` lists the backed-up victims left on device (token path to the
-        node's end, the node's tokens)."""
-        freed = 0
-        backed: list[int] = []
-        self.waited = False
-        while freed < num_tokens:
-            res = self.tree.evict(num_tokens - freed)
-            self.tree.sanity_check()
-            freed += res.num_evicted
-            self.waited = self.waited or res.pending_tokens > 0
-            if not res.backups:
-                break
-            for b in res.backups:
-                backed += self._commit(b)
-                self.tree.sanity_check()
-        nodes = {n.id: n for n in self.tree.iter_nodes()}
-        left = [nodes[i] for i in dict.fromkeys(backed) if i in nodes and nodes[i].value is not None]
-        self.stranded = [(tuple(self.tree.node_key(n.id).tokens), n.ntok) for n in left]
-        return freed
 
     def load(self, tokens: list[int]) -> int:
         raise NotImplementedError("hybrid load-backs are not driven (module docstring)")
