@@ -10,7 +10,7 @@ FULL-only match, evict, lock and host-tier insert keep their own loops in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -252,9 +252,12 @@ def insert(
     priority: int,
     floor: int,
     state: int | None,
+    unevicted: Collection[int] = (),
 ) -> InsertResult:
     """The insert of every tree without a host tier, FULL-only included (with no components
-    their branches are skipped), and of hybrid trees with one (after hybrid_host.prepare_insert).
+    their branches are skipped), and of hybrid trees with one (after hybrid_host.prepare_insert;
+    ``unevicted``: the nodes it gave the caller's slots, whose SWA tombstone is recovered for
+    the whole node above the SWA floor, not only within the insert's last window).
     The walk inlines the per-node work (tick, page match, duplicate checks): every call saved
     per node counts.
 
@@ -337,8 +340,9 @@ def insert(
                 fb = hi
             if si >= 0 and child.aux[si] is None and hi > floor:
                 tree._clock = clock
-                _swa_tombstone(tree, child, pos, lo, hi, floor, recover_from, slots, swa_frees,
-                               res.swa_adopted)
+                _swa_tombstone(tree, child, pos, lo, hi, floor,
+                               floor_a if child.id in unevicted else recover_from, slots,
+                               swa_frees, res.swa_adopted)
                 clock = tree._clock
         # (A walked node can be queued as a device leaf or, with a host tier, as a host
         # duplicate; a host-only one was given the caller's slots by prepare_insert.)
@@ -413,7 +417,8 @@ def _swa_tombstone(
     adopted: list[tuple[np.ndarray, np.ndarray]],
 ) -> None:
     """The caller covers ``[lo, hi)`` of the SWA tombstone ``child``. From the page boundary at
-    or after ``recover_from`` (inside the last window, above the SWA floor) the node is SWA-live
+    or after ``recover_from`` (inside the last window, above the SWA floor; for a node that was
+    host-only before this insert, anywhere above the floor) the node is SWA-live
     again (split there); where the caller's FULL slots there are not the node's own, the node
     adopts their SWA side (``swa_adopted``). Above the floor and before that boundary the
     caller's SWA side is given up (``swa_frees``): the node stays a tombstone there."""

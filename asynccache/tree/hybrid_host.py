@@ -165,11 +165,12 @@ def match(tree: HostTier, key: RadixKey, cow_mamba: bool) -> MatchResult:
 
 
 # ---------------------------------------------------------------------------- insert
-def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
+def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> tuple[int, set[int]]:
     """Before a hybrid insert: give host-only nodes on the key's path the caller's FULL slots
-    (their SWA stays a device tombstone, which the insert recovers in-window: the caller's FULL
-    slots come with their SWA side). Returns the tokens the insert may cover: it stops before a
-    node still loading."""
+    (their SWA stays a device tombstone, which the insert recovers for the whole node above the
+    request's SWA floor: the caller's FULL slots come with their SWA side). Returns the tokens
+    the insert may cover (it stops before a node still loading) and the ids of the nodes that
+    took the caller's slots."""
     data = key.data
     pb = tree._pb
     sh = tree._sh
@@ -179,12 +180,13 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     children = root.children
     ck = tree._child_key(root, data[:pb], ns)
     off = 0
+    unevicted: set[int] = set()
     while off < end:
         child = children.get(ck)
         if child is None:
             break
         if _is_loading(tree, child):
-            return off >> sh
+            return off >> sh, unevicted
         ckey = child.key
         nb = len(ckey)
         if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
@@ -192,11 +194,12 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
         if child.value is None:
             pos = off >> sh
             tree._unevict(child, slots[pos : pos + (nb >> sh)])
+            unevicted.add(child.id)
             refresh_aux(tree, child)
         children = child.children
         off += nb
         ck = data[off : off + pb]
-    return len(key)
+    return len(key), unevicted
 
 
 def backups_after_insert(

@@ -282,7 +282,7 @@ class RadixTree(HostTier):
         """A hybrid insert with a host tier: host-only nodes on the path adopt the caller's
         slots first; the insert stops before a node still loading (the caller's state then
         comes back in ``component_frees["mamba"]``); write-through backups follow."""
-        limit = hybrid_host.prepare_insert(self, key, slots)
+        limit, unevicted = hybrid_host.prepare_insert(self, key, slots)
         cut = limit < len(key)
         if cut:
             key = key[:limit]
@@ -290,7 +290,7 @@ class RadixTree(HostTier):
             floor = min(floor, limit)
         res = hybrid.insert(
             self, key, slots, prev_prefix_len, inserted_len, priority, floor,
-            None if cut else state,
+            None if cut else state, unevicted,
         )
         if state is not None and cut:
             res.component_frees.setdefault("mamba", []).append(state_slot(state))

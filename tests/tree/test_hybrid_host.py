@@ -228,15 +228,16 @@ def test_write_back_copies_components_then_demotes_and_reinsert_adopts() -> None
         2, 2, [[4, 5]], {"swa": [[4, 5]], "mamba": [[5]]})
     assert comp(t, [1, 2, 3, 4, 5, 6], "swa") == (None, [300, 301])
     assert comp(t, [1, 2, 3, 4, 5, 6], "mamba") == (None, [400])
-    # Re-inserting over the host-only node gives it the caller's FULL slots; its SWA is out
-    # of the new key's window, so the SWA side of those slots is given up. The duplicates of
-    # [1..4] come back in device_frees only (their SWA side goes with them).
+    # Re-inserting over the host-only node gives it the caller's FULL slots, and their SWA side
+    # too (as the reference rebuilds an un-evicted node's SWA above the request's SWA floor,
+    # here 0), though it is out of the new key's last window. The duplicates of [1..4] come
+    # back in device_frees only (their SWA side goes with them).
     r = t.insert([1, 2, 3, 4, 5, 6, 7, 8], np.arange(40, 48), mamba_value=6)
     t.sanity_check()
     assert (r.prefix_len, r.cached_len, L(r.device_frees)) == (6, 8, [[40, 41, 42, 43]])
-    assert L(r.component_frees) == {"swa": [[44, 45]], "mamba": []}
+    assert L(r.component_frees) == {"swa": [], "mamba": []}
     assert r.swa_adopted == []
-    assert comp(t, [1, 2, 3, 4, 5, 6], "swa") == (None, [300, 301])
+    assert comp(t, [1, 2, 3, 4, 5, 6], "swa") == ([44, 45], [300, 301])
     assert comp(t, [1, 2, 3, 4, 5, 6, 7, 8], "swa") == ([46, 47], None)
     assert comp(t, [1, 2, 3, 4, 5, 6, 7, 8], "mamba") == ([6], None)
     m = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
@@ -271,11 +272,11 @@ def test_reinsert_recovers_in_window_swa_tombstones_with_exact_pool_accounting()
     assert (L(e.device_frees), L(e.component_frees)) == ([[104, 105, 106, 107]], {"swa": []})
     smap.apply_tree_frees(e.device_frees, e.component_frees["swa"])
     check()
-    # Window 4 over 10 tokens: SWA is recovered from position 6 on. [0..3] is cached on device
-    # (a duplicate, out of the window): its FULL slots come back in device_frees AND their SWA
-    # side in the SWA frees. The host-only [4..7] takes the caller's FULL slots; [4, 5] stay a
-    # tombstone (SWA side given up), [6, 7] are SWA-live again with the caller's own slots
-    # (nothing to adopt).
+    # Window 4 over 10 tokens: SWA tombstones are recovered from position 6 on. [0..3] is
+    # cached on device (a duplicate, out of the window): its FULL slots come back in
+    # device_frees AND their SWA side in the SWA frees. The host-only [4..7] takes the caller's
+    # FULL slots and, as the reference rebuilds an un-evicted node's SWA above the request's
+    # SWA floor (0 here), their SWA side for the whole node (nothing to adopt: its own slots).
     b = smap.alloc(10)
     assert b is not None and L(b) == [104, 105, 106, 107, *range(108, 114)]
     r = t.insert(list(range(10)), b)
@@ -283,28 +284,27 @@ def test_reinsert_recovers_in_window_swa_tombstones_with_exact_pool_accounting()
     for x in r.backups:
         t.abort_backup(x.op_id)
     assert (r.prefix_len, r.cached_len, L(r.device_frees)) == (8, 10, [[104, 105, 106, 107]])
-    assert L(r.component_frees) == {"swa": [[104, 105, 106, 107], [108, 109]]}
+    assert L(r.component_frees) == {"swa": [[104, 105, 106, 107]]}
     assert r.swa_adopted == []
     smap.apply_tree_frees(r.device_frees, r.component_frees["swa"], r.swa_adopted)
     check()
-    assert [comp(t, k, "swa") for k in ([0, 1, 2, 3], [0, 1, 2, 3, 4, 5], list(range(8)))] == [
-        (None, [600, 601, 602, 603]), (None, [604, 605]), ([110, 111], [606, 607])]
+    assert [comp(t, k, "swa") for k in ([0, 1, 2, 3], list(range(8)))] == [
+        (None, [600, 601, 602, 603]), ([108, 109, 110, 111], [604, 605, 606, 607])]
     # Over 6 tokens SWA is recovered from position 2: [0, 1] stay a tombstone (SWA side of the
-    # caller's duplicates given up); [2, 3] and [4, 5] adopt the SWA side of the caller's
-    # duplicate FULL slots.
+    # caller's duplicates given up); [2, 3] adopt the SWA side of the caller's duplicate FULL
+    # slots; [4, 5] (split off the SWA-live [4..7]) keep their own.
     c = smap.alloc(6)
     assert c is not None and L(c) == [104, 105, 106, 107, 114, 115]
     sides = smap.translate(c)
     r = t.insert(list(range(6)), c)
     assert (r.prefix_len, r.cached_len, L(r.device_frees), L(r.component_frees)) == (
         6, 6, [[104, 105, 106, 107, 114, 115]], {"swa": [[104, 105]]})
-    assert [(L(n), L(caller)) for n, caller in r.swa_adopted] == [
-        ([102, 103], [106, 107]), ([108, 109], [114, 115])]
+    assert [(L(n), L(caller)) for n, caller in r.swa_adopted] == [([102, 103], [106, 107])]
     smap.apply_tree_frees(r.device_frees, r.component_frees["swa"], r.swa_adopted)
     check()
     assert [comp(t, k, "swa") for k in ([0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5])] == [
         (None, [600, 601]), ([102, 103], [602, 603]), ([108, 109], [604, 605])]
-    assert L(smap.translate([102, 103, 108, 109])) == L(sides[2:])
+    assert L(smap.translate([102, 103])) == L(sides[2:4])
     assert t.match_prefix(list(range(6))).device_prefix_len == 6
 
 

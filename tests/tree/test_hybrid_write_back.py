@@ -116,17 +116,12 @@ def test_ours_asks_for_the_chain_in_one_call() -> None:
     tree.sanity_check()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not write-back eviction, left for its own change: an insert over a host-only node gives it "
-    "the caller's FULL slots and SGLang 0.5.23 rebuilds its SWA from them for the whole node "
-    "above the request's SWA floor (recover_after_unevict), ours only within the insert's last "
-    "window, as for an SWA tombstone"))
 def test_an_insert_over_a_host_only_node_restores_all_its_swa() -> None:
     # Window 1: [5] written back and demoted, then [5, 6] inserted: [5] is on device again.
     for t in reversed(_trees({"window": 1})):  # (SGLang's first, where it imports)
         t.insert([5])
         assert t.evict(1) == 1
         t.insert([5, 6])
-        assert t.match([5])[:2] == (1, 0), type(t).__name__  # ours: (0, 1), SWA tombstone
+        assert t.match([5])[:2] == (1, 0), type(t).__name__  # (was (0, 1) here: a tombstone)
         assert t.lock([5]), type(t).__name__
         t.unlock()

@@ -46,7 +46,7 @@ class HybridWriteBackDifferential(Differential):
     SWA = True
     MAMBA = False
 
-    @initialize(ps=st.sampled_from([1, 2]), window_pages=st.sampled_from([6, 8]),
+    @initialize(ps=st.sampled_from([1, 2]), window_pages=st.sampled_from([1, 2, 6, 8]),
                 policy=st.sampled_from(POLICIES))
     def setup(self, ps: int, window_pages: int, policy: str) -> None:
         if self.MAMBA:

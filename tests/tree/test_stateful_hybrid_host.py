@@ -13,7 +13,8 @@ Each insert's result is predicted exactly from the tree before it: the insert st
 node still loading, host-only nodes take the caller's FULL slots, duplicates come back in
 ``device_frees``; the SWA frees (a partly freed page above the SWA floor, the out-of-window part
 of a cached SWA tombstone) and the adoptions (an in-window tombstone recovered from the caller's
-slots) are exact FULL slot lists; the caller's state is taken or given back. An eviction frees
+slots; a host-only node the insert un-evicts is SWA-live again above the floor's page) are exact
+FULL slot lists; the caller's state is taken or given back. An eviction frees
 exactly what the tree stopped holding; a load-back pairs exactly the FULL slots of the nodes
 whose SWA it loads.
 
@@ -215,7 +216,7 @@ class HostHybridMachine(RuleBasedStateMachine):
             floor = min(floor, stop)
         floor_a = -(-floor // ps) * ps
         span = -(-self.window // ps) * ps
-        recover = max(floor_a, stop - span)  # an in-window tombstone is SWA-live from here on
+        recover = max(floor_a, stop - span)  # a cached tombstone is SWA-live from here on
         dups: list[int] = []
         swa_frees: list[int] = []
         adopt_node: list[int] = []
@@ -223,19 +224,22 @@ class HostHybridMachine(RuleBasedStateMachine):
         full0, live0, _ = self._device()
         taken: list[int] = []  # FULL slots the tree takes
         lives: list[int] = []  # FULL slots that become SWA-live
-        host_only = False  # an in-window tombstone recovered on a host-only node
+        host_only = False  # a tombstone recovered with the caller's own slots (un-evicted)
         for i in range(stop):
             v = int(full[i])
             if i < cached:
                 own, live, _ = snap[self._pos(toks, i)]
-                if own is None:
+                unevicted = own is None
+                if unevicted:
                     own = v  # a host-only node takes the caller's FULL slot
                     taken.append(v)
                 elif own != v:
                     dups.append(v)
                 if not self.SWA or live or i < floor:
                     continue
-                if i < recover:
+                # A node the insert un-evicts is SWA-live again from the floor's page on
+                # (as the reference rebuilds it), a cached tombstone only in the last window.
+                if i < (floor_a if unevicted else recover):
                     swa_frees.append(v)  # the tombstone stays: the caller's SWA side goes
                     continue
                 lives.append(own)  # recovered
