@@ -27,7 +27,8 @@ inserts must report the predicted duplicates and backups, matches the predicted 
 host hits, load-backs (host trees, FULL only) the predicted host slots. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
 page sizes 1 and 16. Mamba trees (device only): a state goes to the node ending at the insert's
 end, a split leaves it on the suffix, a match's best node is the deepest holding one (only the
-path up to it is stamped), and a deleted leaf takes with it every ancestor left a leaf without a
+path up to it is stamped, then its state: a state's stamp ticks the one clock, as an SWA value's
+does, and lru_credit reads the ticks), and a deleted leaf takes with it every ancestor left a leaf without a
 state.
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -74,9 +76,11 @@ class Model:
                  mamba: bool = False, swa: bool = False) -> None:
         self.ps = ps
         self.mamba = mamba
-        # SWA trees stamp each device node's SWA value from the tree's clock too (a match: the
-        # path's device nodes after their FULL stamps; an insert: each walked device node right
-        # after its FULL stamp). Only lru_credit's key reads stamp differences, not just order.
+        # Component values are stamped from the tree's one clock too, so they count in a
+        # node's lifetime (lru_credit's key reads stamp differences, not just order;
+        # docs/eviction.md). SWA trees stamp each device node's SWA value (a match: the path's
+        # device nodes after their FULL stamps; an insert: each walked device node right after
+        # its FULL stamp); Mamba trees the state of the node a match or insert ends at, last.
         self.swa = swa
         self.key = POLICY_KEY[policy]
         self.host = host
@@ -193,6 +197,8 @@ class Model:
             node = leaf
         if state and node is not self.root:
             node.state = True
+        if node.state:  # (a Mamba tree) its state is stamped, a new one or the one it held
+            self.tick()
         return dups, backups
 
     def load(self, key: list[int], slots: np.ndarray) -> list[int]:
@@ -228,6 +234,8 @@ class Model:
             for c in path:
                 if c.dev is not None:
                     self.tick()
+        if self.mamba and path:  # the best node's state
+            self.tick()
         dev = sum(len(c.pages) for c in path if c.dev is not None)
         host = sum(len(c.pages) for c in path if c.dev is None)
         return dev * self.ps, host * self.ps
@@ -385,6 +393,7 @@ class VictimMachine(RuleBasedStateMachine):
         self.next_state = 0
         self.next_slot = 0
         self.by_slot: dict[int, MNode] = {}
+        self.victims: list[list[list[int]]] = []  # each evict's device frees (the replays below)
 
     def _slots(self, n: int) -> np.ndarray:
         out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
@@ -430,7 +439,8 @@ class VictimMachine(RuleBasedStateMachine):
         res = self.tree.evict(n * self.ps)
         seen = [int(f[0]) for f in res.device_frees] + [int(b.device_slots[0]) for b in res.backups]
         frees, hfrees, backups = self.model.evict(n * self.ps, seen)
-        assert [f.tolist() for f in res.device_frees] == frees
+        self.victims.append([f.tolist() for f in res.device_frees])
+        assert self.victims[-1] == frees
         assert sorted(s for f in res.host_frees for s in f.tolist()) == sorted(hfrees)
         assert res.num_evicted == sum(map(len, frees))
         self._commit(res.backups, backups)
@@ -484,3 +494,43 @@ TestHybridHostSelective = machine_case(VictimMachine, "HybridHostWTS", SETTINGS,
                                        WINDOW=4096)
 TestHybridHostWriteBack = machine_case(VictimMachine, "HybridHostWB", SETTINGS, HOST=True,
                                        WRITE_POLICY="write_back", WINDOW=4096)
+
+
+# ---------------------------------------------------------------- replays of soak findings
+def _replay(steps: list[tuple[str, dict[str, Any]]], ps: int, policy: str,
+            **attrs: Any) -> list[list[list[int]]]:
+    """Run ``steps`` (rule name, arguments) on a machine with class ``attrs``, checking the
+    tree's shape and invariants after each; returns each evict's device frees."""
+    m = type("Replay", (VictimMachine,), attrs)()
+    m.setup(ps=ps, policy=policy)
+    m.same_shape()
+    for name, kw in steps:
+        getattr(m, name)(**kw)
+        m.same_shape()
+    m.teardown()
+    return m.victims
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_mamba_state_stamps_count_in_lru_credit_lifetimes(ps: int) -> None:
+    """A Mamba state's stamps tick the tree's one clock, so they count in a node's lifetime
+    (lru_credit's credit). [1, 1] (state, created at 2, its state stamped at 3) is hit by
+    [1, 1, 0], then split by [1, 0]: the suffix holding the state is refreshed at 8 (key
+    8 + (8 - 2) // 2 = 11); [1, 0]'s new leaf (10, used once) goes first."""
+    ins = "insert"
+    steps: list[tuple[str, dict[str, Any]]] = [
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [1, 1], "prio": 0, "state": True}),
+        (ins, {"key": [1, 1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}),
+        ("match", {"key": [0]}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}), ("evict", {"n": 1}),
+    ]
+    got = _replay(steps, ps, "lru_credit", MAMBA=True)
+    s = [[i * ps + j for j in range(ps)] for i in range(12)]  # slots, a page each
+    # [0] (slot 0), [1, 1, 0]'s leaf (5), [0] (6), [1, 0]'s leaf (9), then the state's [1] (2)
+    # with its parent [1] (1), left a leaf without a state
+    assert got == [[s[0]], [s[5]], [s[6]], [s[9]], [s[2], s[1]]]
