@@ -169,7 +169,9 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
     """Before a hybrid insert: give host-only nodes on the key's path the caller's FULL slots
     (their SWA stays a device tombstone, which the insert recovers in-window: the caller's FULL
     slots come with their SWA side). Returns the tokens the insert may cover: it stops before a
-    node still loading."""
+    node still loading. A node the key ends inside is left whole: the insert's walk splits it
+    (and gives a host-only prefix the caller's slots) when it gets there, so that the split
+    stamps the suffix after the nodes above, as every insert does (docs/tree.md)."""
     data = key.data
     pb = tree._pb
     sh = tree._sh
@@ -187,8 +189,8 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> int:
             return off >> sh
         ckey = child.key
         nb = len(ckey)
-        if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-            child, nb = tree._match_child(child, data, off, end)
+        if nb > end - off or not data.startswith(ckey, off):  # the key ends inside it
+            break
         if child.value is None:
             pos = off >> sh
             tree._unevict(child, slots[pos : pos + (nb >> sh)])

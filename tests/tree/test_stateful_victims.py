@@ -393,7 +393,9 @@ class VictimMachine(RuleBasedStateMachine):
         self.next_state = 0
         self.next_slot = 0
         self.by_slot: dict[int, MNode] = {}
-        self.victims: list[list[list[int]]] = []  # each evict's device frees (the replays below)
+        # Each evict's device frees and each evict_host's host frees (the replays below).
+        self.victims: list[list[list[int]]] = []
+        self.host_victims: list[list[list[int]]] = []
 
     def _slots(self, n: int) -> np.ndarray:
         out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
@@ -464,7 +466,8 @@ class VictimMachine(RuleBasedStateMachine):
         res = self.tree.evict_host(n * self.ps, reclaim_duplicates=dups)
         seen = [int(f[0]) for f in res.host_frees]
         want = self.model.evict_host(n * self.ps, dups, seen)
-        assert [f.tolist() for f in res.host_frees] == want
+        self.host_victims.append([f.tolist() for f in res.host_frees])
+        assert self.host_victims[-1] == want
 
     @invariant()
     def same_shape(self) -> None:
@@ -498,9 +501,9 @@ TestHybridHostWriteBack = machine_case(VictimMachine, "HybridHostWB", SETTINGS, 
 
 # ---------------------------------------------------------------- replays of soak findings
 def _replay(steps: list[tuple[str, dict[str, Any]]], ps: int, policy: str,
-            **attrs: Any) -> list[list[list[int]]]:
+            **attrs: Any) -> VictimMachine:
     """Run ``steps`` (rule name, arguments) on a machine with class ``attrs``, checking the
-    tree's shape and invariants after each; returns each evict's device frees."""
+    tree's shape and invariants after each; returns the machine (its victims recorded)."""
     m = type("Replay", (VictimMachine,), attrs)()
     m.setup(ps=ps, policy=policy)
     m.same_shape()
@@ -508,7 +511,7 @@ def _replay(steps: list[tuple[str, dict[str, Any]]], ps: int, policy: str,
         getattr(m, name)(**kw)
         m.same_shape()
     m.teardown()
-    return m.victims
+    return m
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -529,8 +532,59 @@ def test_replay_mamba_state_stamps_count_in_lru_credit_lifetimes(ps: int) -> Non
         (ins, {"key": [1, 0], "prio": 0, "state": False}),
         ("evict", {"n": 1}), ("evict", {"n": 1}), ("evict", {"n": 1}),
     ]
-    got = _replay(steps, ps, "lru_credit", MAMBA=True)
+    got = _replay(steps, ps, "lru_credit", MAMBA=True).victims
     s = [[i * ps + j for j in range(ps)] for i in range(12)]  # slots, a page each
     # [0] (slot 0), [1, 1, 0]'s leaf (5), [0] (6), [1, 0]'s leaf (9), then the state's [1] (2)
     # with its parent [1] (1), left a leaf without a state
     assert got == [[s[0]], [s[5]], [s[6]], [s[9]], [s[2], s[1]]]
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_hybrid_host_insert_stamps_a_split_in_walk_order(ps: int) -> None:
+    """A hybrid insert with a host tier splits the node it ends inside when its walk reaches
+    it, as every other insert does: after the walk stamped the nodes above (docs/tree.md). [0]
+    is hit by a match and [0, 0, 0]; [2] reused at 8 (created at 2: key 8 + 3 = 11); [0, 0]
+    splits [0, 0, 0]'s leaf below [0]: the suffix is refreshed at 12 after [0]'s stamps (10,
+    and 11 for its SWA value), so [2] goes first (with the split first, at 10, the suffix went)."""
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("insert", {"key": [0], "prio": 0, "state": False}),
+        ("insert", {"key": [2], "prio": 0, "state": False}),
+        ("match", {"key": [0]}),
+        ("insert", {"key": [0, 0, 0], "prio": 0, "state": False}),
+        ("insert", {"key": [2], "prio": 0, "state": False}),
+        ("insert", {"key": [0, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}),
+    ]
+    got = _replay(steps, ps, "lru_credit", HOST=True, WRITE_POLICY="write_through",
+                  WINDOW=4096).victims
+    # The machine hands out slots a page at a time, device and host alike: [0] 0 (host 1, SWA
+    # host 2), [2] 3 (4, 5), [0, 0, 0] 6-8 (its leaf [0, 0] 7-8, host 9-10, SWA host 11-12).
+    s = [[i * ps + j for j in range(ps)] for i in range(9)]
+    # [2], then the split's suffix ([0, 0, 0]'s last page)
+    assert got == [[s[3]], [s[8]]]
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_hybrid_host_insert_splits_a_host_only_node_in_walk_order(ps: int) -> None:
+    """The same when the node the insert ends inside is host-only: the walk splits it after
+    stamping the nodes above, then gives the prefix the caller's slots. [0, 0, 1, 0] (created
+    at 1) is split by [0] (the suffix [0, 1, 0] refreshed at 2), hit, and demoted; [0, 0, 0]
+    stamps [0] at 9 (its SWA value at 10), then splits the host-only [0, 1, 0]: [1, 0] is
+    refreshed at 11 (key 11 + (11 - 1) // 2 = 16), [0]'s new leaf created at 14. Demoted,
+    that leaf is the first host leaf to go (with the split first, [1, 0] at 9 went: 9 + 4)."""
+    ins = "insert"
+    steps: list[tuple[str, dict[str, Any]]] = [
+        (ins, {"key": [0, 0, 1, 0], "prio": 0, "state": False}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [0, 0, 1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}),
+        (ins, {"key": [0, 0, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}),
+        ("evict_host", {"n": 1, "dups": None}),
+    ]
+    m = _replay(steps, ps, "lru_credit", HOST=True, WRITE_POLICY="write_through", WINDOW=4096)
+    # Slots a page at a time: [0, 0, 1, 0] 0-3 (host 4-7, SWA host 8-11), 12 and 13-16 given
+    # back, [0, 0, 0] 17-19 (17 given back, 18 to the split's prefix; the leaf's host 20).
+    s = [[i * ps + j for j in range(ps)] for i in range(21)]
+    assert m.victims == [[s[1] + s[2] + s[3]], [s[19]]]
+    assert m.host_victims == [[[10**6 + i for i in s[20]]]]
