@@ -11,7 +11,7 @@ FULL-only match, evict, lock and host-tier insert keep their own loops in
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from asynccache.tree.results import EMPTY_SLOTS, EvictResult, InsertResult, Matc
 
 if TYPE_CHECKING:
     from asynccache.tree.base import TreeBase
+    from asynccache.tree.host_tier import HostTier
 
 
 _INF = 1 << 62
@@ -313,6 +314,10 @@ def insert(
             tree._clock = clock  # a split stamps the suffix with the next tick
             child, nb = tree._match_child(child, data, off, end)
             clock = tree._clock
+            if child.value is None:  # host-only (hybrid_host.prepare_insert left it whole)
+                cast("HostTier", tree)._unevict(child, slots[off >> sh : (off + nb) >> sh])
+                refresh_aux(tree, child)
+                unevicted = (*unevicted, child.id)  # (its SWA is rebuilt as below)
         pos = off >> sh
         hi = pos + (nb >> sh)
         clock += 1
@@ -345,7 +350,7 @@ def insert(
                                swa_frees, res.swa_adopted)
                 clock = tree._clock
         # (A walked node can be queued as a device leaf or, with a host tier, as a host
-        # duplicate; a host-only one was given the caller's slots by prepare_insert.)
+        # duplicate; a host-only one was given the caller's slots by prepare_insert or above.)
         if requeue and (child.aux[DLEAF] is not None or child.aux[HDUP] is not None):
             tree._requeue(child)
         node = child

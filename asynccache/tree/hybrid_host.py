@@ -170,7 +170,9 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> tuple[in
     (their SWA stays a device tombstone, which the insert recovers for the whole node above the
     request's SWA floor: the caller's FULL slots come with their SWA side). Returns the tokens
     the insert may cover (it stops before a node still loading) and the ids of the nodes that
-    took the caller's slots."""
+    took the caller's slots. A node the key ends inside is left whole: the insert's walk splits
+    it (and gives a host-only prefix the caller's slots) when it gets there, so that the split
+    stamps the suffix after the nodes above, as every insert does (docs/tree.md)."""
     data = key.data
     pb = tree._pb
     sh = tree._sh
@@ -189,8 +191,8 @@ def prepare_insert(tree: HostTier, key: RadixKey, slots: np.ndarray) -> tuple[in
             return off >> sh, unevicted
         ckey = child.key
         nb = len(ckey)
-        if nb > end - off or not data.startswith(ckey, off):  # else the whole node matches
-            child, nb = tree._match_child(child, data, off, end)
+        if nb > end - off or not data.startswith(ckey, off):  # the key ends inside it
+            break
         if child.value is None:
             pos = off >> sh
             tree._unevict(child, slots[pos : pos + (nb >> sh)])

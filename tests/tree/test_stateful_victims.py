@@ -27,7 +27,8 @@ inserts must report the predicted duplicates and backups, matches the predicted 
 host hits, load-backs (host trees, FULL only) the predicted host slots. FULL-only and hybrid (SWA) trees, with and without a host tier, every policy,
 page sizes 1 and 16. Mamba trees (device only): a state goes to the node ending at the insert's
 end, a split leaves it on the suffix, a match's best node is the deepest holding one (only the
-path up to it is stamped), and a deleted leaf takes with it every ancestor left a leaf without a
+path up to it is stamped, then its state: a state's stamp ticks the one clock, as an SWA value's
+does, and lru_credit reads the ticks), and a deleted leaf takes with it every ancestor left a leaf without a
 state.
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -74,9 +76,11 @@ class Model:
                  mamba: bool = False, swa: bool = False) -> None:
         self.ps = ps
         self.mamba = mamba
-        # SWA trees stamp each device node's SWA value from the tree's clock too (a match: the
-        # path's device nodes after their FULL stamps; an insert: each walked device node right
-        # after its FULL stamp). Only lru_credit's key reads stamp differences, not just order.
+        # Component values are stamped from the tree's one clock too, so they count in a
+        # node's lifetime (lru_credit's key reads stamp differences, not just order;
+        # docs/eviction.md). SWA trees stamp each device node's SWA value (a match: the path's
+        # device nodes after their FULL stamps; an insert: each walked device node right after
+        # its FULL stamp); Mamba trees the state of the node a match or insert ends at, last.
         self.swa = swa
         self.key = POLICY_KEY[policy]
         self.host = host
@@ -193,6 +197,8 @@ class Model:
             node = leaf
         if state and node is not self.root:
             node.state = True
+        if node.state:  # (a Mamba tree) its state is stamped, a new one or the one it held
+            self.tick()
         return dups, backups
 
     def load(self, key: list[int], slots: np.ndarray) -> list[int]:
@@ -228,6 +234,8 @@ class Model:
             for c in path:
                 if c.dev is not None:
                     self.tick()
+        if self.mamba and path:  # the best node's state
+            self.tick()
         dev = sum(len(c.pages) for c in path if c.dev is not None)
         host = sum(len(c.pages) for c in path if c.dev is None)
         return dev * self.ps, host * self.ps
@@ -385,6 +393,9 @@ class VictimMachine(RuleBasedStateMachine):
         self.next_state = 0
         self.next_slot = 0
         self.by_slot: dict[int, MNode] = {}
+        # Each evict's device frees and each evict_host's host frees (the replays below).
+        self.victims: list[list[list[int]]] = []
+        self.host_victims: list[list[list[int]]] = []
 
     def _slots(self, n: int) -> np.ndarray:
         out = np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)
@@ -430,7 +441,8 @@ class VictimMachine(RuleBasedStateMachine):
         res = self.tree.evict(n * self.ps)
         seen = [int(f[0]) for f in res.device_frees] + [int(b.device_slots[0]) for b in res.backups]
         frees, hfrees, backups = self.model.evict(n * self.ps, seen)
-        assert [f.tolist() for f in res.device_frees] == frees
+        self.victims.append([f.tolist() for f in res.device_frees])
+        assert self.victims[-1] == frees
         assert sorted(s for f in res.host_frees for s in f.tolist()) == sorted(hfrees)
         assert res.num_evicted == sum(map(len, frees))
         self._commit(res.backups, backups)
@@ -454,7 +466,8 @@ class VictimMachine(RuleBasedStateMachine):
         res = self.tree.evict_host(n * self.ps, reclaim_duplicates=dups)
         seen = [int(f[0]) for f in res.host_frees]
         want = self.model.evict_host(n * self.ps, dups, seen)
-        assert [f.tolist() for f in res.host_frees] == want
+        self.host_victims.append([f.tolist() for f in res.host_frees])
+        assert self.host_victims[-1] == want
 
     @invariant()
     def same_shape(self) -> None:
@@ -484,3 +497,94 @@ TestHybridHostSelective = machine_case(VictimMachine, "HybridHostWTS", SETTINGS,
                                        WINDOW=4096)
 TestHybridHostWriteBack = machine_case(VictimMachine, "HybridHostWB", SETTINGS, HOST=True,
                                        WRITE_POLICY="write_back", WINDOW=4096)
+
+
+# ---------------------------------------------------------------- replays of soak findings
+def _replay(steps: list[tuple[str, dict[str, Any]]], ps: int, policy: str,
+            **attrs: Any) -> VictimMachine:
+    """Run ``steps`` (rule name, arguments) on a machine with class ``attrs``, checking the
+    tree's shape and invariants after each; returns the machine (its victims recorded)."""
+    m = type("Replay", (VictimMachine,), attrs)()
+    m.setup(ps=ps, policy=policy)
+    m.same_shape()
+    for name, kw in steps:
+        getattr(m, name)(**kw)
+        m.same_shape()
+    m.teardown()
+    return m
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_mamba_state_stamps_count_in_lru_credit_lifetimes(ps: int) -> None:
+    """A Mamba state's stamps tick the tree's one clock, so they count in a node's lifetime
+    (lru_credit's credit). [1, 1] (state, created at 2, its state stamped at 3) is hit by
+    [1, 1, 0], then split by [1, 0]: the suffix holding the state is refreshed at 8 (key
+    8 + (8 - 2) // 2 = 11); [1, 0]'s new leaf (10, used once) goes first."""
+    ins = "insert"
+    steps: list[tuple[str, dict[str, Any]]] = [
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [1, 1], "prio": 0, "state": True}),
+        (ins, {"key": [1, 1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}),
+        ("match", {"key": [0]}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}), ("evict", {"n": 1}),
+    ]
+    got = _replay(steps, ps, "lru_credit", MAMBA=True).victims
+    s = [[i * ps + j for j in range(ps)] for i in range(12)]  # slots, a page each
+    # [0] (slot 0), [1, 1, 0]'s leaf (5), [0] (6), [1, 0]'s leaf (9), then the state's [1] (2)
+    # with its parent [1] (1), left a leaf without a state
+    assert got == [[s[0]], [s[5]], [s[6]], [s[9]], [s[2], s[1]]]
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_hybrid_host_insert_stamps_a_split_in_walk_order(ps: int) -> None:
+    """A hybrid insert with a host tier splits the node it ends inside when its walk reaches
+    it, as every other insert does: after the walk stamped the nodes above (docs/tree.md). [0]
+    is hit by a match and [0, 0, 0]; [2] reused at 8 (created at 2: key 8 + 3 = 11); [0, 0]
+    splits [0, 0, 0]'s leaf below [0]: the suffix is refreshed at 12 after [0]'s stamps (10,
+    and 11 for its SWA value), so [2] goes first (with the split first, at 10, the suffix went)."""
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("insert", {"key": [0], "prio": 0, "state": False}),
+        ("insert", {"key": [2], "prio": 0, "state": False}),
+        ("match", {"key": [0]}),
+        ("insert", {"key": [0, 0, 0], "prio": 0, "state": False}),
+        ("insert", {"key": [2], "prio": 0, "state": False}),
+        ("insert", {"key": [0, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}), ("evict", {"n": 1}),
+    ]
+    got = _replay(steps, ps, "lru_credit", HOST=True, WRITE_POLICY="write_through",
+                  WINDOW=4096).victims
+    # The machine hands out slots a page at a time, device and host alike: [0] 0 (host 1, SWA
+    # host 2), [2] 3 (4, 5), [0, 0, 0] 6-8 (its leaf [0, 0] 7-8, host 9-10, SWA host 11-12).
+    s = [[i * ps + j for j in range(ps)] for i in range(9)]
+    # [2], then the split's suffix ([0, 0, 0]'s last page)
+    assert got == [[s[3]], [s[8]]]
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_replay_hybrid_host_insert_splits_a_host_only_node_in_walk_order(ps: int) -> None:
+    """The same when the node the insert ends inside is host-only: the walk splits it after
+    stamping the nodes above, then gives the prefix the caller's slots. [0, 0, 1, 0] (created
+    at 1) is split by [0] (the suffix [0, 1, 0] refreshed at 2), hit, and demoted; [0, 0, 0]
+    stamps [0] at 9 (its SWA value at 10), then splits the host-only [0, 1, 0]: [1, 0] is
+    refreshed at 11 (key 11 + (11 - 1) // 2 = 16), [0]'s new leaf created at 14. Demoted,
+    that leaf is the first host leaf to go (with the split first, [1, 0] at 9 went: 9 + 4)."""
+    ins = "insert"
+    steps: list[tuple[str, dict[str, Any]]] = [
+        (ins, {"key": [0, 0, 1, 0], "prio": 0, "state": False}),
+        (ins, {"key": [0], "prio": 0, "state": False}),
+        (ins, {"key": [0, 0, 1, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}),
+        (ins, {"key": [0, 0, 0], "prio": 0, "state": False}),
+        ("evict", {"n": 1}),
+        ("evict_host", {"n": 1, "dups": None}),
+    ]
+    m = _replay(steps, ps, "lru_credit", HOST=True, WRITE_POLICY="write_through", WINDOW=4096)
+    # Slots a page at a time: [0, 0, 1, 0] 0-3 (host 4-7, SWA host 8-11), 12 and 13-16 given
+    # back, [0, 0, 0] 17-19 (17 given back, 18 to the split's prefix; the leaf's host 20).
+    s = [[i * ps + j for j in range(ps)] for i in range(21)]
+    assert m.victims == [[s[1] + s[2] + s[3]], [s[19]]]
+    assert m.host_victims == [[[10**6 + i for i in s[20]]]]
