@@ -530,9 +530,10 @@ class TreeBase:
     # ------------------------------------------------------------------ split
     def _split(self, x: Node, nbytes: int) -> Node:
         """Split ``x`` after ``nbytes``; the new prefix node is returned. ``x`` keeps its id and
-        its place in the queues, and its access time is refreshed, as in the reference's
-        ``match_prefix``: the prefix keeps the old stamp (the walk that split stamps it next,
-        newer still)."""
+        its place in the queues. As in the reference, the new prefix takes a fresh stamp and
+        then ``x`` another: a walk that goes on stamps the prefix again, but a hybrid match whose
+        best node is above the split does not, and there the prefix must not keep ``x``'s old
+        stamp (it would go before leaves stamped since)."""
         parent = x.parent
         assert parent is not None and 0 < nbytes < len(x.key) and nbytes % self._pb == 0
         m = nbytes >> self._sh
@@ -554,7 +555,7 @@ class TreeBase:
         p.lock_ref = x.lock_ref
         p.host_lock_ref = x.host_lock_ref
         p.acct = x.acct  # the prefix's tokens keep the class they were counted in
-        p.last_access = x.last_access
+        p.last_access = self._tick()
         x.last_access = self._tick()
         if self._touch_requeues:
             self._requeue(x)

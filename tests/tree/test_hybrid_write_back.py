@@ -125,3 +125,35 @@ def test_an_insert_over_a_host_only_node_restores_all_its_swa() -> None:
         assert t.match([5])[:2] == (1, 0), type(t).__name__  # (was (0, 1) here: a tombstone)
         assert t.lock([5]), type(t).__name__
         t.unlock()
+
+
+def test_a_match_that_splits_below_its_best_node_stamps_the_prefix_then() -> None:
+    # Mamba, MRU: [20,0,0,0,0,0] then [0]; a match of [20] splits the first (its best node is
+    # the root: [20] has no state) and stamps the new prefix [20] there, then the suffix. Six
+    # tokens take the suffix, then [20] (newer than [0]), not [0] (a soak finding).
+    for t in _trees({"mamba": True, "policy": "mru"}):
+        _insert(t, [20, 0, 0, 0, 0, 0], True)
+        _insert(t, [0], True)
+        t.removed()
+        assert t.match([20])[:2] == (0, 0)
+        assert t.evict(6) == 6, type(t).__name__
+        assert sorted(p for _, p in t.removed()) == [
+            (20,), (20, 0), (20, 0, 0), (20, 0, 0, 0), (20, 0, 0, 0, 0), (20, 0, 0, 0, 0, 0)
+        ], type(t).__name__
+
+
+def test_a_match_split_prefix_is_newer_than_a_leaf_older_than_the_split() -> None:
+    # Mamba, LRU: [20,0,0], then [50] (locked); a match of [20] splits the first. Two tokens
+    # take the suffix [0,0]; with [50] unlocked, one more takes [50], older than the split
+    # that stamped [20] (the prefix does not keep [20,0,0]'s insert stamp).
+    for t in _trees({"mamba": True}):
+        _insert(t, [20, 0, 0], True)
+        _insert(t, [50], True)
+        assert t.lock([50])
+        assert t.match([20])[:2] == (0, 0)
+        t.removed()
+        assert t.evict(2) == 2, type(t).__name__
+        assert sorted(p for _, p in t.removed()) == [(20, 0), (20, 0, 0)], type(t).__name__
+        t.unlock()
+        assert t.evict(1) == 1, type(t).__name__
+        assert [p for _, p in t.removed()] == [(50,)], type(t).__name__

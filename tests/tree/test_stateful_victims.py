@@ -3,8 +3,8 @@
 The model below is written from the reference's rules (behavior.md 1.3, 1.4, 1.5, 1.17), not
 from the tree's code: a plain radix tree of page symbols whose operations scan every node.
 
-* access stamps come from one logical clock: a split gives the suffix a fresh stamp (the prefix
-  keeps the old one); an insert stamps each node it walks, top first, then its new leaf; a
+* access stamps come from one logical clock: a split gives the new prefix a fresh stamp, then
+  the suffix another (SGLang 0.5.23 stamps a node when it creates it); an insert stamps each node it walks, top first, then its new leaf; a
   match stamps every node it walked, deepest newest;
 * hit counting: an insert counts a hit on every node it walks, a new leaf starts at 1; none
   under write-back;
@@ -114,7 +114,8 @@ class Model:
         return out
 
     def split(self, n: MNode, k: int) -> MNode:
-        """Cut ``n`` after ``k`` pages; the new prefix keeps n's stamps, n gets a fresh access."""
+        """Cut ``n`` after ``k`` pages; the new prefix takes a fresh access, then n another
+        (the prefix keeps n's creation)."""
         parent = n.parent
         assert parent is not None and 0 < k < len(n.pages)
         p = MNode(n.pages[:k], parent)
@@ -123,8 +124,9 @@ class Model:
         p.host = None if n.host is None else n.host[:cut]
         n.dev = None if n.dev is None else n.dev[cut:]
         n.host = None if n.host is None else n.host[cut:]
-        p.access, p.creation, p.hits, p.prio = n.access, n.creation, n.hits, n.prio
+        p.creation, p.hits, p.prio = n.creation, n.hits, n.prio
         p.pending = n.pending
+        p.access = self.tick()
         n.access = self.tick()  # (a Mamba state stays on the suffix)
         parent.children[p.pages[0]] = p
         n.pages = n.pages[k:]
@@ -517,9 +519,10 @@ def _replay(steps: list[tuple[str, dict[str, Any]]], ps: int, policy: str,
 @pytest.mark.parametrize("ps", [1, 16])
 def test_replay_mamba_state_stamps_count_in_lru_credit_lifetimes(ps: int) -> None:
     """A Mamba state's stamps tick the tree's one clock, so they count in a node's lifetime
-    (lru_credit's credit). [1, 1] (state, created at 2, its state stamped at 3) is hit by
-    [1, 1, 0], then split by [1, 0]: the suffix holding the state is refreshed at 8 (key
-    8 + (8 - 2) // 2 = 11); [1, 0]'s new leaf (10, used once) goes first."""
+    (lru_credit's credit). [1, 1] (with a state, whose stamps tick too) is hit by [1, 1, 0],
+    then split by [1, 0]: the suffix holding the state is refreshed by the split, and its
+    lifetime since [1, 1]'s creation, counting the state's ticks, puts it after [1, 0]'s new
+    leaf (used once), which goes first."""
     ins = "insert"
     steps: list[tuple[str, dict[str, Any]]] = [
         (ins, {"key": [0], "prio": 0, "state": False}),
@@ -543,9 +546,9 @@ def test_replay_mamba_state_stamps_count_in_lru_credit_lifetimes(ps: int) -> Non
 def test_replay_hybrid_host_insert_stamps_a_split_in_walk_order(ps: int) -> None:
     """A hybrid insert with a host tier splits the node it ends inside when its walk reaches
     it, as every other insert does: after the walk stamped the nodes above (docs/tree.md). [0]
-    is hit by a match and [0, 0, 0]; [2] reused at 8 (created at 2: key 8 + 3 = 11); [0, 0]
-    splits [0, 0, 0]'s leaf below [0]: the suffix is refreshed at 12 after [0]'s stamps (10,
-    and 11 for its SWA value), so [2] goes first (with the split first, at 10, the suffix went)."""
+    is hit by a match and [0, 0, 0]; [2] is reused; [0, 0] splits [0, 0, 0]'s leaf below [0]:
+    the suffix is refreshed after [0]'s stamps (its FULL and SWA values), so [2] goes first
+    (with the split before those stamps, the suffix went)."""
     steps: list[tuple[str, dict[str, Any]]] = [
         ("insert", {"key": [0], "prio": 0, "state": False}),
         ("insert", {"key": [2], "prio": 0, "state": False}),
@@ -567,11 +570,11 @@ def test_replay_hybrid_host_insert_stamps_a_split_in_walk_order(ps: int) -> None
 @pytest.mark.parametrize("ps", [1, 16])
 def test_replay_hybrid_host_insert_splits_a_host_only_node_in_walk_order(ps: int) -> None:
     """The same when the node the insert ends inside is host-only: the walk splits it after
-    stamping the nodes above, then gives the prefix the caller's slots. [0, 0, 1, 0] (created
-    at 1) is split by [0] (the suffix [0, 1, 0] refreshed at 2), hit, and demoted; [0, 0, 0]
-    stamps [0] at 9 (its SWA value at 10), then splits the host-only [0, 1, 0]: [1, 0] is
-    refreshed at 11 (key 11 + (11 - 1) // 2 = 16), [0]'s new leaf created at 14. Demoted,
-    that leaf is the first host leaf to go (with the split first, [1, 0] at 9 went: 9 + 4)."""
+    stamping the nodes above, then gives the prefix the caller's slots. [0, 0, 1, 0] is split
+    by [0], hit, and demoted; [0, 0, 0] stamps [0] (and its SWA value), then splits the
+    host-only [0, 1, 0]: [1, 0] is refreshed after those stamps, and [0]'s new leaf created
+    after it. Demoted, that leaf is the first host leaf to go (with the split before the
+    stamps, [1, 0] went)."""
     ins = "insert"
     steps: list[tuple[str, dict[str, Any]]] = [
         (ins, {"key": [0, 0, 1, 0], "prio": 0, "state": False}),
