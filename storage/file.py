@@ -685,35 +685,28 @@ class FileBackend(BackendBase):
                 outcomes[i] = PRESENT
             elif first.setdefault(key, i) == i:
                 todo.append(i)
-        files: list[tuple[list[int], int]] = []  # (page indices, bytes on disk)
-        for group in self._plan_files(todo, views):
-            size = file_bytes([views[i].nbytes for i in group], self._files.direct)
-            if self._reserve(size, protect):
-                files.append((group, size))
-                continue
-            skipped = group if len(group) == 1 else []
-            for i in group if len(group) > 1 else ():  # a segment that does not fit: pages
-                if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
-                    files.append(([i], HEADER_SIZE + views[i].nbytes))
-                else:
-                    skipped.append(i)
-            for i in skipped:
-                outcomes[i] = "capacity"
-                details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
+        files = self._reserve_files(todo, views, protect, outcomes, details)
         victims, self._victims = self._victims, []
         done = await self._write_files(key_list, views, files, victims, "capacity")
         # ENOSPC: the filesystem is full, whatever the capacity says. That is capacity
         # pressure: evict least recently used files and write those pages once more.
         full = [i for g, _ in files for i in g if done[i][0] == "no_space"]
         if full:
-            retry = self._make_room(full, views, protect)
-            if retry is not None:
-                more_files, more_victims = retry
-                self.metrics.no_space_retry(len(full))
+            room = 2 * sum(size for g, size in files if any(done[i][0] == "no_space" for i in g))
+            more_victims = self._make_room(room, protect)
+            if more_victims:
                 # The space must be free before the writes start: unlink first.
                 await self._write_files(key_list, views, [], more_victims, "no_space")
-                self._reserved += sum(size for _, size in more_files)  # released by the call
-                done.update(await self._write_files(key_list, views, more_files, [], "no_space"))
+                # Then reserve again, like any write: the first attempt gave its reservation
+                # back, other calls may have taken that room meanwhile, and a victim whose
+                # unlink failed is counted again. A page that no longer fits is a capacity
+                # skip (so is each page of a segment that does not: written page by page).
+                for i in full:
+                    del done[i]
+                retry = self._reserve_files(full, views, protect, outcomes, details)
+                victims, self._victims = self._victims, []
+                self.metrics.no_space_retry(sum(len(g) for g, _ in retry))
+                done.update(await self._write_files(key_list, views, retry, victims, "capacity"))
         for i, (outcome, detail) in done.items():
             outcomes[i], details[i] = outcome, detail
         for i, key in enumerate(key_list):
@@ -814,21 +807,41 @@ class FileBackend(BackendBase):
             nbytes += size
         return jobs
 
-    def _make_room(
-        self, full: list[int], views: list[PageView], protect: set[str]
-    ) -> tuple[list[tuple[list[int], int]], list[Evicted]] | None:
-        """After ENOSPC: evict least recently used files for twice the bytes of the pages
-        that did not fit (so the next batch of that size usually fits at once); returns the
-        files to write again (they fitted the capacity before: no new reservation check) and
-        the victims. None when nothing can be evicted."""
-        groups = self._plan_files(full, views)
-        sizes = [file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
-        victims = self._index.evict(
-            self._index.used - 2 * sum(sizes), 0, _Either(protect, self._busy)
-        )
-        if not victims:
-            return None
-        return list(zip(groups, sizes, strict=True)), victims
+    def _reserve_files(
+        self,
+        todo: list[int],
+        views: list[PageView],
+        protect: set[str],
+        outcomes: list[str],
+        details: list[str | None],
+    ) -> list[tuple[list[int], int]]:
+        """Plan the files of ``todo``'s pages and reserve each within the capacity (choosing
+        victims into ``self._victims``); a segment that does not fit is reserved page by page.
+        Returns the reserved files (page indices, bytes on disk); a page that does not fit
+        gets outcome ``capacity``."""
+        files: list[tuple[list[int], int]] = []
+        for group in self._plan_files(todo, views):
+            size = file_bytes([views[i].nbytes for i in group], self._files.direct)
+            if self._reserve(size, protect):
+                files.append((group, size))
+                continue
+            skipped = group if len(group) == 1 else []
+            for i in group if len(group) > 1 else ():  # a segment that does not fit: pages
+                if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
+                    files.append(([i], HEADER_SIZE + views[i].nbytes))
+                else:
+                    skipped.append(i)
+            for i in skipped:
+                outcomes[i] = "capacity"
+                details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
+        return files
+
+    def _make_room(self, nbytes: int, protect: set[str]) -> list[Evicted]:
+        """After ENOSPC: evict least recently used files for ``nbytes`` (twice the bytes of
+        the files that did not fit, so the next batch of that size usually fits at once);
+        returns the victims (none: nothing can be evicted, no retry). The pages are then
+        reserved again (:meth:`_reserve_files`) before they are written once more."""
+        return self._index.evict(self._index.used - nbytes, 0, _Either(protect, self._busy))
 
     def _plan_files(self, todo: list[int], views: list[PageView]) -> list[list[int]]:
         """The files to write ``todo``'s pages in (``segment.plan_files``); one page per file
