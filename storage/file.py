@@ -171,6 +171,11 @@ class FileBackend(BackendBase):
         self._start_lock: anyio.Lock | None = None
         self._dir = filedir.DirState(self._root, self._suffix)  # writer lock, temp files
         self._quarantine = Quarantine()  # pages whose read was abandoned, still running
+        #: Pages a read found corrupt whose removal did not happen (key -> the bad file's
+        #: inode): still on disk (counted if indexed), never served. A read of one is a
+        #: ``corrupt`` miss that tries the removal again, exists stops there, a set writes it
+        #: again; it ends when its name is unlinked or names another file.
+        self._kept_corrupt: dict[str, int] = {}
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -377,6 +382,8 @@ class FileBackend(BackendBase):
         restored: dict[str, int] = {}  # page -> id of the unit it went back into
 
         def late(key: str, outcome: str) -> None:
+            if outcome in (OK, MISS):
+                self._kept_corrupt.pop(key, None)
             uid = restored.pop(key, None)
             if outcome in (OK, MISS) and uid is not None and self._index.unit_of(key) == uid:
                 self._index.drop(key)
@@ -388,6 +395,9 @@ class FileBackend(BackendBase):
         outcomes, details = await self._unlink(keys, ev, late, deadline)
         # No await from here on: a late() runs after this (on the loop, at the next await).
         result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
+        for k, (o, _) in result.items():
+            if o in (OK, MISS):
+                self._kept_corrupt.pop(k, None)
         used = self._index.used
         for unit in reversed(units):  # least recent ends up first
             kept = [k for k in unit.keys if result[k][0] not in (OK, MISS)]
@@ -467,13 +477,15 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         started = time.perf_counter()
         n = 0
-        quarantine = self._quarantine
+        quarantine, kept = self._quarantine, self._kept_corrupt
         for key in key_list:
-            if key not in self._index or key in quarantine:
+            if key not in self._index or key in quarantine or key in kept:
                 break
             n += 1
-        if n < len(key_list) and self.adopt_external and key_list[n] not in quarantine:
-            n += await self._adopt(key_list[n:])
+        rest = key_list[n:]
+        rest = rest[: next((i for i, k in enumerate(rest) if k in kept), len(rest))]
+        if rest and self.adopt_external and rest[0] not in quarantine:
+            n += await self._adopt(rest)
         self.metrics.page("exists", "hit", n)
         self.metrics.page("exists", "miss", min(1, len(key_list) - n))
         self.metrics.observe("exists", time.perf_counter() - started)
@@ -534,8 +546,14 @@ class FileBackend(BackendBase):
         n = len(key_list)
         outcomes: list[str] = ["quarantined"] * n
         details: list[str | None] = ["a read of this page is stuck"] * n
-        quarantine = self._quarantine
-        live = [i for i, k in enumerate(key_list) if k not in quarantine]
+        quarantine, kept = self._quarantine, self._kept_corrupt
+        bad: dict[str, int] = {}  # key -> the file its read found corrupt (first one)
+        for i, k in enumerate(key_list):
+            if k in kept and k not in quarantine:  # never served: try its removal again
+                outcomes[i] = "corrupt"
+                details[i] = "found corrupt before and not removed; removal tried again"
+                bad.setdefault(k, kept[k])
+        live = [i for i, k in enumerate(key_list) if k not in quarantine and k not in kept]
         reqs = [
             ReadReq(j, key_list[i], key_list[i] + self._suffix, views[i])
             for j, i in enumerate(live)
@@ -565,7 +583,6 @@ class FileBackend(BackendBase):
             )
             for j, i in enumerate(live):
                 outcomes[i], details[i] = done[j], done_details[j]
-        bad: dict[str, int] = {}  # key -> the file its read found corrupt (first one)
         missing: list[str] = []
         for j, i in enumerate(live):
             ino = reqs[j].bad
@@ -580,8 +597,8 @@ class FileBackend(BackendBase):
         self._set_usage()
         sizes = [v.nbytes for v in views]
         results = self._account("get", key_list, outcomes, details, sizes, started)
-        left = deadline - (time.perf_counter() - started)
-        if bad and left > 0:  # (none left: the next read finds them again)
+        if bad:
+            left = deadline - (time.perf_counter() - started)
             await self._remove_corrupt(bad, missing, left)
         self._gone(missing, "missing")
         return results
@@ -593,14 +610,17 @@ class FileBackend(BackendBase):
         if it still names that file, within ``deadline`` s; drop them from the index and tell
         them gone (``corrupt``; not the ``missing`` ones, told by the caller). A key another
         call is changing is left to that call (a set replaces it, a delete or an eviction
-        unlinks and tells it); a name whose unlink does not happen stays (the next read
-        finds it again). Cancel-safe, like delete."""
+        unlinks and tells it). A name whose unlink does not happen (it fails, it outlives the
+        deadline, or no time is left) stays, indexed and counted if it was: it is kept
+        corrupt (never served, see ``_kept_corrupt``; the next read of it tries again),
+        counted (``remove_corrupt.<reason>`` faults) and logged once
+        (``storage_remove_corrupt_failed``). Cancel-safe, like delete."""
         keys = [k for k in bad if k not in self._busy]
         if not keys:
             return
-        mark = self._claim_now(keys)
         told = set(missing)
         index = self._index
+        kept = self._kept_corrupt
         unknown = {k for k in keys if k not in index}  # a file the index did not know
 
         def gone(removed: list[str]) -> None:
@@ -611,11 +631,29 @@ class FileBackend(BackendBase):
             self._gone(tell, "corrupt")
 
         def late(key: str, outcome: str) -> None:
+            if outcome in (OK, MISS):  # (a miss: the name is gone or names another file)
+                kept.pop(key, None)
             if outcome == OK:
                 gone([key])
 
-        outcomes, _ = await self._unlink(keys, mark, late, deadline, [bad[k] for k in keys])
-        gone([k for k, o in zip(keys, outcomes, strict=True) if o == OK])
+        if deadline > 0:
+            mark = self._claim_now(keys)
+            outcomes, details = await self._unlink(
+                keys, mark, late, deadline, [bad[k] for k in keys]
+            )
+        else:
+            outcomes = ["timeout"] * len(keys)
+            details = ["the call's deadline passed before the removal"] * len(keys)
+        # No await from here on: a late() runs after this.
+        result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
+        for k, (o, _) in result.items():
+            if o in (OK, MISS):
+                kept.pop(k, None)
+            else:
+                kept[k] = bad[k]
+        gone([k for k in keys if result[k][0] == OK])
+        failed = [k for k in keys if result[k][0] not in (OK, MISS)]
+        self._unlink_failed("remove_corrupt", "corrupt", result, index.file_bytes(failed))
 
     def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
         """Split a batch into read jobs: neighbouring pages of one segment go together
@@ -654,8 +692,12 @@ class FileBackend(BackendBase):
         busy = self._busy  # indexed and busy: an unlink past its deadline may still take it
         unique = list(dict.fromkeys(key_list))
 
+        kept = self._kept_corrupt  # a page kept corrupt is written again, not present
+
         def to_write() -> list[str]:
-            return [k for k in unique if k not in index or k in quarantine or k in busy]
+            return [
+                k for k in unique if k not in index or k in quarantine or k in busy or k in kept
+            ]
 
         # After a delete / eviction / set of them ends; chosen again after each wait (an
         # eviction may have taken a page meanwhile that was indexed: it must be claimed too).
@@ -678,9 +720,10 @@ class FileBackend(BackendBase):
         protect = set(key_list)
         todo: list[int] = []
         first: dict[str, int] = {}  # a key repeated within the batch is written once
-        quarantine = self._quarantine
+        quarantine, kept = self._quarantine, self._kept_corrupt
         for i, key in enumerate(key_list):
-            if key in self._index and key not in quarantine:  # content-addressed: recency only
+            if key in self._index and key not in quarantine and key not in kept:
+                # content-addressed: recency only
                 self._index.touch(key)
                 outcomes[i] = PRESENT
             elif first.setdefault(key, i) == i:
@@ -777,6 +820,8 @@ class FileBackend(BackendBase):
                 if stored:
                     self._index.add(stored, size)
                     self._quarantine.discard(stored)  # a new file under the name: readable
+                    for k in stored:
+                        self._kept_corrupt.pop(k, None)
             self._set_usage()
         if self.fsync:
             written = [key_list[i] for g, _ in files for i in g if done[i] == OK]
@@ -943,6 +988,7 @@ class FileBackend(BackendBase):
             "files": self._index.files,
             "stuck_threads": self._runner.stuck,
             "quarantined": len(self._quarantine),
+            "corrupt_kept": len(self._kept_corrupt),
             "no_space_retries": self.metrics.no_space_retries,
             "temp_files": len(self._dir.temps),
             "temp_bytes": self._dir.tmp_bytes,

@@ -15,21 +15,24 @@ Then, against the real directory:
 1. the index and the directory agree: the same page names; each indexed file (unit) is one
    inode on disk, of the bytes the index counts for it, no two units share an inode, and
    ``used_bytes`` / ``objects`` / ``files`` are those sums; no temp file is left or counted;
+   a page kept corrupt (a read found it bad and its removal failed) is still the file found
+   bad;
 2. ``used_bytes <= capacity_bytes`` after a step in which no unlink failed (when the step
    started within the bound, or a set stored a page in it);
 3. every ``get_batch`` hit is exactly the content of one write of that key that was stored
    (its set reported it ``ok``) and alive at some time during the get (never another key's,
-   a failed write's, or a version replaced or told removed before the get began);
+   a failed write's, or a version replaced or told removed before the get began), and never
+   a page kept corrupt when the get began;
 4. a page told removed (listeners: delete, clear, eviction, corrupt, missing) is never read
    back by a later get; ``delete`` / ``clear`` count no more pages than they told removed;
 5. listeners hear each removal exactly once: replaying a key's stores and removals in order,
    a removal always finds the key stored, a store never finds it stored (unless its page was
-   quarantined: a stuck read's page is written again in place), and at the end the key is
-   stored iff its page is on disk, with the content of its last stored write.
+   quarantined or kept corrupt: such a page is written again in place), and at the end the
+   key is stored iff its page is on disk, with the content of its last stored write.
 
 Now and then a step ends with quiet reads (no faults): ``exists_prefix`` of every key and a
-``get_batch`` of some say exactly what is on disk. At the end, a restart rebuilds the same
-index from the directory.
+``get_batch`` of some say exactly what is on disk, but for pages kept corrupt: misses, and the
+reads remove them. At the end, a restart rebuilds the same index from the directory.
 
 Seeds are deterministic for the calls and the fault plans (thread timing is not): a failure
 names its seed and the last steps. A longer run: ``ASYNCCACHE_FILE_MODEL_SEEDS=200
@@ -182,6 +185,7 @@ class Call:
     end: int = -1
     result: Any = None
     data: list[bytes] = field(default_factory=list)  # get: the buffers
+    kept: set[str] = field(default_factory=set)  # get: pages kept corrupt when it began
 
     def __repr__(self) -> str:
         keys = [KEY_NAMES[k] for k in self.keys]
@@ -230,8 +234,10 @@ class Driver:
         self.removals: list[tuple[int, str, list[str]]] = []
         self.heard: list[str] = []
         self.quarantined: set[str] = set()
+        self.kept: set[str] = set()  # pages kept corrupt in this step (their removal failed)
         b = self.b
         account, gone, quarantine = b._account, b._gone, b._quarantine_keys
+        unlink_failed = b._unlink_failed
 
         def spy_account(op: str, keys: Any, outcomes: Any, *rest: Any) -> list[bool]:
             self.accounts.append((next(self.clock), _call.get(), op, list(keys), list(outcomes)))
@@ -246,7 +252,13 @@ class Driver:
             self.quarantined.update(keys)
             return quarantine(keys)
 
+        def spy_unlink_failed(op: str, cause: str, result: Any, kept_bytes: int) -> None:
+            if op == "remove_corrupt":
+                self.kept.update(k for k, (o, _d) in result.items() if o not in ("ok", "miss"))
+            unlink_failed(op, cause, result, kept_bytes)
+
         b._account = spy_account  # type: ignore[method-assign]
+        b._unlink_failed = spy_unlink_failed  # type: ignore[method-assign]
         b._gone = spy_gone  # type: ignore[method-assign]
         b._quarantine_keys = spy_quarantine  # type: ignore[method-assign]
         b.add_eviction_listener(self.heard.extend)
@@ -287,6 +299,7 @@ class Driver:
             c.result = await b.set_batch(c.keys, [payload(k, c.vers[k]) for k in c.keys])
         elif c.op == "get":
             bufs = [bytearray(PAGE) for _ in c.keys]
+            c.kept = set(b._kept_corrupt)  # (get_batch plans its reads before any await)
             c.result = await b.get_batch(c.keys, bufs)
             c.data = [bytes(x) for x in bufs]
         elif c.op == "exists":
@@ -305,6 +318,7 @@ class Driver:
         self.removals.clear()
         self.heard.clear()
         self.quarantined.clear()
+        self.kept = set(b._kept_corrupt)
         faults_before = dict(b.stats()["faults"])
         self.log.append(f"step {n}: disk={self.named(self.disk)} plan={plan}")
         self.chaos.set_plan(plan)
@@ -353,7 +367,7 @@ class Driver:
             )
         self.within = used <= self.cap
         if self.rng.random() < 0.3:
-            await self.verify_reads(disk)
+            disk = await self.verify_reads(disk)
         self.disk = disk
 
     def named(self, disk: dict[str, int]) -> dict[str, int]:
@@ -408,6 +422,11 @@ class Driver:
                 assert ver is not None
                 disk[key] = ver
         self.check(not temps, f"temp files left when quiescent: {temps}")
+        for k, ino in b._kept_corrupt.items():
+            self.check(
+                inode_of.get(k, (None, 0))[0] == ino,
+                f"{KEY_NAMES.get(k, k)} kept corrupt, but its file is gone or another one",
+            )
         st = b.stats()
         self.check(st["temp_bytes"] == 0, f"temp bytes counted when quiescent: {st['temp_bytes']}")
         indexed = set(b._index.keys())
@@ -471,9 +490,9 @@ class Driver:
                 life[(k, cur)] = [-1, float("inf")]
             for t, what, arg in sorted(events[k], key=lambda e: e[0]):
                 if what == "store":
-                    if cur is not None:  # only a quarantined page is written again in place
-                        self.check(
-                            k in self.quarantined,
+                    if cur is not None:  # only a quarantined page or one kept corrupt
+                        self.check(  # is written again in place
+                            k in self.quarantined or k in self.kept,
                             f"{KEY_NAMES[k]}: write {arg} stored at {t} over write {cur}, "
                             "never told removed",
                         )
@@ -497,6 +516,9 @@ class Driver:
                 for k, hit, data in zip(c.keys, c.result, c.data, strict=True):
                     if not hit:
                         continue
+                    self.check(
+                        k not in c.kept, f"get#{c.id}: {KEY_NAMES[k]} served, kept corrupt"
+                    )
                     ver = version_in(data, k)
                     self.check(ver is not None, f"get#{c.id}: {KEY_NAMES[k]} read other bytes")
                     span = life.get((k, ver))  # type: ignore[arg-type]
@@ -525,15 +547,19 @@ class Driver:
             elif c.op == "exists":
                 self.check(0 <= c.result <= len(c.keys), f"exists#{c.id}: {c.result}")
 
-    async def verify_reads(self, disk: dict[str, int]) -> None:
-        """Quiet reads (no faults, a generous deadline): exactly what is on disk."""
+    async def verify_reads(self, disk: dict[str, int]) -> dict[str, int]:
+        """Quiet reads (no faults, a generous deadline): exactly what is on disk, except pages
+        kept corrupt (a read found them bad, their removal failed): never there for exists,
+        misses for a read, which removes them. Returns what is on disk after."""
         b = self.b
+        kept = set(b._kept_corrupt)
         b.timeout_s = 5.0
         try:
             for k in KEYS:
+                there = k in disk and k not in kept
                 self.check(
-                    await b.exists_prefix([k]) == (k in disk),
-                    f"quiet exists of {KEY_NAMES[k]} != on disk ({k in disk})",
+                    await b.exists_prefix([k]) == there,
+                    f"quiet exists of {KEY_NAMES[k]} != on disk and not kept corrupt ({there})",
                 )
             keys = self.rng.sample(KEYS, 6)
             bufs = [bytearray(PAGE) for _ in keys]
@@ -541,11 +567,18 @@ class Driver:
         finally:
             b.timeout_s = TIMEOUT_S
         for k, hit, buf in zip(keys, got, bufs, strict=True):
-            want = disk.get(k)
+            want = disk.get(k) if k not in kept else None
             self.check(hit == (want is not None), f"quiet get of {KEY_NAMES[k]}: {hit}")
             if want is not None:
                 self.check(bytes(buf) == payload(k, want), f"quiet get of {KEY_NAMES[k]}: bytes")
+        after = self.check_directory()
+        removed = kept & set(keys)
+        self.check(
+            not removed & set(after) and not removed & set(b._kept_corrupt),
+            f"quiet reads did not remove the pages kept corrupt {self.names(sorted(removed))}",
+        )
         self.log.append(f"  quiet reads of {self.names(keys)} ok")
+        return after
 
 
 async def drive(root: Any, seed: int, segmented: bool, steps: int) -> Driver:
