@@ -167,6 +167,9 @@ class FileBackend(BackendBase):
         #: the same key wait their turn, eviction skips busy keys, and exists does not adopt
         #: them: the index and the names on disk change together.
         self._busy: dict[str, anyio.Event] = {}
+        #: One set per exists_prefix stat'ing files to adopt (:meth:`_adopt`): the keys other
+        #: calls claimed meanwhile (their file may have changed since its stat).
+        self._watching: list[set[str]] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
         self._dir = filedir.DirState(self._root, self._suffix)  # writer lock, temp files
@@ -299,6 +302,8 @@ class FileBackend(BackendBase):
         ev = anyio.Event()
         for k in keys:
             self._busy[k] = ev
+        for watch in self._watching:
+            watch.update(keys)
         return ev
 
     def _release(self, keys: list[str], ev: anyio.Event) -> None:
@@ -492,7 +497,10 @@ class FileBackend(BackendBase):
         return n
 
     async def _adopt(self, keys: list[str]) -> int:
-        """Stat ``keys`` in order until one is missing; index the ones found on disk."""
+        """Stat ``keys`` in order until one is missing; index the ones found on disk. A key
+        another call is changing (busy) when the stats start, or claims while they run, may
+        have lost its file since its stat (an eviction or a delete unlinking it): it is not
+        adopted, and the prefix stops there unless it is indexed by then."""
         found: list[tuple[str, os.stat_result]] = []
         errors: list[str] = []
 
@@ -510,13 +518,21 @@ class FileBackend(BackendBase):
                     break
             guard.finish(i, OK)
 
-        outcomes, _ = await self._runner.run(1, job, self._deadline())
+        changed = {k for k in keys if k in self._busy}
+        self._watching.append(changed)
+        try:
+            outcomes, _ = await self._runner.run(1, job, self._deadline())
+        finally:
+            self._watching = [w for w in self._watching if w is not changed]
         if outcomes[0] != OK:
             errors.append(outcomes[0])
         if errors:
             self.metrics.fault("exists", errors[0])
             self._log.warning("storage_faults", op="exists", faults={errors[0]: 1})
         adopted = list(found)  # a timed-out thread may still append
+        index = self._index
+        stale = (i for i, (k, _) in enumerate(adopted) if k in changed and k not in index)
+        adopted = adopted[: next(stale, len(adopted))]
         # Names of one segment found together become one file; its bytes are shared out
         # over all its names (some may be another instance's to bound).
         j = 0
