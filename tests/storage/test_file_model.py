@@ -4,9 +4,12 @@ One real ``FileBackend`` in ``tmp_path`` (a small ``capacity_bytes``, so that se
 per page or segments; no fsync) is driven through steps. Each step starts a few calls at once
 (``set_batch`` / ``get_batch`` / ``exists_prefix`` / ``delete`` / ``clear``, in one task group),
 under a fault plan drawn for the step: unlinks, reads, writes failing with EIO, writes with
-ENOSPC, reads flipping a byte in flight, unlinks slower than the deadline (they end late), and
-worker threads stuck until the step ends (later calls then fail fast: ``unavailable``). Every
-(key, set call) writes its own content, so a page read back says which write it came from.
+ENOSPC (also once per key: the retry after the eviction it causes goes through), reads
+flipping a byte in flight (often with the removal of the corrupt pages failing: they are then
+kept corrupt), unlinks slower than the deadline (they end late) or just slow (other calls
+overlap them), and worker threads stuck until the step ends (later calls then fail fast:
+``unavailable``). Every (key, set call) writes its own content, so a page read back says which
+write it came from.
 
 When a step's calls have returned, the stuck threads are let go and the backend must become
 quiescent (no key busy, no stuck thread, no reservation, no quarantined page, no temp file).
@@ -17,8 +20,10 @@ Then, against the real directory:
    ``used_bytes`` / ``objects`` / ``files`` are those sums; no temp file is left or counted;
    a page kept corrupt (a read found it bad and its removal failed) is still the file found
    bad;
-2. ``used_bytes <= capacity_bytes`` after a step in which no unlink failed (when the step
-   started within the bound, or a set stored a page in it);
+2. the capacity: whenever the reservations grow (whatever the path), the index's bytes and
+   the reservations fit in ``capacity_bytes``; and after every call and when quiescent they
+   exceed it by no more than the files counted without a reservation since the last one (put
+   back after a failed unlink, or adopted by ``exists_prefix``) still indexed;
 3. every ``get_batch`` hit is exactly the content of one write of that key that was stored
    (its set reported it ``ok``) and alive at some time during the get (never another key's,
    a failed write's, or a version replaced or told removed before the get began), and never
@@ -30,9 +35,9 @@ Then, against the real directory:
    quarantined or kept corrupt: such a page is written again in place), and at the end the
    key is stored iff its page is on disk, with the content of its last stored write.
 
-Now and then a step ends with quiet reads (no faults): ``exists_prefix`` of every key and a
-``get_batch`` of some say exactly what is on disk, but for pages kept corrupt: misses, and the
-reads remove them. At the end, a restart rebuilds the same index from the directory.
+Now and then (and whenever a page is kept corrupt) a step ends with quiet reads (no faults):
+``exists_prefix`` of every key and a ``get_batch`` of some and of those kept corrupt say
+exactly what is on disk, but for pages kept corrupt: misses, and the reads remove them. At the end, a restart rebuilds the same index from the directory.
 
 Seeds are deterministic for the calls and the fault plans (thread timing is not): a failure
 names its seed and the last steps. A longer run: ``ASYNCCACHE_FILE_MODEL_SEEDS=200
@@ -102,19 +107,24 @@ def version_in(data: bytes, key: str) -> int | None:
 
 class Chaos:
     """The fault hook: per raw op, faults drawn at the step's rates. ``stuck`` blocks the worker
-    thread until the step ends (:meth:`let_go`); ``slow`` delays an unlink past the deadline."""
+    thread until the step ends (:meth:`let_go`); ``slow`` delays an unlink past the deadline;
+    ``lag`` delays an unlink well within the deadline (other calls run meanwhile); ``full``
+    is ENOSPC for the first write of each key in the step only (a disk that an eviction made
+    room on: the retry after ENOSPC goes through)."""
 
     def __init__(self, seed: int) -> None:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._plan: dict[str, list[tuple[str, float]]] = {}
         self._gate = threading.Event()
+        self._full: set[str] = set()  # keys a ``full`` write fault struck in this step
         self.hits: Counter[tuple[str, str]] = Counter()
 
     def set_plan(self, plan: dict[str, list[tuple[str, float]]]) -> None:
         with self._lock:
             self._plan = plan
             self._gate = threading.Event()
+            self._full = set()
 
     def let_go(self, *, end: bool = True) -> None:
         """Wake the stuck threads (later ``stuck`` draws pass at once); ``end``: no more faults."""
@@ -126,23 +136,32 @@ class Chaos:
     def decide(self, op: str, key: str) -> Fault | None:
         with self._lock:
             choice = next(
-                (kind for kind, rate in self._plan.get(op, ()) if self._rng.random() < rate),
+                (
+                    kind
+                    for kind, rate in self._plan.get(op, ())
+                    if self._rng.random() < rate and not (kind == "full" and key in self._full)
+                ),
                 None,
             )
             if choice is None:
                 return None
+            if choice == "full":
+                self._full.add(key)
             self.hits[(op, choice)] += 1
             gate = self._gate
             slow = self._rng.uniform(1.5, 2.5) * TIMEOUT_S
+            lag = self._rng.uniform(0.1, 0.3) * TIMEOUT_S
             pos = self._rng.random()
         if choice == "stuck":
             gate.wait(10)
             return None
         if choice == "slow":
             return Fault(FaultKind.DELAY, delay_s=slow)
+        if choice == "lag":
+            return Fault(FaultKind.DELAY, delay_s=lag)
         if choice == "flip":
             return Fault(FaultKind.FLIP_BYTES, position=pos)
-        return Fault(FaultKind.ENOSPC if choice == "enospc" else FaultKind.EIO)
+        return Fault(FaultKind.ENOSPC if choice in ("enospc", "full") else FaultKind.EIO)
 
 
 def draw_plan(rng: random.Random) -> dict[str, list[tuple[str, float]]]:
@@ -162,16 +181,43 @@ def draw_plan(rng: random.Random) -> dict[str, list[tuple[str, float]]]:
         add("delete", "slow", rng.choice([0.3, 0.7, 1.0]))
     if rng.random() < 0.4:
         add("delete", "eio", rng.choice([0.3, 0.7, 1.0]))
-    if rng.random() < 0.3:
-        add("read", rng.choice(["eio", "flip", "flip"]), rng.choice([0.3, 1.0]))
-    if rng.random() < 0.25:
-        add("write", rng.choice(["eio", "enospc"]), rng.choice([0.3, 1.0]))
+    if rng.random() < 0.35:
+        kind = rng.choice(["eio", "flip", "flip"])
+        add("read", kind, rng.choice([0.3, 1.0]))
+        if kind == "flip" and rng.random() < 0.7:  # the corrupt pages' removal fails: kept
+            add("delete", "eio", rng.choice([0.5, 1.0]))
+    if rng.random() < 0.35:  # ENOSPC, retried after an eviction (which "full" lets through)
+        add("write", rng.choice(["eio", "enospc", "full", "full"]), rng.choice([0.3, 1.0]))
     if rng.random() < 0.1:
         add("exists", "eio", 0.5)
+    if rng.random() < 0.3:  # unlinks that take a while (within the deadline): calls overlap them
+        add("delete", "lag", 1.0)
     return plan
 
 
 # -- the driver -------------------------------------------------------------------------------
+
+
+class CheckedBackend(FileBackend):
+    """A FileBackend whose reservations are checked as they grow: whatever path takes them,
+    the index's bytes, the reservations and other writers' temp files stay within the
+    capacity then (2); a breach is noted in ``reserve_over``."""
+
+    reserve_over: list[str]
+
+    @property  # type: ignore[override]
+    def _reserved(self) -> int:
+        return self._reserved_bytes
+
+    @_reserved.setter
+    def _reserved(self, value: int) -> None:
+        grew = value > getattr(self, "_reserved_bytes", 0)
+        self._reserved_bytes = value
+        cap = self.capacity_bytes
+        if grew and cap is not None and self._index.used + value + self._dir.tmp_bytes > cap:
+            self.reserve_over.append(
+                f"reserved {value} bytes with {self._index.used} indexed: over capacity {cap}"
+            )
 
 
 @dataclass
@@ -208,7 +254,7 @@ class Driver:
         else:
             seg, cap = None, 6 * FILE
         layout = StorageLayout(model="test/model", page_size=16, kv_dtype="bfloat16")
-        self.b = FileBackend(
+        self.b = CheckedBackend(
             root,
             layout,
             capacity_bytes=cap,
@@ -219,6 +265,8 @@ class Driver:
             timeout_per_gib_s=0,
         )
         self.cap = cap
+        self.over: list[str] = []  # the capacity exceeded (2)
+        self.b.reserve_over = self.over
         self.root = str(root)
         self.suffix = self.b.object_name("0" * 64)[64:]
         self.chaos = Chaos(seed)
@@ -228,7 +276,11 @@ class Driver:
         self.vers = itertools.count(1)
         self.disk: dict[str, int] = {}  # key -> write on disk (at the start of a step)
         self.log: list[str] = []
-        self.within = True  # used_bytes <= capacity_bytes at the end of the last step
+        #: Index units whose bytes were counted without a reservation since the last one
+        #: (which brought the index and the reservations within the capacity): put back after
+        #: a failed unlink (a file still on disk) or adopted by exists. Only these may take
+        #: the index past the capacity.
+        self.unreserved: set[int] = set()
         # What the backend reports, in order (reset each step).
         self.accounts: list[tuple[int, int, str, list[str], list[str]]] = []
         self.removals: list[tuple[int, str, list[str]]] = []
@@ -238,10 +290,38 @@ class Driver:
         b = self.b
         account, gone, quarantine = b._account, b._gone, b._quarantine_keys
         unlink_failed = b._unlink_failed
+        index = b._index
+        index_add, index_restore, reserve = index.add, index.restore, b._reserve
+        ops: dict[int, str] = {}  # call id -> op
+        self.ops = ops
 
         def spy_account(op: str, keys: Any, outcomes: Any, *rest: Any) -> list[bool]:
-            self.accounts.append((next(self.clock), _call.get(), op, list(keys), list(outcomes)))
-            return account(op, keys, outcomes, *rest)
+            t = next(self.clock)
+            self.accounts.append((t, _call.get(), op, list(keys), list(outcomes)))
+            try:
+                return account(op, keys, outcomes, *rest)
+            finally:
+                self.check_capacity(f"at {t} ({op}#{_call.get()})")
+
+        def spy_add(keys: Any, nbytes: int) -> None:
+            uid = index._next  # the id the new unit gets
+            index_add(keys, nbytes)
+            if ops.get(_call.get()) == "exists" and uid in index._units:  # adopted
+                self.unreserved.add(uid)
+
+        def spy_reserve(size: int, protect: set[str]) -> bool:
+            ok = reserve(size, protect)
+            if ok:  # within the capacity now, whatever was put back before
+                self.unreserved.clear()
+            self.check_capacity(f"reserving {size} bytes")
+            return ok
+
+        def spy_restore(keys: Any, nbytes: int, uid: int | None = None) -> int | None:
+            existed = uid is not None and uid in index._units
+            out = index_restore(keys, nbytes, uid)
+            if out is not None and not existed:  # a unit made again: its bytes counted again
+                self.unreserved.add(out)
+            return out
 
         def spy_gone(keys: Any, cause: str) -> None:
             if keys:
@@ -259,9 +339,26 @@ class Driver:
 
         b._account = spy_account  # type: ignore[method-assign]
         b._unlink_failed = spy_unlink_failed  # type: ignore[method-assign]
+        index.add = spy_add  # type: ignore[method-assign]
+        index.restore = spy_restore  # type: ignore[method-assign]
+        b._reserve = spy_reserve  # type: ignore[method-assign]
         b._gone = spy_gone  # type: ignore[method-assign]
         b._quarantine_keys = spy_quarantine  # type: ignore[method-assign]
         b.add_eviction_listener(self.heard.extend)
+
+    def check_capacity(self, when: str) -> None:
+        """(2): the index's bytes and the reservations stay within the capacity, but for the
+        units counted without a reservation (``unreserved``) still indexed."""
+        b = self.b
+        units = b._index._units
+        self.unreserved &= set(units)
+        extra = sum(units[u].nbytes for u in self.unreserved)
+        used, reserved = b._index.used, b._reserved
+        if used + reserved > self.cap + extra:
+            self.over.append(
+                f"{when}: used {used} + reserved {reserved} > capacity {self.cap} + "
+                f"{extra} bytes put back after failed unlinks or adopted"
+            )
 
     def fail(self, msg: str) -> None:
         tail = "\n".join(self.log[-40:])
@@ -293,6 +390,7 @@ class Driver:
         if c.delay:
             await anyio.sleep(c.delay)
         _call.set(c.id)
+        self.ops[c.id] = c.op
         b = self.b
         c.start = next(self.clock)
         if c.op == "set":
@@ -319,7 +417,7 @@ class Driver:
         self.heard.clear()
         self.quarantined.clear()
         self.kept = set(b._kept_corrupt)
-        faults_before = dict(b.stats()["faults"])
+        self.over.clear()
         self.log.append(f"step {n}: disk={self.named(self.disk)} plan={plan}")
         self.chaos.set_plan(plan)
 
@@ -350,23 +448,11 @@ class Driver:
         disk = self.check_directory()
         self.log.append(f"  -> disk={self.named(disk)} used={b.stats()['used_bytes']}")
         self.check_history(calls, disk)
-        faults = b.stats()["faults"]
-        unlink_failed = any(
-            faults[k] != faults_before.get(k, 0)
-            for k in faults
-            if k.split(".")[0] in ("evict", "delete", "clear")
-        )
-        stored = any(
-            o == "ok" for _t, _c, op, _k, outs in self.accounts if op == "set" for o in outs
-        )
-        used = b.stats()["used_bytes"]
-        if not unlink_failed and (self.within or stored):
-            self.check(
-                used <= self.cap,
-                f"step {n}: used_bytes {used} > capacity {self.cap} with no failed unlink",
-            )
-        self.within = used <= self.cap
-        if self.rng.random() < 0.3:
+        self.check_capacity("quiescent")
+        if self.over:
+            self.fail(f"step {n}: {self.over[0]}")
+        quiet = self.rng.random() < 0.3
+        if quiet or b._kept_corrupt:  # (pages kept corrupt are rare: check them at once)
             disk = await self.verify_reads(disk)
         self.disk = disk
 
@@ -561,7 +647,7 @@ class Driver:
                     await b.exists_prefix([k]) == there,
                     f"quiet exists of {KEY_NAMES[k]} != on disk and not kept corrupt ({there})",
                 )
-            keys = self.rng.sample(KEYS, 6)
+            keys = list(dict.fromkeys([*sorted(kept), *self.rng.sample(KEYS, 6)]))
             bufs = [bytearray(PAGE) for _ in keys]
             got = await b.get_batch(keys, bufs)
         finally:
