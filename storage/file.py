@@ -167,10 +167,18 @@ class FileBackend(BackendBase):
         #: the same key wait their turn, eviction skips busy keys, and exists does not adopt
         #: them: the index and the names on disk change together.
         self._busy: dict[str, anyio.Event] = {}
+        #: One set per exists_prefix stat'ing files to adopt (:meth:`_adopt`): the keys other
+        #: calls claimed meanwhile (their file may have changed since its stat).
+        self._watching: list[set[str]] = []
         self._started = False
         self._start_lock: anyio.Lock | None = None
         self._dir = filedir.DirState(self._root, self._suffix)  # writer lock, temp files
         self._quarantine = Quarantine()  # pages whose read was abandoned, still running
+        #: Pages a read found corrupt whose removal did not happen (key -> the bad file's
+        #: inode): still on disk (counted if indexed), never served. A read of one is a
+        #: ``corrupt`` miss that tries the removal again, exists stops there, a set writes it
+        #: again; it ends when its name is unlinked or names another file.
+        self._kept_corrupt: dict[str, int] = {}
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -294,6 +302,8 @@ class FileBackend(BackendBase):
         ev = anyio.Event()
         for k in keys:
             self._busy[k] = ev
+        for watch in self._watching:
+            watch.update(keys)
         return ev
 
     def _release(self, keys: list[str], ev: anyio.Event) -> None:
@@ -377,6 +387,8 @@ class FileBackend(BackendBase):
         restored: dict[str, int] = {}  # page -> id of the unit it went back into
 
         def late(key: str, outcome: str) -> None:
+            if outcome in (OK, MISS):
+                self._kept_corrupt.pop(key, None)
             uid = restored.pop(key, None)
             if outcome in (OK, MISS) and uid is not None and self._index.unit_of(key) == uid:
                 self._index.drop(key)
@@ -388,6 +400,9 @@ class FileBackend(BackendBase):
         outcomes, details = await self._unlink(keys, ev, late, deadline)
         # No await from here on: a late() runs after this (on the loop, at the next await).
         result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
+        for k, (o, _) in result.items():
+            if o in (OK, MISS):
+                self._kept_corrupt.pop(k, None)
         used = self._index.used
         for unit in reversed(units):  # least recent ends up first
             kept = [k for k in unit.keys if result[k][0] not in (OK, MISS)]
@@ -467,20 +482,25 @@ class FileBackend(BackendBase):
         await self._ensure_started()
         started = time.perf_counter()
         n = 0
-        quarantine = self._quarantine
+        quarantine, kept = self._quarantine, self._kept_corrupt
         for key in key_list:
-            if key not in self._index or key in quarantine:
+            if key not in self._index or key in quarantine or key in kept:
                 break
             n += 1
-        if n < len(key_list) and self.adopt_external and key_list[n] not in quarantine:
-            n += await self._adopt(key_list[n:])
+        rest = key_list[n:]
+        rest = rest[: next((i for i, k in enumerate(rest) if k in kept), len(rest))]
+        if rest and self.adopt_external and rest[0] not in quarantine:
+            n += await self._adopt(rest)
         self.metrics.page("exists", "hit", n)
         self.metrics.page("exists", "miss", min(1, len(key_list) - n))
         self.metrics.observe("exists", time.perf_counter() - started)
         return n
 
     async def _adopt(self, keys: list[str]) -> int:
-        """Stat ``keys`` in order until one is missing; index the ones found on disk."""
+        """Stat ``keys`` in order until one is missing; index the ones found on disk. A key
+        another call is changing (busy) when the stats start, or claims while they run, may
+        have lost its file since its stat (an eviction or a delete unlinking it): it is not
+        adopted, and the prefix stops there unless it is indexed by then."""
         found: list[tuple[str, os.stat_result]] = []
         errors: list[str] = []
 
@@ -498,13 +518,21 @@ class FileBackend(BackendBase):
                     break
             guard.finish(i, OK)
 
-        outcomes, _ = await self._runner.run(1, job, self._deadline())
+        changed = {k for k in keys if k in self._busy}
+        self._watching.append(changed)
+        try:
+            outcomes, _ = await self._runner.run(1, job, self._deadline())
+        finally:
+            self._watching = [w for w in self._watching if w is not changed]
         if outcomes[0] != OK:
             errors.append(outcomes[0])
         if errors:
             self.metrics.fault("exists", errors[0])
             self._log.warning("storage_faults", op="exists", faults={errors[0]: 1})
         adopted = list(found)  # a timed-out thread may still append
+        index = self._index
+        stale = (i for i, (k, _) in enumerate(adopted) if k in changed and k not in index)
+        adopted = adopted[: next(stale, len(adopted))]
         # Names of one segment found together become one file; its bytes are shared out
         # over all its names (some may be another instance's to bound).
         j = 0
@@ -534,8 +562,14 @@ class FileBackend(BackendBase):
         n = len(key_list)
         outcomes: list[str] = ["quarantined"] * n
         details: list[str | None] = ["a read of this page is stuck"] * n
-        quarantine = self._quarantine
-        live = [i for i, k in enumerate(key_list) if k not in quarantine]
+        quarantine, kept = self._quarantine, self._kept_corrupt
+        bad: dict[str, int] = {}  # key -> the file its read found corrupt (first one)
+        for i, k in enumerate(key_list):
+            if k in kept and k not in quarantine:  # never served: try its removal again
+                outcomes[i] = "corrupt"
+                details[i] = "found corrupt before and not removed; removal tried again"
+                bad.setdefault(k, kept[k])
+        live = [i for i, k in enumerate(key_list) if k not in quarantine and k not in kept]
         reqs = [
             ReadReq(j, key_list[i], key_list[i] + self._suffix, views[i])
             for j, i in enumerate(live)
@@ -565,7 +599,6 @@ class FileBackend(BackendBase):
             )
             for j, i in enumerate(live):
                 outcomes[i], details[i] = done[j], done_details[j]
-        bad: dict[str, int] = {}  # key -> the file its read found corrupt (first one)
         missing: list[str] = []
         for j, i in enumerate(live):
             ino = reqs[j].bad
@@ -580,8 +613,8 @@ class FileBackend(BackendBase):
         self._set_usage()
         sizes = [v.nbytes for v in views]
         results = self._account("get", key_list, outcomes, details, sizes, started)
-        left = deadline - (time.perf_counter() - started)
-        if bad and left > 0:  # (none left: the next read finds them again)
+        if bad:
+            left = deadline - (time.perf_counter() - started)
             await self._remove_corrupt(bad, missing, left)
         self._gone(missing, "missing")
         return results
@@ -593,14 +626,17 @@ class FileBackend(BackendBase):
         if it still names that file, within ``deadline`` s; drop them from the index and tell
         them gone (``corrupt``; not the ``missing`` ones, told by the caller). A key another
         call is changing is left to that call (a set replaces it, a delete or an eviction
-        unlinks and tells it); a name whose unlink does not happen stays (the next read
-        finds it again). Cancel-safe, like delete."""
+        unlinks and tells it). A name whose unlink does not happen (it fails, it outlives the
+        deadline, or no time is left) stays, indexed and counted if it was: it is kept
+        corrupt (never served, see ``_kept_corrupt``; the next read of it tries again),
+        counted (``remove_corrupt.<reason>`` faults) and logged once
+        (``storage_remove_corrupt_failed``). Cancel-safe, like delete."""
         keys = [k for k in bad if k not in self._busy]
         if not keys:
             return
-        mark = self._claim_now(keys)
         told = set(missing)
         index = self._index
+        kept = self._kept_corrupt
         unknown = {k for k in keys if k not in index}  # a file the index did not know
 
         def gone(removed: list[str]) -> None:
@@ -611,11 +647,29 @@ class FileBackend(BackendBase):
             self._gone(tell, "corrupt")
 
         def late(key: str, outcome: str) -> None:
+            if outcome in (OK, MISS):  # (a miss: the name is gone or names another file)
+                kept.pop(key, None)
             if outcome == OK:
                 gone([key])
 
-        outcomes, _ = await self._unlink(keys, mark, late, deadline, [bad[k] for k in keys])
-        gone([k for k, o in zip(keys, outcomes, strict=True) if o == OK])
+        if deadline > 0:
+            mark = self._claim_now(keys)
+            outcomes, details = await self._unlink(
+                keys, mark, late, deadline, [bad[k] for k in keys]
+            )
+        else:
+            outcomes = ["timeout"] * len(keys)
+            details = ["the call's deadline passed before the removal"] * len(keys)
+        # No await from here on: a late() runs after this.
+        result = dict(zip(keys, zip(outcomes, details, strict=True), strict=True))
+        for k, (o, _) in result.items():
+            if o in (OK, MISS):
+                kept.pop(k, None)
+            else:
+                kept[k] = bad[k]
+        gone([k for k in keys if result[k][0] == OK])
+        failed = [k for k in keys if result[k][0] not in (OK, MISS)]
+        self._unlink_failed("remove_corrupt", "corrupt", result, index.file_bytes(failed))
 
     def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
         """Split a batch into read jobs: neighbouring pages of one segment go together
@@ -654,8 +708,12 @@ class FileBackend(BackendBase):
         busy = self._busy  # indexed and busy: an unlink past its deadline may still take it
         unique = list(dict.fromkeys(key_list))
 
+        kept = self._kept_corrupt  # a page kept corrupt is written again, not present
+
         def to_write() -> list[str]:
-            return [k for k in unique if k not in index or k in quarantine or k in busy]
+            return [
+                k for k in unique if k not in index or k in quarantine or k in busy or k in kept
+            ]
 
         # After a delete / eviction / set of them ends; chosen again after each wait (an
         # eviction may have taken a page meanwhile that was indexed: it must be claimed too).
@@ -678,42 +736,36 @@ class FileBackend(BackendBase):
         protect = set(key_list)
         todo: list[int] = []
         first: dict[str, int] = {}  # a key repeated within the batch is written once
-        quarantine = self._quarantine
+        quarantine, kept = self._quarantine, self._kept_corrupt
         for i, key in enumerate(key_list):
-            if key in self._index and key not in quarantine:  # content-addressed: recency only
+            if key in self._index and key not in quarantine and key not in kept:
+                # content-addressed: recency only
                 self._index.touch(key)
                 outcomes[i] = PRESENT
             elif first.setdefault(key, i) == i:
                 todo.append(i)
-        files: list[tuple[list[int], int]] = []  # (page indices, bytes on disk)
-        for group in self._plan_files(todo, views):
-            size = file_bytes([views[i].nbytes for i in group], self._files.direct)
-            if self._reserve(size, protect):
-                files.append((group, size))
-                continue
-            skipped = group if len(group) == 1 else []
-            for i in group if len(group) > 1 else ():  # a segment that does not fit: pages
-                if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
-                    files.append(([i], HEADER_SIZE + views[i].nbytes))
-                else:
-                    skipped.append(i)
-            for i in skipped:
-                outcomes[i] = "capacity"
-                details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
+        files = self._reserve_files(todo, views, protect, outcomes, details)
         victims, self._victims = self._victims, []
         done = await self._write_files(key_list, views, files, victims, "capacity")
         # ENOSPC: the filesystem is full, whatever the capacity says. That is capacity
         # pressure: evict least recently used files and write those pages once more.
         full = [i for g, _ in files for i in g if done[i][0] == "no_space"]
         if full:
-            retry = self._make_room(full, views, protect)
-            if retry is not None:
-                more_files, more_victims = retry
-                self.metrics.no_space_retry(len(full))
+            room = 2 * sum(size for g, size in files if any(done[i][0] == "no_space" for i in g))
+            more_victims = self._make_room(room, protect)
+            if more_victims:
                 # The space must be free before the writes start: unlink first.
                 await self._write_files(key_list, views, [], more_victims, "no_space")
-                self._reserved += sum(size for _, size in more_files)  # released by the call
-                done.update(await self._write_files(key_list, views, more_files, [], "no_space"))
+                # Then reserve again, like any write: the first attempt gave its reservation
+                # back, other calls may have taken that room meanwhile, and a victim whose
+                # unlink failed is counted again. A page that no longer fits is a capacity
+                # skip (so is each page of a segment that does not: written page by page).
+                for i in full:
+                    del done[i]
+                retry = self._reserve_files(full, views, protect, outcomes, details)
+                victims, self._victims = self._victims, []
+                self.metrics.no_space_retry(sum(len(g) for g, _ in retry))
+                done.update(await self._write_files(key_list, views, retry, victims, "capacity"))
         for i, (outcome, detail) in done.items():
             outcomes[i], details[i] = outcome, detail
         for i, key in enumerate(key_list):
@@ -784,6 +836,8 @@ class FileBackend(BackendBase):
                 if stored:
                     self._index.add(stored, size)
                     self._quarantine.discard(stored)  # a new file under the name: readable
+                    for k in stored:
+                        self._kept_corrupt.pop(k, None)
             self._set_usage()
         if self.fsync:
             written = [key_list[i] for g, _ in files for i in g if done[i] == OK]
@@ -814,21 +868,41 @@ class FileBackend(BackendBase):
             nbytes += size
         return jobs
 
-    def _make_room(
-        self, full: list[int], views: list[PageView], protect: set[str]
-    ) -> tuple[list[tuple[list[int], int]], list[Evicted]] | None:
-        """After ENOSPC: evict least recently used files for twice the bytes of the pages
-        that did not fit (so the next batch of that size usually fits at once); returns the
-        files to write again (they fitted the capacity before: no new reservation check) and
-        the victims. None when nothing can be evicted."""
-        groups = self._plan_files(full, views)
-        sizes = [file_bytes([views[i].nbytes for i in g], self._files.direct) for g in groups]
-        victims = self._index.evict(
-            self._index.used - 2 * sum(sizes), 0, _Either(protect, self._busy)
-        )
-        if not victims:
-            return None
-        return list(zip(groups, sizes, strict=True)), victims
+    def _reserve_files(
+        self,
+        todo: list[int],
+        views: list[PageView],
+        protect: set[str],
+        outcomes: list[str],
+        details: list[str | None],
+    ) -> list[tuple[list[int], int]]:
+        """Plan the files of ``todo``'s pages and reserve each within the capacity (choosing
+        victims into ``self._victims``); a segment that does not fit is reserved page by page.
+        Returns the reserved files (page indices, bytes on disk); a page that does not fit
+        gets outcome ``capacity``."""
+        files: list[tuple[list[int], int]] = []
+        for group in self._plan_files(todo, views):
+            size = file_bytes([views[i].nbytes for i in group], self._files.direct)
+            if self._reserve(size, protect):
+                files.append((group, size))
+                continue
+            skipped = group if len(group) == 1 else []
+            for i in group if len(group) > 1 else ():  # a segment that does not fit: pages
+                if self._reserve(HEADER_SIZE + views[i].nbytes, protect):
+                    files.append(([i], HEADER_SIZE + views[i].nbytes))
+                else:
+                    skipped.append(i)
+            for i in skipped:
+                outcomes[i] = "capacity"
+                details[i] = f"{HEADER_SIZE + views[i].nbytes} bytes do not fit"
+        return files
+
+    def _make_room(self, nbytes: int, protect: set[str]) -> list[Evicted]:
+        """After ENOSPC: evict least recently used files for ``nbytes`` (twice the bytes of
+        the files that did not fit, so the next batch of that size usually fits at once);
+        returns the victims (none: nothing can be evicted, no retry). The pages are then
+        reserved again (:meth:`_reserve_files`) before they are written once more."""
+        return self._index.evict(self._index.used - nbytes, 0, _Either(protect, self._busy))
 
     def _plan_files(self, todo: list[int], views: list[PageView]) -> list[list[int]]:
         """The files to write ``todo``'s pages in (``segment.plan_files``); one page per file
@@ -930,6 +1004,7 @@ class FileBackend(BackendBase):
             "files": self._index.files,
             "stuck_threads": self._runner.stuck,
             "quarantined": len(self._quarantine),
+            "corrupt_kept": len(self._kept_corrupt),
             "no_space_retries": self.metrics.no_space_retries,
             "temp_files": len(self._dir.temps),
             "temp_bytes": self._dir.tmp_bytes,

@@ -74,6 +74,11 @@ class LruIndex:
         uid = self._where.get(key)
         return len(self._units[uid].keys) if uid is not None else 0
 
+    def file_bytes(self, keys: Iterable[str]) -> int:
+        """Bytes of the files (units) holding any of ``keys``, each counted once."""
+        uids = {u for k in keys if (u := self._where.get(k)) is not None}
+        return sum(self._units[u].nbytes for u in uids)
+
     def add(self, keys: Iterable[str], nbytes: int) -> None:
         """A new unit holding ``keys`` (most recent); keys already indexed move to it."""
         self._add(keys, nbytes)

@@ -4,9 +4,12 @@ One real ``FileBackend`` in ``tmp_path`` (a small ``capacity_bytes``, so that se
 per page or segments; no fsync) is driven through steps. Each step starts a few calls at once
 (``set_batch`` / ``get_batch`` / ``exists_prefix`` / ``delete`` / ``clear``, in one task group),
 under a fault plan drawn for the step: unlinks, reads, writes failing with EIO, writes with
-ENOSPC, reads flipping a byte in flight, unlinks slower than the deadline (they end late), and
-worker threads stuck until the step ends (later calls then fail fast: ``unavailable``). Every
-(key, set call) writes its own content, so a page read back says which write it came from.
+ENOSPC (also once per key: the retry after the eviction it causes goes through), reads
+flipping a byte in flight (often with the removal of the corrupt pages failing: they are then
+kept corrupt), unlinks slower than the deadline (they end late) or just slow (other calls
+overlap them), and worker threads stuck until the step ends (later calls then fail fast:
+``unavailable``). Every (key, set call) writes its own content, so a page read back says which
+write it came from.
 
 When a step's calls have returned, the stuck threads are let go and the backend must become
 quiescent (no key busy, no stuck thread, no reservation, no quarantined page, no temp file).
@@ -15,21 +18,26 @@ Then, against the real directory:
 1. the index and the directory agree: the same page names; each indexed file (unit) is one
    inode on disk, of the bytes the index counts for it, no two units share an inode, and
    ``used_bytes`` / ``objects`` / ``files`` are those sums; no temp file is left or counted;
-2. ``used_bytes <= capacity_bytes`` after a step in which no unlink failed (when the step
-   started within the bound, or a set stored a page in it);
+   a page kept corrupt (a read found it bad and its removal failed) is still the file found
+   bad;
+2. the capacity: whenever the reservations grow (whatever the path), the index's bytes and
+   the reservations fit in ``capacity_bytes``; and after every call and when quiescent they
+   exceed it by no more than the files counted without a reservation since the last one (put
+   back after a failed unlink, or adopted by ``exists_prefix``) still indexed;
 3. every ``get_batch`` hit is exactly the content of one write of that key that was stored
    (its set reported it ``ok``) and alive at some time during the get (never another key's,
-   a failed write's, or a version replaced or told removed before the get began);
+   a failed write's, or a version replaced or told removed before the get began), and never
+   a page kept corrupt when the get began;
 4. a page told removed (listeners: delete, clear, eviction, corrupt, missing) is never read
    back by a later get; ``delete`` / ``clear`` count no more pages than they told removed;
 5. listeners hear each removal exactly once: replaying a key's stores and removals in order,
    a removal always finds the key stored, a store never finds it stored (unless its page was
-   quarantined: a stuck read's page is written again in place), and at the end the key is
-   stored iff its page is on disk, with the content of its last stored write.
+   quarantined or kept corrupt: such a page is written again in place), and at the end the
+   key is stored iff its page is on disk, with the content of its last stored write.
 
-Now and then a step ends with quiet reads (no faults): ``exists_prefix`` of every key and a
-``get_batch`` of some say exactly what is on disk. At the end, a restart rebuilds the same
-index from the directory.
+Now and then (and whenever a page is kept corrupt) a step ends with quiet reads (no faults):
+``exists_prefix`` of every key and a ``get_batch`` of some and of those kept corrupt say
+exactly what is on disk, but for pages kept corrupt: misses, and the reads remove them. At the end, a restart rebuilds the same index from the directory.
 
 Seeds are deterministic for the calls and the fault plans (thread timing is not): a failure
 names its seed and the last steps. A longer run: ``ASYNCCACHE_FILE_MODEL_SEEDS=200
@@ -99,19 +107,24 @@ def version_in(data: bytes, key: str) -> int | None:
 
 class Chaos:
     """The fault hook: per raw op, faults drawn at the step's rates. ``stuck`` blocks the worker
-    thread until the step ends (:meth:`let_go`); ``slow`` delays an unlink past the deadline."""
+    thread until the step ends (:meth:`let_go`); ``slow`` delays an unlink past the deadline;
+    ``lag`` delays an unlink well within the deadline (other calls run meanwhile); ``full``
+    is ENOSPC for the first write of each key in the step only (a disk that an eviction made
+    room on: the retry after ENOSPC goes through)."""
 
     def __init__(self, seed: int) -> None:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._plan: dict[str, list[tuple[str, float]]] = {}
         self._gate = threading.Event()
+        self._full: set[str] = set()  # keys a ``full`` write fault struck in this step
         self.hits: Counter[tuple[str, str]] = Counter()
 
     def set_plan(self, plan: dict[str, list[tuple[str, float]]]) -> None:
         with self._lock:
             self._plan = plan
             self._gate = threading.Event()
+            self._full = set()
 
     def let_go(self, *, end: bool = True) -> None:
         """Wake the stuck threads (later ``stuck`` draws pass at once); ``end``: no more faults."""
@@ -123,23 +136,32 @@ class Chaos:
     def decide(self, op: str, key: str) -> Fault | None:
         with self._lock:
             choice = next(
-                (kind for kind, rate in self._plan.get(op, ()) if self._rng.random() < rate),
+                (
+                    kind
+                    for kind, rate in self._plan.get(op, ())
+                    if self._rng.random() < rate and not (kind == "full" and key in self._full)
+                ),
                 None,
             )
             if choice is None:
                 return None
+            if choice == "full":
+                self._full.add(key)
             self.hits[(op, choice)] += 1
             gate = self._gate
             slow = self._rng.uniform(1.5, 2.5) * TIMEOUT_S
+            lag = self._rng.uniform(0.1, 0.3) * TIMEOUT_S
             pos = self._rng.random()
         if choice == "stuck":
             gate.wait(10)
             return None
         if choice == "slow":
             return Fault(FaultKind.DELAY, delay_s=slow)
+        if choice == "lag":
+            return Fault(FaultKind.DELAY, delay_s=lag)
         if choice == "flip":
             return Fault(FaultKind.FLIP_BYTES, position=pos)
-        return Fault(FaultKind.ENOSPC if choice == "enospc" else FaultKind.EIO)
+        return Fault(FaultKind.ENOSPC if choice in ("enospc", "full") else FaultKind.EIO)
 
 
 def draw_plan(rng: random.Random) -> dict[str, list[tuple[str, float]]]:
@@ -159,16 +181,43 @@ def draw_plan(rng: random.Random) -> dict[str, list[tuple[str, float]]]:
         add("delete", "slow", rng.choice([0.3, 0.7, 1.0]))
     if rng.random() < 0.4:
         add("delete", "eio", rng.choice([0.3, 0.7, 1.0]))
-    if rng.random() < 0.3:
-        add("read", rng.choice(["eio", "flip", "flip"]), rng.choice([0.3, 1.0]))
-    if rng.random() < 0.25:
-        add("write", rng.choice(["eio", "enospc"]), rng.choice([0.3, 1.0]))
+    if rng.random() < 0.35:
+        kind = rng.choice(["eio", "flip", "flip"])
+        add("read", kind, rng.choice([0.3, 1.0]))
+        if kind == "flip" and rng.random() < 0.7:  # the corrupt pages' removal fails: kept
+            add("delete", "eio", rng.choice([0.5, 1.0]))
+    if rng.random() < 0.35:  # ENOSPC, retried after an eviction (which "full" lets through)
+        add("write", rng.choice(["eio", "enospc", "full", "full"]), rng.choice([0.3, 1.0]))
     if rng.random() < 0.1:
         add("exists", "eio", 0.5)
+    if rng.random() < 0.3:  # unlinks that take a while (within the deadline): calls overlap them
+        add("delete", "lag", 1.0)
     return plan
 
 
 # -- the driver -------------------------------------------------------------------------------
+
+
+class CheckedBackend(FileBackend):
+    """A FileBackend whose reservations are checked as they grow: whatever path takes them,
+    the index's bytes, the reservations and other writers' temp files stay within the
+    capacity then (2); a breach is noted in ``reserve_over``."""
+
+    reserve_over: list[str]
+
+    @property  # type: ignore[override]
+    def _reserved(self) -> int:
+        return self._reserved_bytes
+
+    @_reserved.setter
+    def _reserved(self, value: int) -> None:
+        grew = value > getattr(self, "_reserved_bytes", 0)
+        self._reserved_bytes = value
+        cap = self.capacity_bytes
+        if grew and cap is not None and self._index.used + value + self._dir.tmp_bytes > cap:
+            self.reserve_over.append(
+                f"reserved {value} bytes with {self._index.used} indexed: over capacity {cap}"
+            )
 
 
 @dataclass
@@ -182,6 +231,7 @@ class Call:
     end: int = -1
     result: Any = None
     data: list[bytes] = field(default_factory=list)  # get: the buffers
+    kept: set[str] = field(default_factory=set)  # get: pages kept corrupt when it began
 
     def __repr__(self) -> str:
         keys = [KEY_NAMES[k] for k in self.keys]
@@ -204,7 +254,7 @@ class Driver:
         else:
             seg, cap = None, 6 * FILE
         layout = StorageLayout(model="test/model", page_size=16, kv_dtype="bfloat16")
-        self.b = FileBackend(
+        self.b = CheckedBackend(
             root,
             layout,
             capacity_bytes=cap,
@@ -215,6 +265,8 @@ class Driver:
             timeout_per_gib_s=0,
         )
         self.cap = cap
+        self.over: list[str] = []  # the capacity exceeded (2)
+        self.b.reserve_over = self.over
         self.root = str(root)
         self.suffix = self.b.object_name("0" * 64)[64:]
         self.chaos = Chaos(seed)
@@ -224,18 +276,52 @@ class Driver:
         self.vers = itertools.count(1)
         self.disk: dict[str, int] = {}  # key -> write on disk (at the start of a step)
         self.log: list[str] = []
-        self.within = True  # used_bytes <= capacity_bytes at the end of the last step
+        #: Index units whose bytes were counted without a reservation since the last one
+        #: (which brought the index and the reservations within the capacity): put back after
+        #: a failed unlink (a file still on disk) or adopted by exists. Only these may take
+        #: the index past the capacity.
+        self.unreserved: set[int] = set()
         # What the backend reports, in order (reset each step).
         self.accounts: list[tuple[int, int, str, list[str], list[str]]] = []
         self.removals: list[tuple[int, str, list[str]]] = []
         self.heard: list[str] = []
         self.quarantined: set[str] = set()
+        self.kept: set[str] = set()  # pages kept corrupt in this step (their removal failed)
         b = self.b
         account, gone, quarantine = b._account, b._gone, b._quarantine_keys
+        unlink_failed = b._unlink_failed
+        index = b._index
+        index_add, index_restore, reserve = index.add, index.restore, b._reserve
+        ops: dict[int, str] = {}  # call id -> op
+        self.ops = ops
 
         def spy_account(op: str, keys: Any, outcomes: Any, *rest: Any) -> list[bool]:
-            self.accounts.append((next(self.clock), _call.get(), op, list(keys), list(outcomes)))
-            return account(op, keys, outcomes, *rest)
+            t = next(self.clock)
+            self.accounts.append((t, _call.get(), op, list(keys), list(outcomes)))
+            try:
+                return account(op, keys, outcomes, *rest)
+            finally:
+                self.check_capacity(f"at {t} ({op}#{_call.get()})")
+
+        def spy_add(keys: Any, nbytes: int) -> None:
+            uid = index._next  # the id the new unit gets
+            index_add(keys, nbytes)
+            if ops.get(_call.get()) == "exists" and uid in index._units:  # adopted
+                self.unreserved.add(uid)
+
+        def spy_reserve(size: int, protect: set[str]) -> bool:
+            ok = reserve(size, protect)
+            if ok:  # within the capacity now, whatever was put back before
+                self.unreserved.clear()
+            self.check_capacity(f"reserving {size} bytes")
+            return ok
+
+        def spy_restore(keys: Any, nbytes: int, uid: int | None = None) -> int | None:
+            existed = uid is not None and uid in index._units
+            out = index_restore(keys, nbytes, uid)
+            if out is not None and not existed:  # a unit made again: its bytes counted again
+                self.unreserved.add(out)
+            return out
 
         def spy_gone(keys: Any, cause: str) -> None:
             if keys:
@@ -246,10 +332,33 @@ class Driver:
             self.quarantined.update(keys)
             return quarantine(keys)
 
+        def spy_unlink_failed(op: str, cause: str, result: Any, kept_bytes: int) -> None:
+            if op == "remove_corrupt":
+                self.kept.update(k for k, (o, _d) in result.items() if o not in ("ok", "miss"))
+            unlink_failed(op, cause, result, kept_bytes)
+
         b._account = spy_account  # type: ignore[method-assign]
+        b._unlink_failed = spy_unlink_failed  # type: ignore[method-assign]
+        index.add = spy_add  # type: ignore[method-assign]
+        index.restore = spy_restore  # type: ignore[method-assign]
+        b._reserve = spy_reserve  # type: ignore[method-assign]
         b._gone = spy_gone  # type: ignore[method-assign]
         b._quarantine_keys = spy_quarantine  # type: ignore[method-assign]
         b.add_eviction_listener(self.heard.extend)
+
+    def check_capacity(self, when: str) -> None:
+        """(2): the index's bytes and the reservations stay within the capacity, but for the
+        units counted without a reservation (``unreserved``) still indexed."""
+        b = self.b
+        units = b._index._units
+        self.unreserved &= set(units)
+        extra = sum(units[u].nbytes for u in self.unreserved)
+        used, reserved = b._index.used, b._reserved
+        if used + reserved > self.cap + extra:
+            self.over.append(
+                f"{when}: used {used} + reserved {reserved} > capacity {self.cap} + "
+                f"{extra} bytes put back after failed unlinks or adopted"
+            )
 
     def fail(self, msg: str) -> None:
         tail = "\n".join(self.log[-40:])
@@ -281,12 +390,14 @@ class Driver:
         if c.delay:
             await anyio.sleep(c.delay)
         _call.set(c.id)
+        self.ops[c.id] = c.op
         b = self.b
         c.start = next(self.clock)
         if c.op == "set":
             c.result = await b.set_batch(c.keys, [payload(k, c.vers[k]) for k in c.keys])
         elif c.op == "get":
             bufs = [bytearray(PAGE) for _ in c.keys]
+            c.kept = set(b._kept_corrupt)  # (get_batch plans its reads before any await)
             c.result = await b.get_batch(c.keys, bufs)
             c.data = [bytes(x) for x in bufs]
         elif c.op == "exists":
@@ -305,7 +416,8 @@ class Driver:
         self.removals.clear()
         self.heard.clear()
         self.quarantined.clear()
-        faults_before = dict(b.stats()["faults"])
+        self.kept = set(b._kept_corrupt)
+        self.over.clear()
         self.log.append(f"step {n}: disk={self.named(self.disk)} plan={plan}")
         self.chaos.set_plan(plan)
 
@@ -336,24 +448,12 @@ class Driver:
         disk = self.check_directory()
         self.log.append(f"  -> disk={self.named(disk)} used={b.stats()['used_bytes']}")
         self.check_history(calls, disk)
-        faults = b.stats()["faults"]
-        unlink_failed = any(
-            faults[k] != faults_before.get(k, 0)
-            for k in faults
-            if k.split(".")[0] in ("evict", "delete", "clear")
-        )
-        stored = any(
-            o == "ok" for _t, _c, op, _k, outs in self.accounts if op == "set" for o in outs
-        )
-        used = b.stats()["used_bytes"]
-        if not unlink_failed and (self.within or stored):
-            self.check(
-                used <= self.cap,
-                f"step {n}: used_bytes {used} > capacity {self.cap} with no failed unlink",
-            )
-        self.within = used <= self.cap
-        if self.rng.random() < 0.3:
-            await self.verify_reads(disk)
+        self.check_capacity("quiescent")
+        if self.over:
+            self.fail(f"step {n}: {self.over[0]}")
+        quiet = self.rng.random() < 0.3
+        if quiet or b._kept_corrupt:  # (pages kept corrupt are rare: check them at once)
+            disk = await self.verify_reads(disk)
         self.disk = disk
 
     def named(self, disk: dict[str, int]) -> dict[str, int]:
@@ -408,6 +508,11 @@ class Driver:
                 assert ver is not None
                 disk[key] = ver
         self.check(not temps, f"temp files left when quiescent: {temps}")
+        for k, ino in b._kept_corrupt.items():
+            self.check(
+                inode_of.get(k, (None, 0))[0] == ino,
+                f"{KEY_NAMES.get(k, k)} kept corrupt, but its file is gone or another one",
+            )
         st = b.stats()
         self.check(st["temp_bytes"] == 0, f"temp bytes counted when quiescent: {st['temp_bytes']}")
         indexed = set(b._index.keys())
@@ -471,9 +576,9 @@ class Driver:
                 life[(k, cur)] = [-1, float("inf")]
             for t, what, arg in sorted(events[k], key=lambda e: e[0]):
                 if what == "store":
-                    if cur is not None:  # only a quarantined page is written again in place
-                        self.check(
-                            k in self.quarantined,
+                    if cur is not None:  # only a quarantined page or one kept corrupt
+                        self.check(  # is written again in place
+                            k in self.quarantined or k in self.kept,
                             f"{KEY_NAMES[k]}: write {arg} stored at {t} over write {cur}, "
                             "never told removed",
                         )
@@ -497,6 +602,9 @@ class Driver:
                 for k, hit, data in zip(c.keys, c.result, c.data, strict=True):
                     if not hit:
                         continue
+                    self.check(
+                        k not in c.kept, f"get#{c.id}: {KEY_NAMES[k]} served, kept corrupt"
+                    )
                     ver = version_in(data, k)
                     self.check(ver is not None, f"get#{c.id}: {KEY_NAMES[k]} read other bytes")
                     span = life.get((k, ver))  # type: ignore[arg-type]
@@ -525,27 +633,38 @@ class Driver:
             elif c.op == "exists":
                 self.check(0 <= c.result <= len(c.keys), f"exists#{c.id}: {c.result}")
 
-    async def verify_reads(self, disk: dict[str, int]) -> None:
-        """Quiet reads (no faults, a generous deadline): exactly what is on disk."""
+    async def verify_reads(self, disk: dict[str, int]) -> dict[str, int]:
+        """Quiet reads (no faults, a generous deadline): exactly what is on disk, except pages
+        kept corrupt (a read found them bad, their removal failed): never there for exists,
+        misses for a read, which removes them. Returns what is on disk after."""
         b = self.b
+        kept = set(b._kept_corrupt)
         b.timeout_s = 5.0
         try:
             for k in KEYS:
+                there = k in disk and k not in kept
                 self.check(
-                    await b.exists_prefix([k]) == (k in disk),
-                    f"quiet exists of {KEY_NAMES[k]} != on disk ({k in disk})",
+                    await b.exists_prefix([k]) == there,
+                    f"quiet exists of {KEY_NAMES[k]} != on disk and not kept corrupt ({there})",
                 )
-            keys = self.rng.sample(KEYS, 6)
+            keys = list(dict.fromkeys([*sorted(kept), *self.rng.sample(KEYS, 6)]))
             bufs = [bytearray(PAGE) for _ in keys]
             got = await b.get_batch(keys, bufs)
         finally:
             b.timeout_s = TIMEOUT_S
         for k, hit, buf in zip(keys, got, bufs, strict=True):
-            want = disk.get(k)
+            want = disk.get(k) if k not in kept else None
             self.check(hit == (want is not None), f"quiet get of {KEY_NAMES[k]}: {hit}")
             if want is not None:
                 self.check(bytes(buf) == payload(k, want), f"quiet get of {KEY_NAMES[k]}: bytes")
+        after = self.check_directory()
+        removed = kept & set(keys)
+        self.check(
+            not removed & set(after) and not removed & set(b._kept_corrupt),
+            f"quiet reads did not remove the pages kept corrupt {self.names(sorted(removed))}",
+        )
         self.log.append(f"  quiet reads of {self.names(keys)} ok")
+        return after
 
 
 async def drive(root: Any, seed: int, segmented: bool, steps: int) -> Driver:

@@ -8,6 +8,8 @@ ordered here with a fault hook that holds a worker thread at a chosen raw operat
   call's unlink removed it, and the index kept a page that was gone).
 * A ``clear`` listing the directory while a set writes counted the set's own temp files as
   another writer's (capacity taken for up to ``tmp_recheck_s``).
+* An ``exists_prefix`` adopting the files it found indexed a page whose eviction or delete
+  unlinked it while the stat ran (the key was busy then, no longer at the end).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 from collections.abc import Iterable
 
 import anyio
+import pytest
 
 from asynccache.storage.faults import Fault, FaultKind
 from asynccache.storage.file import FileBackend
@@ -127,3 +130,65 @@ async def test_clear_during_a_write_does_not_count_the_writers_own_temp_files(
     assert (st["temp_files"], st["temp_bytes"]) == (0, 0)  # ... and counted as reserved only
     tmp.unlink()  # the write ends
     assert await b.set_batch(keys[:2], make_pages(2, PAGE)) == [True, True]  # room for two
+
+
+class HoldStat:
+    """The stat ``exists_prefix`` makes of ``key`` waits until ``go`` is set; unlinks of
+    ``unlink`` wait until ``unlink_go`` is set."""
+
+    def __init__(self, key: str, unlink: str) -> None:
+        self.key, self.unlink = key, unlink
+        self.go, self.unlink_go = threading.Event(), threading.Event()
+        self.reached, self.unlink_reached = threading.Event(), threading.Event()
+
+    def decide(self, op: str, key: str) -> Fault | None:
+        if op == "exists" and key == self.key:
+            self.reached.set()
+            self.go.wait(10)
+        elif op == "delete" and key == self.unlink:
+            self.unlink_reached.set()
+            self.unlink_go.wait(10)
+        return None
+
+
+@pytest.mark.parametrize("how", ["evict", "delete"])
+async def test_exists_does_not_adopt_a_page_unlinked_while_it_looked(
+    tmp_path, layout, make_keys, make_pages, how
+) -> None:
+    """k is being evicted (or deleted): out of the index, its unlink running. exists([k, j])
+    (j another instance's page) stats k, still there, then j, whose stat waits; meanwhile the
+    unlink of k ends. When j's stat returns, k must not be adopted: its file is gone. (It was:
+    the key was busy when stat'd but no longer at the end, and the index counted a file that
+    was not there.)"""
+    k, j, x = make_keys(3)
+    pages = make_pages(3, PAGE)
+    b = FileBackend(tmp_path, layout, capacity_bytes=FILE, io_threads=4)
+    assert await b.set_batch([k], pages[:1]) == [True]
+    other = FileBackend(tmp_path, layout)
+    assert await other.set_batch([j], pages[1:2]) == [True]  # unknown to b
+    hook = HoldStat(j, unlink=k)
+    b.set_fault_hook(hook)
+    found: list[int] = []
+
+    async def exists() -> None:
+        found.append(await b.exists_prefix([k, j]))
+
+    async with anyio.create_task_group() as tg:
+        if how == "evict":
+            tg.start_soon(b.set_batch, [x], pages[2:])  # evicts k
+        else:
+            tg.start_soon(b.delete, [k])
+        assert await until(hook.unlink_reached.is_set)
+        assert k not in b._index and k in b._busy
+        tg.start_soon(exists)
+        assert await until(hook.reached.is_set)  # k stat'd (its file still there), j waits
+        hook.unlink_go.set()
+        assert await until(lambda: k not in b._busy)  # k unlinked
+        hook.go.set()
+    assert not os.path.exists(b.path(k))
+    assert found == [0]  # the prefix stops at k
+    indexed = [x] if how == "evict" else []
+    assert b._index.keys() == indexed
+    assert b.stats()["used_bytes"] == FILE * len(indexed)
+    b.set_fault_hook(None)
+    assert await b.exists_prefix([j]) == 1  # adopted now
