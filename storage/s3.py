@@ -378,18 +378,28 @@ class S3Backend(BackendBase):
             else:
                 outcome, detail = verify_and_copy()
         except CorruptPageError as exc:
-            await self._remove_bad(name)
+            await self._remove_bad(key, name)
             return ("partial" if exc.reason == "partial" else "corrupt"), str(exc)
         if outcome == OK:
             self._seen(key)
         return outcome, detail
 
-    async def _remove_bad(self, name: str) -> None:
+    async def _remove_bad(self, key: str, name: str) -> None:
+        """Delete the corrupt object ``name``. A delete that fails or outlives ``timeout_s``
+        is counted (``remove_corrupt.<reason>`` faults) and logged: the object stays, and the
+        next read finds it corrupt again (never served) and tries again."""
+        reason, detail = "timeout", f"no answer within {self.timeout_s} s"
         with anyio.move_on_after(self.timeout_s):
             try:
+                await self._pre_fault(self._fault("delete", key), "delete")
                 await obstore.delete_async(self._store, name)
+                return
+            except (FileNotFoundError, NotFoundError):
+                return  # someone else removed it
             except Exception as exc:
-                self._log.warning("storage_remove_bad_failed", object=name, error=_short(exc))
+                reason, detail = _reason(exc), _short(exc)
+        self.metrics.fault("remove_corrupt", reason)
+        self._log.warning("storage_remove_bad_failed", object=name, reason=reason, error=detail)
 
     # -- set ------------------------------------------------------------------------------------
 

@@ -234,3 +234,22 @@ async def test_memory_store_round_trip_without_a_server(layout, make_keys, make_
     ok, got = await read(b, keys, 300 * 1024)
     assert ok == [True] * 4 and got == pages
     assert await b.exists_prefix(keys) == 4
+
+
+async def test_a_corrupt_object_whose_delete_fails_is_counted_and_never_served(
+    layout, make_keys, make_pages
+) -> None:
+    store = MemoryStore()
+    inner = S3Backend("mem", layout, store=store, exists_cache_ttl_s=0)
+    fb = FaultInjectingBackend(inner, [FaultRule(FaultKind.EIO, ops=frozenset({"delete"}))])
+    keys, pages = make_keys(2), make_pages(2, 8192)
+    assert await fb.set_batch(keys, pages) == [True, True]
+    name = layout.object_name(keys[1])
+    blob = bytearray(await (await obstore.get_async(store, name)).bytes_async())
+    blob[HEADER_SIZE + 5] ^= 0x01
+    await obstore.put_async(store, name, bytes(blob))
+    for attempt in (1, 2):  # the object stays; each read finds it corrupt and tries again
+        ok, got = await read(fb, keys, 8192)
+        assert ok == [True, False] and got == [pages[0], bytes(8192)]
+        assert faults(inner) == {"get.corrupt": attempt, "remove_corrupt.io_error": attempt}
+        await obstore.head_async(store, name)  # still there
