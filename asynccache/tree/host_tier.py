@@ -166,6 +166,14 @@ class HostTier(TreeBase):
         result.last_node = node.id
         return result
 
+    def keeps_host_inserts_below(self, node_id: int) -> bool:
+        """Whether a host insert starting at the end of ``node_id`` (a prefetch anchored
+        there) keeps what it adds: always under write-back; under the write-through policies
+        only below the root or a node backed up (or being backed up), else :meth:`insert_host`
+        drops it (the host copies stay prefix-closed)."""
+        n = self._node(node_id)
+        return self._write_back or n is self._root or backed(n)
+
     def _host_insert_hit_count(self) -> int:
         """Hits of a node a host insert makes: none (no request inserted it; the reference's
         host insert counts none either). Under write-back, where no hits are counted and every

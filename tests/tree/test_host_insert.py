@@ -174,3 +174,24 @@ def test_drop_deletes_unlocked_leaf_without_backup(alloc) -> None:
     assert [f.tolist() for f in res.device_frees] == [v[2:].tolist()]
     assert (tree.node_count, tree.device_size, tree.pending_ops) == (2, 3, 0)
     tree.sanity_check()
+
+
+@pytest.mark.parametrize(
+    ("policy", "want"),
+    [("write_back", (True, True, True)), ("write_through", (True, True, True)),
+     ("write_through_selective", (True, False, True))],
+)
+def test_keeps_host_inserts_below(policy: str, want: tuple[bool, ...], alloc) -> None:
+    """Below the root, an un-backed device node (write-through: its backup is in flight at
+    once), the same node being backed up."""
+    tree = RadixTree(page_size=1, host_enabled=True, write_policy=policy)
+    res = tree.insert([1, 2], alloc.take(2))
+    node = res.last_node
+    got = [tree.keeps_host_inserts_below(tree.root_id), tree.keeps_host_inserts_below(node)]
+    if policy == "write_through_selective":
+        res = tree.insert([1, 2], alloc.take(2))  # its second hit
+    elif policy == "write_back":
+        res = tree.evict(2)  # (backed up on the way out)
+    assert [b.node_id for b in res.backups] == [node]
+    got.append(tree.keeps_host_inserts_below(node))
+    assert tuple(got) == want
