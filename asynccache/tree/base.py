@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,6 +155,8 @@ class TreeBase:
         self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
         self._root = self._node_cls(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
         self._root.lock_ref = 1  # the root is never evicted
+        # (inserts raise it: _note_priority; the reference's root starts this low too)
+        self._root.priority = -sys.maxsize
         self._nodes[0] = self._root
         self._clock = 0
         self._evictable = 0

@@ -187,16 +187,18 @@ def test_a_new_host_node_has_no_hits(make: Make, ps: int) -> None:
 @PAGES
 def test_a_new_host_node_takes_its_parents_priority(make: Make, ps: int) -> None:
     """The priority policy under write-through: a node fetched below the root takes the
-    highest priority any insert gave (the root's), one fetched below [4] takes [4]'s. Host
-    eviction takes the lowest priority first, then the least recently used."""
+    highest priority any insert gave (the root's; before any insert, the lowest there is), one
+    fetched below [4] takes [4]'s. Host eviction takes the lowest priority first, then the
+    least recently used."""
     t = make(page_size=ps, policy="priority", write_policy="write_through")
+    t.prefetch(toks(ps, 8))  # before any insert
     t.insert(toks(ps, 5), priority=3)
     t.insert(toks(ps, 7), priority=1)
     t.insert(toks(ps, 4), priority=2)
     t.prefetch(toks(ps, 1))  # priority 3 (the root's)
     t.prefetch(toks(ps, 4, 6))  # priority 2 (its parent's)
     assert t.evict(100) == 3 * ps
-    got = [t.evict_host(ps)[1] for _ in range(4)]
-    assert got == [[tuple(toks(ps, 7))], [tuple(toks(ps, 4, 6))], [tuple(toks(ps, 4))],
-                   [tuple(toks(ps, 5))]]
+    got = [t.evict_host(ps)[1] for _ in range(5)]
+    assert got == [[tuple(toks(ps, 8))], [tuple(toks(ps, 7))], [tuple(toks(ps, 4, 6))],
+                   [tuple(toks(ps, 4))], [tuple(toks(ps, 5))]]
     assert t.evict_host(ps) == (ps, [tuple(toks(ps, 1))])
