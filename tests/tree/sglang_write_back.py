@@ -339,13 +339,14 @@ class OursWriteBack:
         self.removed()
         return set(self.resident)
 
-    def insert(self, tokens: list[int], **params: Any) -> None:
+    def insert(self, tokens: list[int], *, check: bool = True, **params: Any) -> None:
         """Insert ``tokens`` (``params``: more ``insert`` arguments); write-through backups
-        are copied and committed at once, root first."""
+        are copied and committed at once, root first. ``check``: run ``sanity_check``."""
         res = self.tree.insert(tokens, self._slots(len(tokens)), **params)
         for b in res.backups:
             self.tree.commit_backup(b.op_id, self._slots(len(b.device_slots)) + 10**6)
-        self.tree.sanity_check()
+        if check:
+            self.tree.sanity_check()
 
     def match(self, tokens: list[int]) -> tuple[int, int, Any]:
         m = self.tree.match_prefix(tokens)
@@ -404,14 +405,13 @@ class OursWriteBack:
         """:meth:`SGLangWriteBack.prefetch` on ours, as the cache's L3 tier ends a prefetch:
         the pages after the match (from ``device_prefix_len + host_hit_length``) go in with
         ``insert_host``, the match's best node host-locked meanwhile."""
-        dev, host, m = self.match(tokens)
-        start = dev + host
+        m = self.tree.match_prefix(tokens)
+        start = m.device_prefix_len + m.host_hit_length
         pin = self.tree.lock_host(m.best_node)
         for other in meanwhile:
-            self.insert(other)
+            self.insert(other, check=False)  # (checked once, at the end)
         span = self._slots(len(tokens) - start) + 3 * 10**6
         res = self.tree.insert_host(tokens, start, span)
-        self.tree.sanity_check()
         self.tree.unlock_host(pin)
         self.tree.sanity_check()
         back = np.concatenate(res.device_frees) if res.device_frees else span[:0]
