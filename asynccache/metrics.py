@@ -90,7 +90,7 @@ class CacheMetrics:
         self.prefetch_outcomes = Counter(
             "asynccache_prefetch_outcomes", "Prefetch attempts by outcome", ["outcome"], registry=r)
         for outcome in ("issued", "declined_too_short", "declined_rate_limited",
-                        "revoked_insufficient", "revoked_rate_limited", "revoked_no_host_memory",
+                        "declined_unbacked", "revoked_insufficient", "revoked_rate_limited", "revoked_no_host_memory",
                         "completed", "partial", "aborted"):
             self.prefetch_outcomes.labels(outcome=outcome)
         self.prefetch_bandwidth = Histogram(

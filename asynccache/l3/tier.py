@@ -317,6 +317,11 @@ class StorageTier:
         tree = self._t.tree
         outcomes = self._parts.metrics.prefetch_outcomes
         start = match.device_prefix_len + match.host_hit_length
+        if not tree.keeps_host_inserts_below(match.best_node):
+            # (write-through policies, an anchor without a host copy: what arrived would be
+            # dropped; the reference's scheduler does not prefetch from such an anchor either)
+            outcomes.labels(outcome="declined_unbacked").inc()
+            return None
         n = prefetch_span(len(key), start, ps)
         # (full: the pages being read fill the prefetch capacity)
         declined = admission(self.policy, ps, n, self._occupied, self._capacity_limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,6 +155,8 @@ class TreeBase:
         self._nodes.clear()  # (after the queues: they find their entries' nodes in it)
         self._root = self._node_cls(0, None, b"", DEFAULT_NAMESPACE, self._aux_empty[:])
         self._root.lock_ref = 1  # the root is never evicted
+        # (inserts raise it: _note_priority; the reference's root starts this low too)
+        self._root.priority = -sys.maxsize
         self._nodes[0] = self._root
         self._clock = 0
         self._evictable = 0
@@ -351,6 +354,21 @@ class TreeBase:
                 if aux[DLEAF] is not None or aux[HLEAF] is not None or aux[HDUP] is not None:
                     self._requeue(n)
         self._clock = clock
+
+    def _note_priority(self, priority: int) -> None:
+        """An insert with ``priority``: the root keeps the highest so far, which a node a host
+        insert makes below the root takes (as in the reference, whose inserts raise the root's
+        priority and whose host insert gives a new node its parent's)."""
+        if priority > self._root.priority:
+            self._root.priority = priority
+
+    def _touch(self, n: Node) -> None:
+        """Stamp ``n``'s access now and re-file it where the policy orders by access."""
+        n.last_access = self._tick()
+        if self._touch_requeues:
+            aux = n.aux
+            if aux[DLEAF] is not None or aux[HLEAF] is not None or aux[HDUP] is not None:
+                self._requeue(n)
 
     def _child_key(self, parent: Node, page: bytes, ns: Any) -> Any:
         if parent is self._root and ns is not DEFAULT_NAMESPACE:

@@ -19,7 +19,7 @@ from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
 from asynccache.tree.hashing import chain_digests, storage_key
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node, frozen
+from asynccache.tree.node import DLEAF, HDUP, HLEAF, Node, backed, frozen
 from asynccache.tree.results import (
     BackupRequest,
     EvictResult,
@@ -45,10 +45,23 @@ class HostTier(TreeBase):
         """Record host copies (e.g. pages prefetched from storage) of ``key[start:]``.
 
         ``host_slots`` holds one host slot per token of ``key[start:start + len(host_slots)]``
-        (whole pages). Spans the tree already has on host are duplicates: their slots come back
-        in ``InsertResult.device_frees`` (they are *host* slots here). A device node without a
-        host copy adopts the slots as its backup; the rest becomes host-only nodes. ``last_node``
-        is the node ending at the end of the inserted span.
+        (whole pages); the node ending at ``start`` is the *anchor* (the match's ``best_node``
+        a prefetch started from). As the reference's host insert (behavior.md 1.16) does:
+
+        * the anchor and every node the span walks are touched (access stamps, top first);
+        * slots the tree does not take come back in ``InsertResult.device_frees`` (they are
+          *host* slots here): pages it already has on host; under write-back every page it
+          already has, on device too (a device node is backed up when it is evicted); under
+          the write-through policies a device node without a host copy takes the slots as its
+          backup (a refill), unless a node above it, from the anchor on, has no host copy;
+        * the rest becomes a host-only node, with no hits and its parent's priority (below the
+          root: the highest priority an insert gave). Under the write-through policies it is
+          dropped (its slots come back) when its parent is neither the root nor backed up (nor
+          being backed up): the host copies stay prefix-closed.
+
+        ``prefix_len``: tokens of the key the tree held (from the root) before the new node;
+        ``cached_len``: tokens it holds now (``start + len(host_slots)``, or ``prefix_len``
+        when the rest was dropped); ``last_node``: the node ending there.
 
         Hybrid trees (see :mod:`asynccache.tree.hybrid_prefetch`): ``swa_host_slots`` gives one
         SWA host slot per token of the span, -1 where none was fetched (the fetched ones a
@@ -103,35 +116,45 @@ class HostTier(TreeBase):
         node = root
         off = 0
         result = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
+        refill = not self._write_back
+        closed = True  # write-through: may host copies go below ``node``?
         while off < end:
             page = data[off : off + pb]
             child = node.children.get(self._child_key(node, page, ns))
             if child is None:
                 break
-            child, nb = self._match_child(child, data, off, end)
             pos = off >> sh
+            if pos + (len(child.key) >> sh) >= start:  # the anchor or below: touched
+                self._touch(child)  # (before a split: the suffix ends up the newer)
+            child, nb = self._match_child(child, data, off, end)
             m = nb >> sh
             if pos + m > start:
                 lo = max(pos, start)
                 span = slots[lo - start : pos + m - start]
-                if child.host_value is None and child.pending == 0 and lo == pos:
+                if (refill and closed and child.host_value is None and child.pending == 0
+                        and lo == pos):
                     child.host_value = frozen(span)
                     self._host_size += m
                     self._emit_stored(child, Medium.CPU_PINNED)
                     self._refresh(child)
-                    if self._write_back:
-                        self._note_dup(child)
                 else:
                     result.device_frees.append(span)
+                    closed = closed and backed(child)
+            else:
+                closed = backed(child)  # (at the anchor: whether it is backed up)
             node = child
             off += nb
         result.prefix_len = off >> sh
-        if off < end:
+        if off < end and refill and not closed:  # below an un-backed node: dropped
+            result.device_frees.append(slots[(off >> sh) - start :])
+            result.cached_len = off >> sh
+        elif off < end:
             leaf = self._node_cls(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
             self._nodes[leaf.id] = leaf
             leaf.host_value = frozen(slots[(off >> sh) - start :])
             leaf.creation = leaf.last_access = self._tick()
-            leaf.hit_count = 1
+            leaf.hit_count = self._host_insert_hit_count()
+            leaf.priority = node.priority
             node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
             self._host_size += leaf.ntok
             if self._eager_hashes:
@@ -142,6 +165,20 @@ class HostTier(TreeBase):
             node = leaf
         result.last_node = node.id
         return result
+
+    def keeps_host_inserts_below(self, node_id: int) -> bool:
+        """Whether a host insert starting at the end of ``node_id`` (a prefetch anchored
+        there) keeps what it adds: always under write-back; under the write-through policies
+        only below the root or a node backed up (or being backed up), else :meth:`insert_host`
+        drops it (the host copies stay prefix-closed)."""
+        n = self._node(node_id)
+        return self._write_back or n is self._root or backed(n)
+
+    def _host_insert_hit_count(self) -> int:
+        """Hits of a node a host insert makes: none (no request inserted it; the reference's
+        host insert counts none either). Under write-back, where no hits are counted and every
+        node keeps the one its insert gave it, one, so that it ranks as the others do."""
+        return 1 if self._write_back else 0
 
     def host_slots_of(self, node_id: int) -> np.ndarray | None:
         """The host slots of ``node_id`` (None when it has no host copy); read-only."""

@@ -5,11 +5,14 @@ from storage into the host tier, as the reference (SGLang's HiCache) does.
 The caller brings, for ``key[start:end]``: one FULL host slot per token; optionally one SWA
 host slot per token, -1 where no SWA page was fetched (the fetched ones are a page-aligned
 suffix of the span: the last window); optionally the host slot of the state after ``end``.
-Nodes the walk meets adopt what they lack (a device node without a host copy takes the FULL
-slots as its backup, and the SWA slots if its whole span has them; the node ending at ``end``
-takes the state if it has none); everything else is a duplicate and comes back (FULL in
-``device_frees``, SWA / state in ``component_frees`` — all *host* slots here). The uncached
-rest becomes host-only nodes, cut where the fetched SWA begins.
+The FULL walk is the FULL-only tree's (``HostTier.insert_host``: it touches the anchor and the
+nodes it walks; under the write-through policies a device node without a host copy takes the
+FULL slots as its backup, and the SWA slots if its whole span has them; under write-back it
+takes none). The node ending at ``end`` takes the state if it has a FULL host copy and no state
+yet. Everything else comes back (FULL in ``device_frees``, SWA / state in ``component_frees``
+— all *host* slots here). The uncached rest becomes host-only nodes, cut where the fetched SWA
+begins, unless (write-through policies) it would hang below a node that is neither the root
+nor backed up: then it comes back too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from asynccache.tree.components.layout import HOST
 from asynccache.tree.events import Medium
 from asynccache.tree.hybrid import refresh_aux
 from asynccache.tree.keys import RadixKey
-from asynccache.tree.node import Node, frozen, state_slot
+from asynccache.tree.node import Node, backed, frozen, state_slot
 from asynccache.tree.results import InsertResult
 
 if TYPE_CHECKING:
@@ -38,7 +41,8 @@ def _new_leaf(tree: HostTier, parent: Node, key: RadixKey, a: int, b: int, start
     tree._nodes[leaf.id] = leaf
     leaf.host_value = frozen(slots[a - start : b - start])
     leaf.creation = leaf.last_access = tree._tick()
-    leaf.hit_count = 1
+    leaf.hit_count = tree._host_insert_hit_count()
+    leaf.priority = parent.priority
     if swa is not None and tree._swa is not None:
         leaf.aux[tree._swa.at + HOST] = frozen(swa[a - start : b - start])
     parent.children[tree._child_key(parent, data[a << sh : (a << sh) + tree._pb],
@@ -75,26 +79,30 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
         res.component_frees["mamba"] = state_dups
     node = tree._root
     off = 0
+    refill = not tree._write_back
+    closed = True  # write-through: may host copies go below ``node``? (see HostTier)
     while off < end:
         child = node.children.get(tree._child_key(node, data[off : off + pb], ns))
         if child is None:
             break
-        child, nb = tree._match_child(child, data, off, end)
         pos = off >> sh
+        if pos + (len(child.key) >> sh) >= start:  # the anchor or below: touched
+            tree._touch(child)
+        child, nb = tree._match_child(child, data, off, end)
         hi = pos + (nb >> sh)
         if hi > start:
             lo = max(pos, start)
             span = slots[lo - start : hi - start]
-            adopt = child.host_value is None and child.pending == 0 and lo == pos
+            adopt = (refill and closed and child.host_value is None and child.pending == 0
+                     and lo == pos)
             if adopt:
                 child.host_value = frozen(span)
                 tree._host_size += hi - pos
                 tree._emit_stored(child, Medium.CPU_PINNED)
                 tree._refresh(child)
-                if tree._write_back:
-                    tree._note_dup(child)
             else:
                 res.device_frees.append(span)
+                closed = closed and backed(child)
             if swa is not None and swa_c is not None:
                 mine = swa[lo - start : hi - start]
                 aux = child.aux
@@ -102,10 +110,20 @@ def insert_host(tree: HostTier, key: RadixKey, start: int, slots: np.ndarray,
                     aux[swa_c.at + HOST] = frozen(mine)
                 elif (mine >= 0).any():
                     swa_dups.append(mine[mine >= 0])
+        else:
+            closed = backed(child)
         node = child
         off += nb
     res.prefix_len = off >> sh
-    if off < end:
+    if off < end and refill and not closed:  # below an un-backed node: dropped
+        a = off >> sh
+        res.device_frees.append(slots[a - start :])
+        if swa is not None:
+            mine = swa[a - start :]
+            if (mine >= 0).any():
+                swa_dups.append(mine[mine >= 0])
+        res.cached_len = a
+    elif off < end:
         a = off >> sh
         if a < swa_from < end_tok:
             node = _new_leaf(tree, node, key, a, swa_from, start, slots, None)

@@ -104,6 +104,12 @@ class BigramNode(Node):
     UNIT_SHIFT = 3
 
 
+def backed(n: Node) -> bool:
+    """``n`` has a host copy, or one is being made (a backup in flight; the reference records
+    the host copy when it issues the copy)."""
+    return n.host_value is not None or n.pending != 0
+
+
 def settled_dup(n: Node) -> bool:
     """``n`` is a host duplicate with no copy in flight: on device and on host, settled."""
     return n.value is not None and n.host_value is not None and not n.pending

@@ -177,6 +177,7 @@ class RadixTree(HostTier):
                 floor, state = hybrid.check_insert_args(
                     self, total, component_evicted_seqlens, mamba_value
                 )
+            self._note_priority(priority)
             if self._host:
                 res = self._insert_hybrid_host(
                     key, slots, prev_prefix_len, inserted_len, priority, floor, state
@@ -195,6 +196,8 @@ class RadixTree(HostTier):
         n_tok = end >> sh
         ns = key.namespace
         root = self._root
+        if priority > root.priority:
+            root.priority = priority  # (_note_priority, inlined)
         node = root
         off = 0
         result = InsertResult(0, n_tok, 0)  # (prefix_len, cached_len, last_node)

@@ -14,9 +14,18 @@ the backups it asks for and evicts again until it has freed enough (what the eng
 ``evict_async`` does), a load-back starts and commits at once. Every operation ends with the
 tree's ``sanity_check``.
 
+Both drivers also run the other write policies (``write_policy="write_through"`` or
+``"write_through_selective"``): the backups an insert asks for are copied and acknowledged at
+once, and an eviction deletes an un-backed victim. ``prefetch`` is the last step of a storage
+prefetch (L3 -> L2): the fetched pages after a match go into the host tier with the tree's host
+insert (SGLang's ``insert_host`` under the match's anchor, ours ``insert_host(key, start, ..)``),
+optionally after another request cached part of them on device meanwhile; it returns which of
+the fetched pages the tree gave back.
+
 Both report what happened through the trees' KV events, so nothing depends on node ids: every
 page is named by its token path from the root (the events' block hashes are chained, so a hash
-names one path). ``evict_host`` returns the pages whose host copies went, in order.
+names one path). ``evict_host`` returns the pages whose host copies went, in order;
+``resident`` says which pages each tier holds.
 
 ``Differential`` holds what the FULL and hybrid differential state machines
 (``test_sglang_write_back.py``, ``test_sglang_hybrid_write_back.py``) share.
@@ -25,6 +34,7 @@ names one path). ``evict_host`` returns the pages whose host copies went, in ord
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,6 +63,7 @@ try:
         from sglang.srt.mem_cache.unified_cache.unified_tree_core import (  # noqa: F401
             UnifiedTreeCore,  # (importing it registers the Python core)
         )
+        from sglang.srt.mem_cache.utils import get_hash_str
     SGLANG_PROBLEM: str | None = None
 except Exception as exc:  # not installed (scripts/install_sglang_cpu.sh installs it)
     SGLANG_PROBLEM = f"SGLang's tree core does not import here ({exc!r})"
@@ -72,29 +83,42 @@ def rust_core_problem() -> str | None:
     return None if "Rust" in got else f"SGLang chose its {got} instead of the Rust core"
 
 
+Page = tuple[str, tuple[int, ...]]  # (medium: "gpu" or "cpu", token path from the root)
+
+
 def _paths(events: list[Any], names: dict[int, tuple[int, ...]], ps: int,
-           stored_type: type, removed_type: type) -> list[tuple[str, tuple[int, ...]]]:
-    """Record the pages ``events`` store (hash -> token path) and return the removals, in
-    order, as (medium, path) pairs."""
+           stored_type: type, removed_type: type, resident: set[Page]) -> list[Page]:
+    """Record the pages ``events`` store (hash -> token path; ``resident`` gains them) and
+    return the removals, in order, as (medium, path) pairs (``resident`` loses them)."""
     out = []
     for e in events:
+        medium = "cpu" if "CPU" in str(e.medium) else "gpu"
         if isinstance(e, stored_type):
             prev = names.get(e.parent_block_hash, ()) if e.parent_block_hash is not None else ()
             for i, h in enumerate(e.block_hashes):
                 prev = prev + tuple(e.token_ids[i * ps : (i + 1) * ps])
                 names[h] = prev
+                resident.add((medium, prev))
         elif isinstance(e, removed_type):
-            medium = "cpu" if "CPU" in str(e.medium) else "gpu"
-            out.extend((medium, names[h]) for h in e.block_hashes)
+            gone = [(medium, names[h]) for h in e.block_hashes]
+            resident.difference_update(gone)
+            out.extend(gone)
     return out
 
 
-class SGLangWriteBack:
-    """SGLang's ``UnifiedTreeCore`` (backend ``"python"`` or ``"rust"``) under write-back."""
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
-    def __init__(self, page_size: int = 1, backend: str = "python", policy: str = "lru") -> None:
+
+class SGLangWriteBack:
+    """SGLang's ``UnifiedTreeCore`` (backend ``"python"`` or ``"rust"``) under write-back (or
+    ``write_policy``)."""
+
+    def __init__(self, page_size: int = 1, backend: str = "python", policy: str = "lru",
+                 write_policy: str = "write_back") -> None:
         assert SGLANG_PROBLEM is None, SGLANG_PROBLEM
+        assert write_policy in WRITE_POLICIES, write_policy
         self.ps = page_size
+        self.write_policy = write_policy
         params = CacheInitParams(
             req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size,
             disable=False, tree_components=(FULL,), eviction_policy=policy,
@@ -108,15 +132,19 @@ class SGLangWriteBack:
 
     def _adopt(self, core: Any, kinds: tuple[Any, ...]) -> None:
         """Take ``core`` (with the component types ``kinds``) as the cache does under
-        write-back, and start the driver's own bookkeeping."""
+        write-back (or the driver's ``write_policy``), and start the driver's own
+        bookkeeping."""
         self.core = core
         self.kinds = kinds
         self.backend = type(core).__name__
         core.set_hicache_enabled()
-        core.is_write_back = True
-        core.write_through_threshold = 2  # (what the cache sets; write-back counts no hits)
+        policy = getattr(self, "write_policy", "write_back")
+        core.is_write_back = policy == "write_back"
+        # (what the cache sets; write-back counts no hits)
+        core.write_through_threshold = 1 if policy == "write_through" else 2
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
+        self.resident: set[Page] = set()
         self.locks: list[tuple[int, Any]] = []
 
     def _slots(self, n: int) -> Any:
@@ -127,14 +155,24 @@ class SGLangWriteBack:
     def _key(self, tokens: list[int]) -> Any:
         return RadixKey(array("q", tokens))
 
-    def removed(self) -> list[tuple[str, tuple[int, ...]]]:
-        return _paths(self.core.take_events(), self.names, self.ps, SgStored, SgRemoved)
+    def removed(self) -> list[Page]:
+        return _paths(self.core.take_events(), self.names, self.ps, SgStored, SgRemoved,
+                      self.resident)
 
-    @staticmethod
-    def _actions(actions: list[Any]) -> None:
+    def pages(self) -> set[Page]:
+        """The pages each tier holds now (as the KV events tell)."""
+        self.removed()
+        return set(self.resident)
+
+    def _actions(self, actions: list[Any]) -> None:
         # Under write-back an insert or a match only frees duplicate slots or moves a pending
-        # copy to a split fragment; a backup there would need the cache's write-through path.
-        assert not any(isinstance(a, BackupKV) for a in actions), actions
+        # copy to a split fragment. Under the write-through policies an insert's backups are
+        # copied and acknowledged at once (root first, as the action lists them).
+        backups = [a for a in actions if isinstance(a, BackupKV)]
+        assert not (backups and self.core.is_write_back), actions
+        for a in backups:
+            for nid in a.node_ids:
+                self._backup(nid)
 
     def insert(self, tokens: list[int], **params: Any) -> None:
         """Insert ``tokens`` (``params``: more ``InsertParams`` fields)."""
@@ -196,7 +234,7 @@ class SGLangWriteBack:
                     if not step.made_progress:
                         break
                     continue
-                leaf = self.core.evict_device_leaf(node_id, True)
+                leaf = self.core.evict_device_leaf(node_id, self.core.is_write_back)
                 add(self._spent(leaf))
                 if leaf.backup_kv is not None:
                     for nid in leaf.backup_kv.node_ids:
@@ -248,17 +286,42 @@ class SGLangWriteBack:
         assert all(m == "cpu" for m, _ in gone), gone
         return freed, [p for _, p in gone]
 
+    def prefetch(self, tokens: list[int], meanwhile: Sequence[list[int]] = ()) -> list[int]:
+        """The end of a storage prefetch of ``tokens`` (as the cache's
+        ``_handle_prefetch_result``): the pages after the match go into the host tier under the
+        match's anchor (its ``last_host_node``, host-locked meanwhile). ``meanwhile``: keys
+        other requests insert on device while the pages are read. Returns the offsets
+        (tokens into the fetched span) whose host slots the cache frees: the first
+        ``prefix_len`` (pages the tree already had), or all when the insert was dropped."""
+        dev, host, m = self.match(tokens)
+        anchor = m.last_host_node
+        start = dev + host
+        pin = self.core.inc_host_lock_ref(anchor).to_dec_params()
+        for other in meanwhile:
+            self.insert(other)
+        span = tokens[start:]
+        chain = get_hash_str(tokens, None, self.ps) if tokens else []
+        res = self.core.insert_host(anchor, self._key(span), self._slots(len(span)) + 3 * 10**6,
+                                    chain[start // self.ps :])
+        self._actions(res.cache_actions)
+        self.core.dec_host_lock_ref(anchor, pin)
+        freed = len(span) if res.host_insert_dropped else res.prefix_len
+        return list(range(freed))
+
 
 class OursWriteBack:
     """asynccache's ``RadixTree`` under write-back, driven like :class:`SGLangWriteBack`."""
 
-    def __init__(self, page_size: int = 1, policy: str = "lru", **tree: Any) -> None:
+    def __init__(self, page_size: int = 1, policy: str = "lru",
+                 write_policy: str = "write_back", **tree: Any) -> None:
         """``tree``: more ``RadixTree`` arguments (the hybrid driver's components)."""
+        assert write_policy in WRITE_POLICIES, write_policy
         self.ps = page_size
-        self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy="write_back",
+        self.tree = RadixTree(page_size=page_size, host_enabled=True, write_policy=write_policy,
                               eviction_policy=policy, enable_kv_events=True, **tree)
         self.next_slot = 0
         self.names: dict[int, tuple[int, ...]] = {}
+        self.resident: set[Page] = set()
         self.locks: list[Any] = []
 
     def _slots(self, n: int) -> np.ndarray:
@@ -266,13 +329,23 @@ class OursWriteBack:
         self.next_slot += n
         return out
 
-    def removed(self) -> list[tuple[str, tuple[int, ...]]]:
-        return _paths(self.tree.take_events(), self.names, self.ps, BlockStored, BlockRemoved)
+    def removed(self) -> list[Page]:
+        return _paths(self.tree.take_events(), self.names, self.ps, BlockStored, BlockRemoved,
+                      self.resident)
 
-    def insert(self, tokens: list[int]) -> None:
-        res = self.tree.insert(tokens, self._slots(len(tokens)))
-        assert not res.backups
-        self.tree.sanity_check()
+    def pages(self) -> set[Page]:
+        """The pages each tier holds now (as the KV events tell)."""
+        self.removed()
+        return set(self.resident)
+
+    def insert(self, tokens: list[int], *, check: bool = True, **params: Any) -> None:
+        """Insert ``tokens`` (``params``: more ``insert`` arguments); write-through backups
+        are copied and committed at once, root first. ``check``: run ``sanity_check``."""
+        res = self.tree.insert(tokens, self._slots(len(tokens)), **params)
+        for b in res.backups:
+            self.tree.commit_backup(b.op_id, self._slots(len(b.device_slots)) + 10**6)
+        if check:
+            self.tree.sanity_check()
 
     def match(self, tokens: list[int]) -> tuple[int, int, Any]:
         m = self.tree.match_prefix(tokens)
@@ -330,6 +403,26 @@ class OursWriteBack:
         gone = self.removed()
         assert all(m == "cpu" for m, _ in gone), gone
         return res.num_evicted, [p for _, p in gone]
+
+    def prefetch(self, tokens: list[int], meanwhile: Sequence[list[int]] = ()) -> list[int]:
+        """:meth:`SGLangWriteBack.prefetch` on ours, as the cache's L3 tier ends a prefetch:
+        the pages after the match (from ``device_prefix_len + host_hit_length``) go in with
+        ``insert_host``, the match's best node host-locked meanwhile."""
+        m = self.tree.match_prefix(tokens)
+        start = m.device_prefix_len + m.host_hit_length
+        pin = self.tree.lock_host(m.best_node)
+        for other in meanwhile:
+            self.insert(other, check=False)  # (checked once, at the end)
+        span = self._slots(len(tokens) - start) + 3 * 10**6
+        res = self.tree.insert_host(tokens, start, span)
+        self.tree.unlock_host(pin)
+        self.tree.sanity_check()
+        back = np.concatenate(res.device_frees) if res.device_frees else span[:0]
+        assert len(np.unique(back)) == len(back) and np.isin(back, span).all(), (back, span)
+        assert not np.isin(back, self.tree.host_slots()).any()
+        kept = int(np.isin(span, self.tree.host_slots()).sum())
+        assert kept + len(back) == len(span), (kept, back, span)
+        return sorted(int(i) for i in back - span[0]) if len(span) else []
 
 
 POLICIES = ["lru", "mru", "fifo", "filo", "lfu", "priority"]  # (the ones both trees have)
