@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -460,3 +461,17 @@ class Differential(RuleBasedStateMachine):
     def unlock(self) -> None:
         self.ours.unlock()
         self.ref.unlock()
+
+
+def driver_params(policy: str = "lru", ours_marks: Any = ()) -> list[Any]:
+    """``pytest.param``s of a factory per driver (ours, SGLang's Python and Rust cores, each
+    skipped where it cannot run) for ``@pytest.mark.parametrize("make", ...)``."""
+    sg = pytest.mark.skipif(SGLANG_PROBLEM is not None, reason=SGLANG_PROBLEM or "")
+    rust = rust_core_problem()
+    return [
+        pytest.param(lambda: OursWriteBack(policy=policy), id="ours", marks=ours_marks),
+        pytest.param(lambda: SGLangWriteBack(backend="python", policy=policy),
+                     id="sglang-python", marks=sg),
+        pytest.param(lambda: SGLangWriteBack(backend="rust", policy=policy), id="sglang-rust",
+                     marks=pytest.mark.skipif(rust is not None, reason=rust or "")),
+    ]

@@ -20,24 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.tree.sglang_write_back import (
-    SGLANG_PROBLEM,
-    OursWriteBack,
-    SGLangWriteBack,
-    rust_core_problem,
-)
-
-
-def _drivers() -> list[Any]:
-    sg = pytest.mark.skipif(SGLANG_PROBLEM is not None, reason=SGLANG_PROBLEM or "")
-    rust = rust_core_problem()
-    return [
-        pytest.param(OursWriteBack, id="ours"),
-        pytest.param(lambda: SGLangWriteBack(backend="python"), id="sglang-python", marks=sg),
-        pytest.param(lambda: SGLangWriteBack(backend="rust"), id="sglang-rust",
-                     marks=pytest.mark.skipif(rust is not None, reason=rust or "")),
-    ]
-
+from tests.tree.sglang_write_back import OursWriteBack, driver_params
 
 Make = Callable[[], Any]
 
@@ -47,7 +30,7 @@ def _node(prefix: tuple[int, ...], tokens: tuple[int, ...]) -> list[tuple[int, .
     return [prefix + tokens[:i] for i in range(1, len(tokens) + 1)]
 
 
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params())
 def test_a_non_leaf_duplicate_goes_before_an_older_leaf(make: Make) -> None:
     """[1,2] -> {[3,4], [5,6]}, all evicted (backed up on the way), then [1,2,3,4] loaded back:
     [1,2] and [3,4] are duplicates. Touching [1,2] makes the leaf [3,4] the older one, which
@@ -65,7 +48,7 @@ def test_a_non_leaf_duplicate_goes_before_an_older_leaf(make: Make) -> None:
     assert t.evict_host(2) == (0, [])
 
 
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params())
 def test_duplicates_go_in_the_order_they_were_first_backed_up(make: Make) -> None:
     """[1,2] and [3,4] are backed up at eviction in that order (LRU), then loaded back in the
     other order and [1,2] touched last. LRU would take [3,4] first, and so would an order kept
@@ -82,7 +65,7 @@ def test_duplicates_go_in_the_order_they_were_first_backed_up(make: Make) -> Non
     assert t.evict_host(2) == (2, _node((), (3, 4)))
 
 
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params())
 def test_a_device_locked_duplicate_goes_in_the_first_pass(make: Make) -> None:
     """A locked node is no evictable device leaf, so its host copy goes in the first pass,
     before an unlocked leaf's that became a duplicate earlier (and LRU would take first)."""
@@ -98,7 +81,7 @@ def test_a_device_locked_duplicate_goes_in_the_first_pass(make: Make) -> None:
     assert t.evict_host(2) == (2, _node((), (1, 2)))
 
 
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params())
 def test_a_split_keeps_the_suffix_in_place_and_lists_the_prefix_last(make: Make) -> None:
     """[1,2,3,4] and [5,6] are duplicates (in that order); a match of [1,2] splits the first
     into [1,2] (listed after [5,6]) and [3,4] (keeping the place). With [1,2,3,4] locked, the
@@ -115,7 +98,7 @@ def test_a_split_keeps_the_suffix_in_place_and_lists_the_prefix_last(make: Make)
     assert t.evict_host(2) == (2, _node((), (5, 6)))
 
 
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params())
 def test_a_passed_stale_entry_loses_its_place(make: Make) -> None:
     """[1,2], [3,4], [5,6] are backed up in that order; [1,2] and [5,6] come back. Reclaiming 2
     tokens walks past [3,4] (host only: its entry goes) and stops at [1,2], so [5,6] keeps its

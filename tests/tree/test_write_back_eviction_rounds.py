@@ -20,29 +20,13 @@ from typing import Any
 
 import pytest
 
-from tests.tree.sglang_write_back import (
-    SGLANG_PROBLEM,
-    OursWriteBack,
-    SGLangWriteBack,
-    rust_core_problem,
-)
+from tests.tree.sglang_write_back import driver_params
+
+_KNOWN = pytest.mark.xfail(strict=True, reason="module docstring: a parent a first call "
+                           "exposed goes before the victims still waiting for their copies")
 
 
-def _drivers() -> list[Any]:
-    sg = pytest.mark.skipif(SGLANG_PROBLEM is not None, reason=SGLANG_PROBLEM or "")
-    rust = rust_core_problem()
-    known = pytest.mark.xfail(strict=True, reason="module docstring: a parent a first call "
-                              "exposed goes before the victims still waiting for their copies")
-    return [
-        pytest.param(lambda: OursWriteBack(policy="fifo"), id="ours", marks=known),
-        pytest.param(lambda: SGLangWriteBack(backend="python", policy="fifo"),
-                     id="sglang-python", marks=sg),
-        pytest.param(lambda: SGLangWriteBack(backend="rust", policy="fifo"), id="sglang-rust",
-                     marks=pytest.mark.skipif(rust is not None, reason=rust or "")),
-    ]
-
-
-@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("make", driver_params("fifo", _KNOWN))
 def test_a_parent_exposed_by_a_demotion_waits_for_the_owed_victims(make: Any) -> None:
     t = make()
     t.insert([0])
