@@ -30,7 +30,8 @@ counts in ``get_stats()["timeouts"]``. ``clear``, ``delete``, ``close`` and
 ended ``grace_s`` (10 s) past the deadline is given up on (``sglang_storage_loop_wedged`` error
 event, ``get_stats()["timeouts_unfinished"]``): only then can a late backend call still touch
 the pages. ``close()`` on such a loop raises ``TimeoutError`` after the same wait
-(``sglang_storage_close_unfinished``); its shutdown runs once the blocking call returns. After :meth:`AsyncCacheStorage.close` every call raises
+(``sglang_storage_close_unfinished``); its shutdown runs once the blocking call returns.
+After :meth:`AsyncCacheStorage.close` every call raises
 :class:`~asynccache.errors.ClosedError`; a call racing ``close()`` from another thread ends
 normally or raises it (close() cancels the calls on the loop), never a timeout.
 
