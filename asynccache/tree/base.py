@@ -168,6 +168,10 @@ class TreeBase:
         # the entries a first reclaim pass must visit (every entry that is not an evictable
         # device leaf; items of dropped entries go stale), so that a pass never walks the
         # leaves it spares.
+        # Write-back trees: victims an evict counted while they waited for their copies (and
+        # parents it counted after them), in the order it took them: the next evict demotes
+        # them first, as the reference demotes each victim right after its copy.
+        self._owed: list[int] = []
         self._dup_order: dict[int, Node] = {}
         self._dup_place: dict[int, int] = {}
         self._dup_heap: list[tuple[int, int]] = []

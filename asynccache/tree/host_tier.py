@@ -581,6 +581,7 @@ class HostTier(TreeBase):
         The component data of a victim is copied with it (``BackupRequest.component_slots``)."""
         dq = self._queues[DLEAF]
         root = self._root
+        self._pay_owed(res, demote)
         locks: dict[int, int] = {}  # node id -> locks this call's backups put on it
         waiting: set[int] = set()  # victims whose demotion waits for a copy (this call's)
         offered: set[int] = set()  # parents queued as candidates by this call
@@ -611,6 +612,7 @@ class HostTier(TreeBase):
                     self._count_locks(n, locks)
                 # (an offered parent with a host copy is demoted by a later call)
                 waiting.add(n.id)
+                self._owed.append(n.id)
                 res.pending_tokens += n.ntok
             offer(n.parent)
         for node_id in offered:  # still queued: not a leaf until its children are demoted
@@ -618,6 +620,24 @@ class HostTier(TreeBase):
             if node is not None:
                 dq.discard(node)
         return res
+
+    def _pay_owed(self, res: EvictResult, demote: Callable[[Node, EvictResult], None]) -> None:
+        """Demote, first and in the order they were taken, the victims earlier calls counted
+        while they waited for their copies (the reference demotes each right after its copy,
+        before it takes the next victim: a leaf one of them exposed must not go before them).
+        One still copying stays owed; one that is gone, not backed up (its copy failed),
+        pinned again or no longer a device leaf is let go (the policy decides on it)."""
+        owed, self._owed = self._owed, []
+        dq = self._queues[DLEAF]
+        for node_id in owed:
+            n = self._nodes.get(node_id)
+            if n is None or n.value is None:
+                continue
+            if n.pending:
+                self._owed.append(node_id)
+            elif n.host_value is not None and n.lock_ref == 0 and n.dchildren == 0:
+                dq.discard(n)
+                demote(n, res)
 
     def _count_locks(self, n: Node, locks: dict[int, int]) -> None:
         """Count the lock a backup of ``n`` put on it and each ancestor (as ``_inc`` does)."""

@@ -11,7 +11,8 @@ from the tree's code: a plain radix tree of page symbols whose operations scan e
 * write-through backs up a node (with its un-backed ancestors) once its hits reach the
   threshold (1: write_through, 2: write_through_selective); write-back at eviction;
 * evict: the device leaf (no child on device) first in policy order goes; backed up: demoted;
-  else deleted with its host-only subtree, or under write-back backed up first;
+  else deleted with its host-only subtree, or under write-back backed up first (the victims a
+  call counted while they waited for their copies are demoted first by the next call);
 * evict_host: host-only leaves in policy order, and host copies of device nodes only under
   write-back (first there) or when asked, and then (under write-through) only those with no
   host-copied child, in policy order. Under write-back they go in the order SGLang 0.5.23
@@ -91,6 +92,9 @@ class Model:
         # Write-back: the host duplicates' reclaim order (a node stays listed after it stops
         # being a duplicate, until a reclaim pass reaches it or it is deleted).
         self.dup_order: dict[MNode, None] = {}
+        # Write-back: the victims an evict counted while they waited (and parents counted after
+        # them), in order; the next evict demotes them first.
+        self.owed: list[MNode] = []
 
     def note_dup(self, n: MNode) -> None:
         """``n`` may have become a host duplicate: list it at the end unless it is listed."""
@@ -279,6 +283,17 @@ class Model:
         # host copy is counted, and demoted by a later call).
         chain = self.write_back
         waiting: set[int] = set()
+        owed, self.owed = self.owed, []
+        live = {id(x) for x in self.nodes()}
+        for x in owed:  # demoted first, in order (the reference did at once)
+            if id(x) not in live or x.dev is None:
+                continue
+            if x.pending:
+                self.owed.append(x)
+            elif x.host is not None and all(c.dev is None for c in x.children.values()):
+                frees.append(x.dev.tolist())
+                freed += len(x.dev)
+                x.dev = None
 
         def free_below(x: MNode) -> bool:
             return all(c.dev is None or (chain and id(c) in waiting)
@@ -296,6 +311,7 @@ class Model:
                     v.pending = True
                     backups.append(v)
                 waiting.add(id(v))
+                self.owed.append(v)
                 pending += len(v.dev)
             elif v.host is not None:  # demote
                 frees.append(v.dev.tolist())
@@ -305,6 +321,7 @@ class Model:
                 v.pending = True
                 backups.append(v)
                 waiting.add(id(v))
+                self.owed.append(v)
                 pending += len(v.dev)
             else:  # delete with the host-only subtree
                 frees.append(v.dev.tolist())
