@@ -90,8 +90,8 @@ class CacheMetrics:
         self.prefetch_outcomes = Counter(
             "asynccache_prefetch_outcomes", "Prefetch attempts by outcome", ["outcome"], registry=r)
         for outcome in ("issued", "declined_too_short", "declined_rate_limited",
-                        "declined_unbacked", "revoked_insufficient", "revoked_rate_limited", "revoked_no_host_memory",
-                        "completed", "partial", "aborted"):
+                        "declined_unbacked", "revoked_insufficient", "revoked_rate_limited",
+                        "revoked_no_host_memory", "completed", "partial", "aborted"):
             self.prefetch_outcomes.labels(outcome=outcome)
         self.prefetch_bandwidth = Histogram(
             "asynccache_prefetch_bandwidth_bytes_per_second", "Storage read bandwidth per prefetch",

@@ -168,15 +168,15 @@ class TreeBase:
         # the entries a first reclaim pass must visit (every entry that is not an evictable
         # device leaf; items of dropped entries go stale), so that a pass never walks the
         # leaves it spares.
-        # Write-back trees: victims an evict counted while they waited for their copies (and
-        # parents it counted after them), in the order it took them: the next evict demotes
-        # them first, as the reference demotes each victim right after its copy.
-        self._owed: list[int] = []
         self._dup_order: dict[int, Node] = {}
         self._dup_place: dict[int, int] = {}
         self._dup_heap: list[tuple[int, int]] = []
         self._dup_queued: set[int] = set()
         self._dup_places = itertools.count()
+        # Write-back trees: victims an evict counted while they waited for their copies (and
+        # parents it counted after them), in the order it took them: the next evict demotes
+        # them first, as the reference demotes each victim right after its copy.
+        self._owed: list[int] = []
         self._pending: dict[int, _PendingOp] = {}
         self._receipts: dict[int, tuple[Node, bool]] = {}
         old = getattr(self, "_srefs", {})
