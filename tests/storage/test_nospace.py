@@ -143,6 +143,19 @@ async def test_a_retried_segment_is_reserved_again_not_made_bigger_than_the_capa
     assert data[:2] == pages[2:]
 
 
+async def _three_stored(
+    tmp_path, layout, keys: list[str], pages: list[bytes]
+) -> tuple[FileBackend, list[str]]:
+    """A backend of capacity 4 files holding the first 3 of ``keys``, one set each, and the
+    list of keys its eviction listener hears."""
+    b = FileBackend(tmp_path, layout, capacity_bytes=4 * SMALL_FILE, io_threads=6)
+    heard: list[str] = []
+    b.add_eviction_listener(heard.extend)
+    for k, p in zip(keys[:3], pages, strict=False):
+        assert await b.set_batch([k], [p]) == [True]
+    return b, heard
+
+
 async def test_the_retry_reserves_again_after_another_set_took_the_room(
     tmp_path, layout, make_keys, make_pages
 ) -> None:
@@ -151,13 +164,9 @@ async def test_the_retry_reserves_again_after_another_set_took_the_room(
     pages. The retry of a put its reservation back without a check: a was written on top,
     5 files indexed under a capacity of 4. It must evict for the capacity, like any write:
     p3, the least recently used."""
-    p1, p2, p3, a, b_, c, d = make_keys(7)
-    pages = make_pages(7, SMALL_PAGE)
-    b = FileBackend(tmp_path, layout, capacity_bytes=4 * SMALL_FILE, io_threads=6)
-    heard: list[str] = []
-    b.add_eviction_listener(heard.extend)
-    for k, p in zip([p1, p2, p3], pages, strict=False):
-        assert await b.set_batch([k], [p]) == [True]
+    keys, pages = make_keys(7), make_pages(7, SMALL_PAGE)
+    p1, p2, p3, a, b_, c, d = keys
+    b, heard = await _three_stored(tmp_path, layout, keys, pages)
     go = threading.Event()
     hook = FullOnce([a], {("delete", p1): go})
     b.set_fault_hook(hook)
@@ -194,13 +203,9 @@ async def test_a_retry_that_no_longer_fits_the_capacity_is_a_capacity_skip(
     the same batch (protected) and the other set's pages are still being written (busy,
     reserved). The retry must not write a (it was written, 5 files under a capacity of 4):
     a is a ``capacity`` skip, a miss."""
-    p1, p2, p3, a, b_, c, d = make_keys(7)
-    pages = make_pages(7, SMALL_PAGE)
-    b = FileBackend(tmp_path, layout, capacity_bytes=4 * SMALL_FILE, io_threads=6)
-    heard: list[str] = []
-    b.add_eviction_listener(heard.extend)
-    for k, p in zip([p1, p2, p3], pages, strict=False):
-        assert await b.set_batch([k], [p]) == [True]
+    keys, pages = make_keys(7), make_pages(7, SMALL_PAGE)
+    p1, p2, p3, a, b_, c, d = keys
+    b, heard = await _three_stored(tmp_path, layout, keys, pages)
     unlink_go, write_go = threading.Event(), threading.Event()
     hook = FullOnce([a], {("delete", p1): unlink_go, ("write", d): write_go})
     b.set_fault_hook(hook)
