@@ -19,10 +19,11 @@ published under each page's name with a hard link (:mod:`asynccache.storage.segm
   checksum streamed over them, and a verified read is copied out into them piece by piece;
   the object is the same as for the joined bytes.
 * Reads ``preadv`` into a per-worker bounce buffer (a run of neighbouring pages of one
-  segment in one ``preadv``), verify every page against its own header, and only then copy
-  into the caller's buffer under the call's :class:`~asynccache.storage.threadio.PageGuard` (a
-  timed-out call's threads can never write a buffer the caller has reused). A bad page's
-  name is removed after the read, under the key's claim, if it still names the bad file.
+  segment by one worker, in file order, page by page), verify every page against its own
+  header, and only then copy into the caller's buffer under the call's
+  :class:`~asynccache.storage.threadio.PageGuard` (a timed-out call's threads can never write
+  a buffer the caller has reused). A bad page's name is removed after the read, under the
+  key's claim, if it still names the bad file.
 * Bulk I/O runs on ``io_threads`` daemon worker threads (:mod:`asynccache.storage.threadio`)
   with ``os.preadv``/``os.pwritev`` instead of aiofiles: aiofiles does one thread hop per call
   (open, read, close: three per page) and ``read()`` allocates a new bytes object per page;
@@ -69,10 +70,11 @@ __all__ = ["FileBackend"]
 
 _MAX_STUCK = 32  # default max_stuck_threads: abandoned threads before calls fail fast
 _MiB = 1 << 20
-#: A read job takes at most this many bytes of neighbouring segment pages (one preadv) ...
-_READ_CHUNK_MAX = 4 * _MiB
-#: ... and at least this many, splitting a batch over the threads otherwise.
-_READ_CHUNK_MIN = 1 * _MiB
+#: A read job takes neighbouring pages of one segment, up to this many bytes: one thread
+#: reads them in order (a file streams best read front to back by one reader), other files
+#: go to the other threads. Splitting a segment's pages over the threads (1 MiB jobs) read
+#: cold 1 MiB pages at 0.89 GB/s here against 1.68 GB/s in one job, warm ones at 1.66 / 3.0.
+_READ_RUN_MAX = 32 * _MiB
 #: With fsync, a write job takes at most this many bytes of files (all written before the
 #: first is synced), and about the batch's bytes over the threads otherwise.
 _WRITE_GROUP_MAX = 32 * _MiB
@@ -575,7 +577,7 @@ class FileBackend(BackendBase):
             for j, i in enumerate(live)
         ]
         total = sum(r.target.nbytes for r in reqs)
-        runs = self._read_runs(reqs, total)
+        runs = self._read_runs(reqs)
 
         def job(g: int, guard: PageGuard, scratch: Scratch) -> None:
             run, in_segment = runs[g]
@@ -671,10 +673,9 @@ class FileBackend(BackendBase):
         failed = [k for k in keys if result[k][0] not in (OK, MISS)]
         self._unlink_failed("remove_corrupt", "corrupt", result, index.file_bytes(failed))
 
-    def _read_runs(self, reqs: list[ReadReq], total: int) -> list[tuple[list[ReadReq], bool]]:
-        """Split a batch into read jobs: neighbouring pages of one segment go together
-        (one open, one preadv), in chunks that spread a batch over the threads."""
-        chunk = min(_READ_CHUNK_MAX, max(_READ_CHUNK_MIN, total // self._runner.threads))
+    def _read_runs(self, reqs: list[ReadReq]) -> list[tuple[list[ReadReq], bool]]:
+        """Split a batch into read jobs: neighbouring pages of one segment go together (one
+        open, read in order), up to :data:`_READ_RUN_MAX` bytes."""
         index = self._index
         runs: list[tuple[list[ReadReq], bool]] = []
         i = 0
@@ -686,7 +687,7 @@ class FileBackend(BackendBase):
                 while (
                     j < len(reqs)
                     and index.unit_of(reqs[j].key) == unit
-                    and nbytes + reqs[j].target.nbytes <= chunk
+                    and nbytes + reqs[j].target.nbytes <= _READ_RUN_MAX
                 ):
                     nbytes += reqs[j].target.nbytes
                     j += 1

@@ -49,11 +49,23 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_LINKS = {errno.EPERM, errno.EMLINK, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
+#: Buffered reads go in steps of this many bytes (the kernel's default readahead window):
+#: the kernel then reads ahead of each step, so a cold file streams. One read of a whole
+#: 4 MiB page waited for each of its pieces in turn: 1.25 against 1.73 GB/s here.
+READ_STEP = 128 << 10
+#: ``O_DIRECT`` reads (no readahead) go in steps of this many bytes: 1 MiB requests read
+#: segments at 2.2 GB/s here, 4 MiB ones at 1.9, 32 MiB ones at 1.2.
+DIRECT_STEP = 1 << 20
+
+
 def pread_full(fd: int, view: memoryview, offset: int = 0) -> int:
+    """Read ``view`` from ``offset`` in :data:`READ_STEP` steps; stops at the end of the file."""
     total = 0
     size = len(view)
     while total < size:
-        n = os.preadv(fd, [view[total:]], offset + total)
+        at = offset + total
+        step = READ_STEP - at % READ_STEP  # steps end on READ_STEP boundaries of the file
+        n = os.preadv(fd, [view[total : total + step]], at)
         if n == 0:
             break
         total += n
@@ -61,10 +73,11 @@ def pread_full(fd: int, view: memoryview, offset: int = 0) -> int:
 
 
 def pread_direct(fd: int, view: memoryview, offset: int) -> int:
-    """``O_DIRECT`` read of a block-aligned range; stops at the end of the file."""
+    """``O_DIRECT`` read of a block-aligned range in :data:`DIRECT_STEP` steps; stops at the
+    end of the file."""
     total = 0
     while total < len(view):
-        n = os.preadv(fd, [view[total:]], offset + total)
+        n = os.preadv(fd, [view[total : total + DIRECT_STEP]], offset + total)
         total += n
         if n == 0 or n % BLOCK:
             break
@@ -507,22 +520,9 @@ class PageFiles:
         scratch: Scratch,
         vouched: bool = True,
     ) -> int:
-        start = run[0].offset
-        end = run[-1].offset + run[-1].length
-        if direct:  # a block-aligned range around the run
-            lo = start // BLOCK * BLOCK
-            buf = scratch.aligned(-(-end // BLOCK) * BLOCK - lo)
-            got = pread_direct(fd, buf, lo) - (start - lo)
-            buf = buf[start - lo :]
-        else:
-            buf = scratch.view(end - start)
-            got = pread_full(fd, buf, start)
         for j, (req, entry) in enumerate(zip(reqs, run, strict=True)):
             # the first page's fault was decided (and its pre-fault applied) on opening
             fault = self.fault("read", req.key) if j else first_fault
-            lo = entry.offset - start
-            page = buf[lo : lo + entry.length]
-            avail = max(0, min(entry.length, got - lo))
             if j and not vouched and not _links(self.path(req.key), st):
                 self._touch(fd, st)
                 return j  # its name is gone or names another file: read it by its name
@@ -537,6 +537,7 @@ class PageFiles:
             try:
                 if j:
                     pre_fault(fault, "read")
+                page, avail = _read_entry(fd, entry, direct, scratch)
                 self._check_and_copy(req, page, avail, entry.length, fault, guard)
             except CorruptPageError as exc:
                 req.bad = st.st_ino
@@ -590,6 +591,21 @@ class PageFiles:
         if time.time() - st.st_mtime > TOUCH_AFTER_S:
             with contextlib.suppress(OSError):
                 os.utime(fd)  # recency survives a restart (coarsely: no inode churn)
+
+
+def _read_entry(fd: int, entry: Entry, direct: bool, scratch: Scratch) -> tuple[memoryview, int]:
+    """Read one page of a segment into ``scratch``: its bytes, and how many of them arrived.
+    Page by page, each checked and copied out before the next is read: the scratch stays one
+    page (and warm in the CPU's caches)."""
+    if not direct:
+        page = scratch.view(entry.length)
+        return page, pread_full(fd, page, entry.offset)
+    lo = entry.offset // BLOCK * BLOCK  # the block-aligned range around the page
+    end = entry.offset + entry.length
+    buf = scratch.aligned(-(-end // BLOCK) * BLOCK - lo)
+    got = pread_direct(fd, buf, lo) - (entry.offset - lo)
+    at = entry.offset - lo
+    return buf[at : at + entry.length], max(0, min(entry.length, got))
 
 
 def _links(path: str, st: os.stat_result) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
+from asynccache.storage import fileio
 from asynccache.storage.file import FileBackend
 from asynccache.storage.pageformat import HEADER_SIZE, name_hash
 from asynccache.storage.segment import MAX_PAGES, parse_table, table_bytes
@@ -369,3 +370,44 @@ async def test_a_name_republished_as_a_single_file_is_read_as_one(
     ok, got = await read(b, keys, size)  # b still takes keys[0] for a segment page
     assert ok == [True] * 4 and got == pages
     assert b.stats()["faults"] == {}
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_a_segment_is_read_front_to_back_by_one_reader(
+    tmp_path, layout, make_keys, make_pages, monkeypatch, direct
+) -> None:
+    """One open per segment run, its pages read in order, a buffered read in steps of at
+    most READ_STEP: the file streams. (Split over the threads in 1 MiB jobs, each read whole,
+    cold 1 MiB pages read at half the rate.)"""
+    size = 512 * 1024
+    b = FileBackend(tmp_path, layout, segment_bytes=4 * (HEADER_SIZE + size), direct_io=direct)
+    keys, pages = make_keys(4), make_pages(4, size)
+    assert await b.set_batch(keys, pages) == [True] * 4
+    assert b.stats()["files"] == 1
+    if direct and not b.stats()["direct_io"]:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    opened: dict[int, str] = {}
+    reads: list[tuple[int, int, int]] = []  # (fd, offset, bytes asked)
+    real_open, real_preadv = os.open, os.preadv
+
+    def spy_open(p, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fd = real_open(p, flags, *args, **kwargs)
+        if str(p).startswith(str(tmp_path)) and not flags & (os.O_WRONLY | os.O_RDWR):
+            opened[fd] = str(p)
+        return fd
+
+    def spy_preadv(fd, bufs, offset, *args):  # type: ignore[no-untyped-def]
+        if fd in opened:
+            reads.append((fd, offset, sum(memoryview(x).nbytes for x in bufs)))
+        return real_preadv(fd, bufs, offset, *args)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "preadv", spy_preadv)
+    ok, got = await read(b, keys, size)
+    monkeypatch.undo()
+    assert ok == [True] * 4 and got == pages
+    assert len(opened) == 1, opened  # one reader, one open
+    offsets = [off for _, off, _ in reads]
+    assert offsets == sorted(offsets) and offsets[-1] > 3 * size  # in order, to the end
+    if not direct:
+        assert max(n for _, _, n in reads) <= fileio.READ_STEP
