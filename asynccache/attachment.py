@@ -112,8 +112,9 @@ class CacheModeL3(NoStorage):
             if op is None:
                 return 0
         got = await tier.finish_prefetch(op, policy)  # stop it per the policy
-        if got:
-            rematch(tree, req)
+        # Matched again even when it added nothing: pages it found on host already (others
+        # cached them while it ran) are the request's too.
+        rematch(tree, req)
         return got
 
     def forget_stored(self) -> None:

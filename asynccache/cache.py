@@ -574,7 +574,9 @@ class HierarchicalCache:
         """Fetch ``req``'s uncached pages from storage into host memory (before it computes).
 
         ``policy``: the stop policy (default: the attached :class:`StoragePolicy`'s). Returns
-        the tokens fetched; ``req.host_hit_length`` grows by as much (load them back next).
+        the tokens it added to host memory (pages another request cached meanwhile are given
+        back and not counted, as SGLang's ``loaded_from_storage``); ``req`` is matched again,
+        so ``req.host_hit_length`` takes them in (load them back next).
         """
         self._check_open()
         return await self._storage.prefetch_request(self._requests.check_active(req), policy)

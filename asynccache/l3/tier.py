@@ -458,7 +458,8 @@ class StorageTier:
             self._known.invalidate_beyond(op.keys, got)
 
     async def finish_prefetch(self, op: PrefetchOp, policy: str | None = None) -> int:
-        """Stop ``op`` per the stop policy, insert what arrived, release the rest; returns tokens.
+        """Stop ``op`` per the stop policy, insert what arrived, release the rest; returns the
+        tokens the insert added (not the pages the host tree held already).
 
         Cancelling the caller still releases everything (nothing fetched is inserted then).
         """
@@ -541,7 +542,7 @@ class StorageTier:
                 if hy is not None:
                     hy.release(op, inserted=True)
                     hy.tier.free_host(res.component_frees)
-                taken = done
+                taken = len(adopted)  # what it added: SGLang's loaded_from_storage
             t.free_host(host[done:])
         if hy is not None:
             hy.release(op, inserted=False)  # what was not inserted

@@ -412,6 +412,28 @@ async def test_begun_at_arrival_best_effort_takes_what_arrived(kit, make_cache,
     kit.assert_at_rest(c)
 
 
+async def test_pages_cached_meanwhile_are_not_counted_as_fetched(kit, make_cache,
+                                                                  make_file_backend) -> None:
+    """A fetch returns (and counts) the tokens it added to host memory. Pages another request
+    cached on host while it ran are given back, as SGLang's ``loaded_from_storage`` (the
+    fetched tokens minus the prefix the host tree already held) leaves them out."""
+    s = kit.tokens(24, 64)
+    await _store(kit, make_cache, make_file_backend, [s])
+    c = await make_cache()
+    c.attach_storage(await make_file_backend(c), StoragePolicy(prefetch_threshold=16))
+    req = c.admit(s)
+    assert c.begin_prefetch(req)
+    await _until(lambda: c.storage.tasks_of(req.prefetch).task.done(), "the fetch")
+    await kit.write_sequences(c, [s[:32]])  # another request caches the first half meanwhile
+    assert await c.prefetch_request(req, policy="best_effort") == 32
+    assert kit.counter(c, "asynccache_prefetched_tokens") == 32
+    assert req.prefix_len == 32 and req.host_hit_length == 32
+    assert await c.load_back_request(req) == 32
+    kit.assert_kv(c, s, req.slots, "half cached, half fetched")
+    c.cache_finished_req(req)
+    kit.assert_at_rest(c)
+
+
 async def test_a_request_ending_before_its_fetch_releases_it(kit, make_cache,
                                                              make_file_backend) -> None:
     s = kit.tokens(21, 64)
