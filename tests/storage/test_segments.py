@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
 from asynccache.storage import fileio
+from asynccache.storage.faults import FaultInjectingBackend, FaultKind, FaultRule
 from asynccache.storage.file import FileBackend
 from asynccache.storage.pageformat import HEADER_SIZE, name_hash
 from asynccache.storage.segment import MAX_PAGES, parse_table, table_bytes
