@@ -13,7 +13,7 @@ from asynccache.errors import (
     InvalidInputError,
     LockError,
 )
-from asynccache.tree import hybrid, hybrid_host, hybrid_prefetch
+from asynccache.tree import host_insert, hybrid, hybrid_host, hybrid_prefetch
 from asynccache.tree.base import TreeBase, _PendingOp
 from asynccache.tree.config import _check_count, as_slots
 from asynccache.tree.events import Medium
@@ -84,8 +84,6 @@ class HostTier(TreeBase):
                 f"host span [{start}, {end_tok}) must be whole pages within the key of "
                 f"{len(key)} tokens (page_size={self.page_size})"
             )
-        data = key.data
-        pb = self._pb
         sh = self._sh
         end = end_tok << sh
         swa = None
@@ -111,58 +109,10 @@ class HostTier(TreeBase):
             )
         if self._aux:
             return hybrid_prefetch.insert_host(self, key, start, slots, swa, mamba_host_slot)
-        ns = key.namespace
-        root = self._root
-        node = root
-        off = 0
         result = InsertResult(prefix_len=0, cached_len=end_tok, last_node=0)
-        refill = not self._write_back
-        closed = True  # write-through: may host copies go below ``node``?
-        while off < end:
-            page = data[off : off + pb]
-            child = node.children.get(self._child_key(node, page, ns))
-            if child is None:
-                break
-            pos = off >> sh
-            if pos + (len(child.key) >> sh) >= start:  # the anchor or below: touched
-                self._touch(child)  # (before a split: the suffix ends up the newer)
-            child, nb = self._match_child(child, data, off, end)
-            m = nb >> sh
-            if pos + m > start:
-                lo = max(pos, start)
-                span = slots[lo - start : pos + m - start]
-                if (refill and closed and child.host_value is None and child.pending == 0
-                        and lo == pos):
-                    child.host_value = frozen(span)
-                    self._host_size += m
-                    self._emit_stored(child, Medium.CPU_PINNED)
-                    self._refresh(child)
-                else:
-                    result.device_frees.append(span)
-                    closed = closed and backed(child)
-            else:
-                closed = backed(child)  # (at the anchor: whether it is backed up)
-            node = child
-            off += nb
-        result.prefix_len = off >> sh
-        if off < end and refill and not closed:  # below an un-backed node: dropped
-            result.device_frees.append(slots[(off >> sh) - start :])
-            result.cached_len = off >> sh
-        elif off < end:
-            leaf = self._node_cls(next(self._ids), node, data[off:end], ns, self._aux_empty[:])
-            self._nodes[leaf.id] = leaf
-            leaf.host_value = frozen(slots[(off >> sh) - start :])
-            leaf.creation = leaf.last_access = self._tick()
-            leaf.hit_count = self._host_insert_hit_count()
-            leaf.priority = node.priority
-            node.children[self._child_key(node, data[off : off + pb], ns)] = leaf
-            self._host_size += leaf.ntok
-            if self._eager_hashes:
-                self._digests(leaf)
-            self._emit_stored(leaf, Medium.CPU_PINNED)
-            self._refresh(node)
-            self._refresh(leaf)
-            node = leaf
+        node, a, dropped = host_insert.walk(self, key, start, slots, result)
+        if a < end_tok and not dropped:
+            node = host_insert.new_leaf(self, node, key, a, end_tok, start, slots)
         result.last_node = node.id
         return result
 
