@@ -530,6 +530,12 @@ async def bench_s3(
 # -- main -----------------------------------------------------------------------------------------
 
 
+def default_segment(page: int) -> int:
+    """Segments of 2 MiB, or of 16 pages where that is more: with 2 MiB segments a page of
+    1 MiB or more fills a segment alone, and the segment modes measured single files again."""
+    return max(2 * MiB, 16 * page)
+
+
 def parse_sizes(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -551,7 +557,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         result["file"] = {
             "dir": str(root),
-            "segment_bytes": args.segment,
+            "segment_bytes": args.segment or "per size: max(2 MiB, 16 pages)",
             "raw": {
                 "raw_write": "one file, 4 MiB writes, one fsync at the end: the issue's "
                 "'sequential file write with fsync' taken literally (write_ratio)",
@@ -581,7 +587,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 args.total,
                 args.reps,
                 args.batch,
-                args.segment,
+                args.segment or default_segment(size),
                 not args.no_aiofiles,
             )
         if not args.no_s3:
@@ -622,7 +628,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="S3 requests in flight")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-aiofiles", action="store_true", help="skip the aiofiles comparison")
-    ap.add_argument("--segment", help="segment_bytes of the segment runs (default 2M)")
+    ap.add_argument("--segment", help="segment_bytes of the segment runs (default: 2M, or 16 "
+                    "pages where that is more)")
     args = ap.parse_args()
     q = args.quick
     args.sizes = parse_sizes(args.sizes or ("256K,4M" if q else "64K,256K,1M,4M"))
@@ -630,7 +637,7 @@ def main() -> None:
     args.total = (args.total or (64 if q else 256)) * MiB
     args.s3_total = (args.s3_total or (32 if q else 128)) * MiB
     args.reps = args.reps or (1 if q else 3)
-    args.segment = parse_sizes(args.segment or "2M")[0]
+    args.segment = parse_sizes(args.segment)[0] if args.segment else None
     print(json.dumps(asyncio.run(main_async(args)), indent=2))
 
 
