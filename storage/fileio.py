@@ -603,8 +603,8 @@ def _read_entry(fd: int, entry: Entry, direct: bool, scratch: Scratch) -> tuple[
     lo = entry.offset // BLOCK * BLOCK  # the block-aligned range around the page
     end = entry.offset + entry.length
     buf = scratch.aligned(-(-end // BLOCK) * BLOCK - lo)
-    got = pread_direct(fd, buf, lo) - (entry.offset - lo)
     at = entry.offset - lo
+    got = pread_direct(fd, buf, lo) - at
     return buf[at : at + entry.length], max(0, min(entry.length, got))
 
 

@@ -8,11 +8,11 @@ suffix of the span: the last window); optionally the host slot of the state afte
 The FULL walk is the FULL-only tree's (:func:`asynccache.tree.host_insert.walk`: it touches
 the anchor and the nodes it walks; under the write-through policies a device node without a
 host copy takes the FULL slots as its backup, and the SWA slots if its whole span has them;
-under write-back it takes none). The node ending at ``end`` takes the state if it has a FULL host copy and no state
-yet. Everything else comes back (FULL in ``device_frees``, SWA / state in ``component_frees``
-— all *host* slots here). The uncached rest becomes host-only nodes, cut where the fetched SWA
-begins, unless (write-through policies) it would hang below a node that is neither the root
-nor backed up: then it comes back too.
+under write-back it takes none). The node ending at ``end`` takes the state if it has a FULL
+host copy and no state yet. Everything else comes back (FULL in ``device_frees``, SWA / state
+in ``component_frees`` — all *host* slots here). The uncached rest becomes host-only nodes,
+cut where the fetched SWA begins, unless (write-through policies) it would hang below a node
+that is neither the root nor backed up: then it comes back too.
 """
 
 from __future__ import annotations
