@@ -3,12 +3,14 @@
 ``cache_factory``: the body of each suite's ``make_cache`` fixture (build and start caches,
 then at teardown check and close every one of them with the suite's own checks).
 Storage: backends made for a test are closed at its teardown, after its caches; one real
-SeaweedFS S3 server serves the whole session (each test writes under its own random prefix).
+SeaweedFS S3 server serves the whole session (one per xdist worker; each test writes under
+its own random prefix).
 tests/storage keeps its own server fixture (its tests exercise bucket-level behaviour)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -23,6 +25,15 @@ from asynccache.storage.file import FileBackend
 from asynccache.storage.seaweed import LocalSeaweed, find_weed, weed_problem
 
 TIMEOUT = 20.0
+
+#: ``-n auto`` (pytest-xdist) starts at most this many workers: each one imports torch and
+#: SGLang and starts its own S3 servers, and the rank tests start up to four processes each.
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may run on, at most ``MAX_AUTO_WORKERS``."""
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
 
 CacheMaker = Callable[..., Awaitable[HierarchicalCache]]
 

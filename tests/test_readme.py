@@ -182,7 +182,7 @@ def test_setup_commands_are_the_ones_ci_runs() -> None:
     commands = [line.split("#")[0].strip() for line in first.code.splitlines()]
     assert commands[:2] == [
         "pip install -c constraints.txt -e . && asynccache replay",
-        "pip install -c constraints.txt -e '.[test]' && python -m pytest -q",
+        "pip install -c constraints.txt -e '.[test]' && python -m pytest -q -n auto",
     ]
 
 
