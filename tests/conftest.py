@@ -33,7 +33,10 @@ MAX_AUTO_WORKERS = 8
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per CPU this process may run on, at most ``MAX_AUTO_WORKERS``."""
-    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS / Windows
+    cpus = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cpus))
+
 
 CacheMaker = Callable[..., Awaitable[HierarchicalCache]]
 
