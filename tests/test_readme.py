@@ -161,15 +161,18 @@ def test_logging_example_routes_events_as_json(capsys: pytest.CaptureFixture[str
             "logger": "asynccache.retraction"} in lines
 
 
-def test_pytest_example_in_a_user_project(tmp_path: Path) -> None:
-    """The example and the configuration above it, as a user's project, in a separate pytest."""
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one_process", "xdist"])
+def test_pytest_example_in_a_user_project(tmp_path: Path, workers: list[str]) -> None:
+    """The example and the configuration above it, as a user's project, in a separate pytest;
+    also under pytest-xdist (each worker gets its own fixtures and leak checks)."""
     (toml,) = section_blocks(TESTING, "toml")
     (example,) = section_blocks(TESTING)
     assert 'asyncio_mode = "auto"' in toml.code
     (tmp_path / "pyproject.toml").write_text(toml.code)
     (tmp_path / "test_scheduler.py").write_text(example.code)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_scheduler.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+         "test_scheduler.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
