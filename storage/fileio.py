@@ -435,9 +435,9 @@ class PageFiles:
     def read_run(
         self, reqs: list[ReadReq], in_segment: bool, guard: PageGuard, scratch: Scratch
     ) -> None:
-        """Read ``reqs``: the first by its own name; the following ones from the same file
-        (one ``preadv``) when it is a segment holding them right after the first; any left
-        over are read the same way, starting from their own names."""
+        """Read ``reqs``: the first by its own name; the following ones from the same open
+        file, in file order, page by page, when it is a segment holding them right after the
+        first; any left over are read the same way, starting from their own names."""
         while reqs and not guard.cancelled:
             done = self._read_from(reqs, in_segment, guard, scratch)
             reqs = reqs[done:]
