@@ -184,13 +184,19 @@ def test_missing_page_tensors_are_named_before_any_io(tmp_path):
 # A call past its deadline is cancelled on the adapter's loop and returns only once the backend
 # call has ended: the caller's page is never touched afterwards. Data calls degrade to misses
 # (counted in get_stats()["timeouts"], logged); the storage keeps working once storage is fast.
+# Only the calls meant to be late run under the short deadline: the adapter's own start and
+# the fast calls keep the default, which a loaded machine cannot overrun.
 
-SLOW_S = 0.6  # each raw read / write of the slow storage stalls this long (> timeout_s)
+DEADLINE_S = 0.15  # timeout_s of the calls meant to be late
+ROOMY_S = 60.0  # timeout_s of every other call (the adapter's default)
+SLOW_S = 0.6  # each raw read / write of the slow storage stalls this long (> DEADLINE_S)
 SENTINEL = -3.0
 
 
 def _slow(storage: AsyncCacheStorage, *ops: str) -> None:
+    """Stall the storage's ``ops`` and give calls the short deadline."""
     storage.backend = faults(storage.backend, "delay", delay_s=SLOW_S, ops=set(ops))
+    storage.timeout_s = DEADLINE_S
 
 
 def _settle(storage: AsyncCacheStorage) -> None:
@@ -202,6 +208,7 @@ def _settle(storage: AsyncCacheStorage) -> None:
         time.sleep(0.02)
     assert storage.backend.stats()["stuck_threads"] == 0
     storage.backend.clear_rules()
+    storage.timeout_s = ROOMY_S
 
 
 def _timeout_events(caplog) -> list[dict]:
@@ -223,7 +230,7 @@ class _HostPool:
 
 
 def test_a_read_past_its_deadline_is_a_miss_and_never_touches_the_page(tmp_path, caplog):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    storage = _create(f"file://{tmp_path}")
     try:
         keys = _keys(2)
         assert storage.batch_set(keys, [torch.full((PAGE_NUMEL,), 7.0, dtype=torch.float16)] * 2)
@@ -239,7 +246,7 @@ def test_a_read_past_its_deadline_is_a_miss_and_never_touches_the_page(tmp_path,
         assert storage.get_stats()["timeouts"] == 2
         events = _timeout_events(caplog)
         assert [(e["call"], e["pages"], e["timeout_s"]) for e in events] == [
-            ("batch_get", 2, 0.15), ("batch_get", 1, 0.15)]
+            ("batch_get", 2, DEADLINE_S), ("batch_get", 1, DEADLINE_S)]
         got = storage.batch_get(keys, dst)  # fast again: the stored pages are intact
         assert got[0] is dst[0] and got[1] is dst[1]
         assert dst[0].tolist() == dst[1].tolist() == [7.0] * PAGE_NUMEL
@@ -248,7 +255,7 @@ def test_a_read_past_its_deadline_is_a_miss_and_never_touches_the_page(tmp_path,
 
 
 def test_a_write_past_its_deadline_is_false_and_never_stores_the_later_buffer(tmp_path, caplog):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    storage = _create(f"file://{tmp_path}")
     try:
         keys = _keys(2)
         _slow(storage, "write")
@@ -271,7 +278,7 @@ def test_a_write_past_its_deadline_is_false_and_never_stores_the_later_buffer(tm
 
 
 def test_v1_calls_past_their_deadline_are_false_per_page_and_leave_the_pool_alone(tmp_path):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.15, interface_v1=1)
+    storage = _create(f"file://{tmp_path}", interface_v1=1)
     try:
         host = _HostPool(4)
         storage.register_mem_pool_host(host)
@@ -295,7 +302,7 @@ def test_v1_calls_past_their_deadline_are_false_per_page_and_leave_the_pool_alon
 
 
 def test_an_exists_query_past_its_deadline_finds_nothing(tmp_path):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    storage = _create(f"file://{tmp_path}")
     try:
         keys = _keys(3)
         assert storage.batch_set(keys, _pages(3, seed=3))
@@ -305,17 +312,20 @@ def test_an_exists_query_past_its_deadline_finds_nothing(tmp_path):
             return len(keys)
 
         storage.backend.exists_prefix = slow_exists
+        storage.timeout_s = DEADLINE_S
         assert storage.batch_exists(keys) == 0
         assert storage.exists(keys[0]) is False
         assert storage.get_stats()["timeouts"] == 2
         del storage.backend.exists_prefix
+        storage.timeout_s = ROOMY_S
         assert storage.batch_exists(keys) == 3
     finally:
         storage.close()
 
 
 def test_management_calls_past_their_deadline_raise_timeout(tmp_path):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.15)
+    storage = _create(f"file://{tmp_path}")
+    storage.timeout_s = DEADLINE_S
     try:
         ended = threading.Event()
 
@@ -333,12 +343,13 @@ def test_management_calls_past_their_deadline_raise_timeout(tmp_path):
         assert storage.get_stats()["timeouts"] == 1
     finally:
         del storage.backend.delete
+        storage.timeout_s = ROOMY_S
         storage.close()
 
 
 def test_a_wedged_loop_is_given_up_after_the_grace_period_and_logged(tmp_path, caplog):
-    storage = _create(f"file://{tmp_path}", timeout_s=0.1)
-    storage.grace_s = 0.1
+    storage = _create(f"file://{tmp_path}")
+    storage.timeout_s = storage.grace_s = 0.1
     release = threading.Event()
     try:
         async def wedged(keys, bufs):
@@ -358,6 +369,7 @@ def test_a_wedged_loop_is_given_up_after_the_grace_period_and_logged(tmp_path, c
     finally:
         release.set()
         del storage.backend.get_batch
+        storage.timeout_s = ROOMY_S
         storage.close()
 
 
@@ -531,8 +543,8 @@ def test_close_on_a_wedged_loop_returns_logs_it_and_the_loop_closes_once_it_ends
     gives up after the deadline plus grace with a TimeoutError (as for any close past its
     deadline) and an error event, and the shutdown still runs -- the backend is closed and the
     loop closed by its own thread -- once the blocking call returns."""
-    storage = _create(f"file://{tmp_path}", timeout_s=0.1)
-    storage.grace_s = 0.1
+    storage = _create(f"file://{tmp_path}")
+    storage.timeout_s = storage.grace_s = 0.1
     started, release = threading.Event(), threading.Event()
     caplog.set_level(logging.WARNING, logger="asynccache")
 
