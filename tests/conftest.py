@@ -41,6 +41,37 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 CacheMaker = Callable[..., Awaitable[HierarchicalCache]]
 
 
+@pytest.fixture
+def hold_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], threading.Event]]:
+    """``hold()`` makes the CPU copy workers wait, before each copy they start from then on,
+    until the event it returns is set (at teardown at the latest): a copy is in flight for as
+    long as a test needs, however fast or slow the machine."""
+    import asynccache.transfers.staged as staged
+    import asynccache.transfers.workers as workers
+
+    gates: list[threading.Event] = []
+
+    def held(gate: threading.Event, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wait_then(*args: Any) -> Any:
+            if not gate.wait(timeout=TIMEOUT):
+                raise RuntimeError("the copies were never let go")
+            return real(*args)
+        return wait_then
+
+    def hold() -> threading.Event:
+        gate = threading.Event()
+        gates.append(gate)
+        monkeypatch.setattr(workers, "make_plan", held(gate, workers.make_plan))
+        monkeypatch.setattr(staged, "make_plan", held(gate, staged.make_plan))
+        # the staged issuer's first call on a job
+        monkeypatch.setattr(staged, "check_pairs", held(gate, staged.check_pairs))
+        return gate
+
+    yield hold
+    for gate in gates:
+        gate.set()
+
+
 def copy_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("asynccache-copy") and t.is_alive()}
 

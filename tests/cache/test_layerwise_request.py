@@ -111,10 +111,11 @@ async def test_a_failed_load_puts_the_request_back_on_the_tree(make_cache, kit, 
     cache.cache_finished_req(req)
 
 
-async def test_a_cancelled_finish_leaves_no_pin_or_slot(make_cache, kit):
+async def test_a_cancelled_finish_leaves_no_pin_or_slot(make_cache, kit, hold_copies):
     cache = await make_cache(write_policy="write_through")
     tokens = list(range(200, 216))
     await _host_only(cache, kit, tokens)
+    copies = hold_copies()
     req = cache.admit(tokens)
     lb = cache.begin_load_back_request(req)
     assert lb is not None
@@ -126,6 +127,7 @@ async def test_a_cancelled_finish_leaves_no_pin_or_slot(make_cache, kit):
         await waiter
     assert lb.abandoned and req.receipt is not None
     assert req.pending_loads == (lb.op_id,)  # the request sees the load still running
+    copies.set()
     await cache.flush()  # the copy still lands and commits; nobody holds its lock
     assert lb.receipt is None
     cache.abort_req(req)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -270,31 +271,9 @@ async def test_copies_complete_in_submission_order(
 
 
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
+def gate(hold_copies: Callable[[], threading.Event]) -> threading.Event:
     """Holds the worker before it starts any copy until the test sets the returned event."""
-    import asynccache.transfers.staged as staged
-    import asynccache.transfers.workers as workers
-
-    opened = threading.Event()
-    real = workers.make_plan
-
-    def gated(*args: Any) -> Any:
-        if not opened.wait(timeout=10):
-            raise RuntimeError("gate never opened")
-        return real(*args)
-
-    monkeypatch.setattr(workers, "make_plan", gated)
-    monkeypatch.setattr(staged, "make_plan", gated)
-    real_check = staged.check_pairs  # the staged issuer's first call on a job
-
-    def gated_check(*args: Any) -> Any:
-        if not opened.wait(timeout=10):
-            raise RuntimeError("gate never opened")
-        return real_check(*args)
-
-    monkeypatch.setattr(staged, "check_pairs", gated_check)
-    yield opened
-    opened.set()
+    return hold_copies()
 
 
 @pytest.mark.parametrize("mode", MODES)
