@@ -12,6 +12,21 @@ import time
 from typing import Any
 
 
+def joined(rank: int, world_size: int, init_method: str, timeout_s: float) -> Any:
+    """A control plane whose collectives time out after ``timeout_s``, over a default group
+    joined with a roomy rendezvous: on a loaded machine the ranks start seconds apart, which
+    a short timeout takes for a dead peer. The caller destroys the default group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from asynccache.ranks import TorchRankGroup
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    return TorchRankGroup.from_initialized(timeout_s=timeout_s)
+
+
 def _model_all_reduce(dist: Any, value: int, delay_s: float, out: list[Any]) -> None:
     """What a model's tensor-parallel all-reduce does: a SUM on the default group."""
     import torch
@@ -68,9 +83,8 @@ def timeout_is_an_error(rank: int, world_size: int, init_method: str) -> str:
     import torch.distributed as dist
 
     from asynccache.errors import RankGroupError
-    from asynccache.ranks import TorchRankGroup
 
-    group = TorchRankGroup.create(rank, world_size, init_method, timeout_s=1.0)
+    group = joined(rank, world_size, init_method, timeout_s=1.0)
     try:
         if rank == 1:
             time.sleep(3.0)
@@ -83,3 +97,4 @@ def timeout_is_an_error(rank: int, world_size: int, init_method: str) -> str:
         return "no error"
     finally:
         group.close()
+        dist.destroy_process_group()

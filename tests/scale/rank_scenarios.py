@@ -9,9 +9,16 @@ import asyncio
 import contextlib
 import os
 import pickle
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# Loaded by file path in the rank processes: the repository root makes ``tests`` importable.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 PS = 4
 
@@ -276,10 +283,12 @@ def diverge_then_hang(rank: int, world_size: int, init_method: str) -> list[str]
     """Then rank 1 stays alive but never joins a collective: rank 0's must time out, clearly."""
     import time
 
-    from asynccache.errors import RankGroupError
-    from asynccache.ranks import TorchRankGroup
+    import torch.distributed as dist
 
-    group = TorchRankGroup.create(rank, world_size, init_method, timeout_s=1.0)
+    from asynccache.errors import RankGroupError
+    from tests.scale.control_plane_scenarios import joined
+
+    group = joined(rank, world_size, init_method, timeout_s=1.0)
     try:
         out = [asyncio.run(_diverge(group))]
         asyncio.run(group.barrier())
@@ -293,6 +302,7 @@ def diverge_then_hang(rank: int, world_size: int, init_method: str) -> list[str]
         return [*out, "no error"]
     finally:
         group.close()
+        dist.destroy_process_group()
 
 
 def join_alone(rank: int, world_size: int, init_method: str) -> str:
