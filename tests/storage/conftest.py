@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,24 @@ def make_pages() -> Callable[..., list[bytes]]:
 @pytest.fixture
 def layout() -> StorageLayout:
     return StorageLayout(model="test/model", page_size=16, kv_dtype="bfloat16")
+
+
+@contextlib.contextmanager
+def _short_deadline(backend: Any, timeout_s: float) -> Iterator[None]:
+    """Give ``backend``'s calls in the block a deadline of ``timeout_s`` (read per call), then
+    its own again: only the calls meant to time out run under a short one, never the setup
+    or the checks that must succeed (a loaded machine can overrun 0.1 s on a healthy call)."""
+    saved = backend.timeout_s
+    backend.timeout_s = timeout_s
+    try:
+        yield
+    finally:
+        backend.timeout_s = saved
+
+
+@pytest.fixture
+def short_deadline() -> Callable[[Any, float], contextlib.AbstractContextManager[None]]:
+    return _short_deadline
 
 
 # -- SeaweedFS ----------------------------------------------------------------------------------

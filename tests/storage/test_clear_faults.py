@@ -51,20 +51,19 @@ async def test_clear_keeps_the_pages_it_cannot_unlink_counted(
 
 
 async def test_a_clear_that_fails_fast_keeps_every_page(
-    tmp_path, layout, make_keys, make_pages, caplog
+    tmp_path, layout, make_keys, make_pages, caplog, short_deadline
 ) -> None:
     """Too many stuck threads: clear fails fast (``unavailable``) and removes nothing, so the
     index must keep every page (before, it was emptied first: the files stayed, uncounted)."""
-    b = FileBackend(
-        tmp_path, layout, io_threads=1, max_stuck_threads=1, timeout_s=0.2, timeout_per_gib_s=0
-    )
+    b = FileBackend(tmp_path, layout, io_threads=1, max_stuck_threads=1)
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
     keys, pages = make_keys(4), make_pages(4, PAGE)
     assert await b.set_batch(keys[:3], pages[:3]) == [True] * 3
     sfx = suffix_of(b)
     with stuck_pages(b, keys[3:4]) as stuck:
-        assert (await read(b, keys[3:4]))[0] == [False]
+        with short_deadline(b, 0.2):
+            assert (await read(b, keys[3:4]))[0] == [False]
         assert b.stats()["stuck_threads"] == 1
         assert await b.clear() == 0
         st = b.stats()

@@ -134,19 +134,18 @@ async def test_a_page_whose_delete_failed_counts_against_the_capacity_and_goes_f
 
 
 async def test_a_delete_that_fails_fast_keeps_its_pages(
-    tmp_path, layout, make_keys, make_pages
+    tmp_path, layout, make_keys, make_pages, short_deadline
 ) -> None:
     """Too many stuck threads: the delete fails fast (``unavailable``) and unlinks nothing."""
-    b = FileBackend(
-        tmp_path, layout, io_threads=1, max_stuck_threads=1, timeout_s=0.2, timeout_per_gib_s=0
-    )
+    b = FileBackend(tmp_path, layout, io_threads=1, max_stuck_threads=1)
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
     keys, pages = make_keys(3), make_pages(3, PAGE)
     assert await b.set_batch(keys[:2], pages[:2]) == [True, True]
     sfx = suffix_of(b)
     with stuck_pages(b, keys[2:3]) as stuck:  # a page nobody stored: reads of it hang
-        assert (await read(b, keys[2:3]))[0] == [False]
+        with short_deadline(b, 0.2):
+            assert (await read(b, keys[2:3]))[0] == [False]
         assert b.stats()["stuck_threads"] == 1  # the backend now fails fast
         assert await b.delete(keys[:2]) == 0
         st = b.stats()
@@ -165,12 +164,12 @@ async def test_a_delete_that_fails_fast_keeps_its_pages(
 
 
 async def test_a_delete_whose_unlink_outlives_the_deadline_counts_the_page_until_it_returns(
-    tmp_path, layout, make_keys, make_pages
+    tmp_path, layout, make_keys, make_pages, short_deadline
 ) -> None:
     """The unlink hangs past the deadline (a dead disk): the delete says the page was not
     removed, it stays counted; when the unlink returns and removed it, it is dropped and told
     removed then."""
-    b = FileBackend(tmp_path, layout, io_threads=2, timeout_s=0.2, timeout_per_gib_s=0)
+    b = FileBackend(tmp_path, layout, io_threads=2)
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
     keys, pages = make_keys(2), make_pages(2, PAGE)
@@ -179,7 +178,9 @@ async def test_a_delete_whose_unlink_outlives_the_deadline_counts_the_page_until
     b.set_fault_hook(gate)
     sfx = suffix_of(b)
     try:
-        assert await b.delete(keys) == 1  # keys[1] goes; keys[0]'s unlink hangs
+        # One call: keys[1]'s unlink must end within the short deadline, keys[0]'s outlives it.
+        with short_deadline(b, 1.0):
+            assert await b.delete(keys) == 1  # keys[1] goes; keys[0]'s unlink hangs
         assert gate.reached.is_set()
         st = b.stats()
         assert disk_bytes(tmp_path, sfx) == st["used_bytes"] == FILE

@@ -69,7 +69,7 @@ def fault_count(b: FileBackend, op: str, reason: str) -> int:
 
 
 async def test_victims_of_a_set_that_fails_fast_stay_on_disk_and_in_the_index(
-    tmp_path, layout, make_keys, make_pages, caplog
+    tmp_path, layout, make_keys, make_pages, caplog, short_deadline
 ) -> None:
     """Too many stuck threads: the set fails fast (``unavailable``), and so does the unlink
     of the victims it chose. Their files are still there: the index must still count them."""
@@ -79,8 +79,6 @@ async def test_victims_of_a_set_that_fails_fast_stay_on_disk_and_in_the_index(
         capacity_bytes=4 * FILE,
         io_threads=1,
         max_stuck_threads=1,
-        timeout_s=0.2,
-        timeout_per_gib_s=0,
     )
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
@@ -90,7 +88,8 @@ async def test_victims_of_a_set_that_fails_fast_stay_on_disk_and_in_the_index(
     assert disk_bytes(tmp_path, sfx) == b.stats()["used_bytes"] == 4 * FILE
 
     with stuck_pages(b, keys[6:7]) as stuck:  # a page nobody stored: reads of it hang
-        assert await b.get_batch(keys[6:7], [bytearray(PAGE)]) == [False]
+        with short_deadline(b, 0.2):
+            assert await b.get_batch(keys[6:7], [bytearray(PAGE)]) == [False]
         assert b.stats()["stuck_threads"] == 1  # the backend now fails fast
         assert await b.set_batch(keys[4:6], pages[4:6]) == [False, False]
         stats = b.stats()
@@ -212,7 +211,7 @@ async def until(cond: Callable[[], bool], limit: int = 1000) -> bool:
 
 
 async def test_a_victim_whose_unlink_outlives_the_deadline_is_counted_until_it_returns(
-    tmp_path, layout, make_keys, make_pages, caplog
+    tmp_path, layout, make_keys, make_pages, caplog, short_deadline
 ) -> None:
     """The victim's unlink hangs past the deadline (a dead disk): its file may still be there,
     so it stays counted; when the unlink finally returns and removed it, it is dropped and
@@ -222,8 +221,6 @@ async def test_a_victim_whose_unlink_outlives_the_deadline_is_counted_until_it_r
         layout,
         capacity_bytes=2 * FILE,
         io_threads=2,
-        timeout_s=0.2,
-        timeout_per_gib_s=0,
     )
     heard: list[str] = []
     b.add_eviction_listener(heard.extend)
@@ -234,7 +231,9 @@ async def test_a_victim_whose_unlink_outlives_the_deadline_is_counted_until_it_r
     b.set_fault_hook(gate)
     sfx = suffix_of(b)
     try:
-        assert await b.set_batch(keys[2:3], pages[2:3]) == [True]  # evicts keys[0]: hangs
+        # One call: its write must end within the short deadline, its eviction outlives it.
+        with short_deadline(b, 1.0):
+            assert await b.set_batch(keys[2:3], pages[2:3]) == [True]  # evicts keys[0]: hangs
         assert gate.reached.is_set()
         assert b.stats()["stuck_threads"] == 1
         assert disk_bytes(tmp_path, sfx) == b.stats()["used_bytes"] == 3 * FILE

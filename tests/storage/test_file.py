@@ -252,16 +252,17 @@ async def test_delete_and_clear_touch_only_this_layout(tmp_path, layout, make_ke
 
 
 async def test_timeout_on_a_slow_disk_returns_misses_and_never_writes_late(
-    tmp_path, layout, make_keys
+    tmp_path, layout, make_keys, short_deadline
 ):
-    inner = FileBackend(tmp_path, layout, timeout_s=0.1, timeout_per_gib_s=0, io_threads=2)
+    inner = FileBackend(tmp_path, layout, io_threads=2)
     keys = make_keys(4)
-    await inner.set_batch(keys, [b"x" * PAGE] * 4)
+    assert await inner.set_batch(keys, [b"x" * PAGE] * 4) == [True] * 4
     fb = FaultInjectingBackend(
         inner, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}), delay_s=0.4)]
     )
     bufs = [bytearray(PAGE) for _ in keys]
-    assert await fb.get_batch(keys, bufs) == [False] * 4
+    with short_deadline(inner, 0.1):
+        assert await fb.get_batch(keys, bufs) == [False] * 4
     assert fault_count(inner, "get", "timeout") == 4
     for _ in range(100):  # the abandoned threads wake up and finish their reads ...
         await asyncio.sleep(0.05)
@@ -274,16 +275,17 @@ async def test_timeout_on_a_slow_disk_returns_misses_and_never_writes_late(
     assert ok == [True] * 4 and got == [b"x" * PAGE] * 4
 
 
-async def test_too_many_stuck_threads_fail_fast_then_recover(tmp_path, layout, make_keys):
-    inner = FileBackend(
-        tmp_path, layout, timeout_s=0.05, timeout_per_gib_s=0, io_threads=1, max_stuck_threads=1
-    )
+async def test_too_many_stuck_threads_fail_fast_then_recover(
+    tmp_path, layout, make_keys, short_deadline
+):
+    inner = FileBackend(tmp_path, layout, io_threads=1, max_stuck_threads=1)
     keys = make_keys(2)
-    await inner.set_batch(keys, [b"y" * PAGE] * 2)
+    assert await inner.set_batch(keys, [b"y" * PAGE] * 2) == [True] * 2
     fb = FaultInjectingBackend(
-        inner, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}), times=1, delay_s=0.5)]
+        inner, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}), times=1, delay_s=2.0)]
     )
-    assert (await read(fb, keys[:1]))[0] == [False]  # times out, leaves one thread stuck
+    with short_deadline(inner, 0.05):
+        assert (await read(fb, keys[:1]))[0] == [False]  # times out, leaves one thread stuck
     assert inner.stats()["stuck_threads"] == 1
     assert (await read(fb, keys[1:]))[0] == [False]  # fails fast: no new thread
     assert fault_count(inner, "get", "unavailable") == 1

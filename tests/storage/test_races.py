@@ -205,21 +205,22 @@ async def test_segment_page_deleted_by_another_instance_is_a_miss(
 
 
 async def test_a_key_held_by_a_stuck_unlink_fails_later_calls_at_their_deadline(
-        tmp_path, layout, make_keys) -> None:
+        tmp_path, layout, make_keys, short_deadline) -> None:
     # A delete whose unlink hangs (a dead disk) keeps its key busy until the thread returns;
     # a set or delete of that key waits for it at most timeout_s, then fails (counted), not
     # for ever.
     (k,) = make_keys(1)
-    b = FileBackend(tmp_path, layout, io_threads=4, timeout_s=0.2)
+    b = FileBackend(tmp_path, layout, io_threads=4)
     await b.start()
-    await b.set_batch([k], [page(1)])
+    assert await b.set_batch([k], [page(1)]) == [True]
     gate = Gate(("delete", k))
     b.set_fault_hook(gate)
     try:
-        assert await b.delete([k]) == 0  # its unlink outlives the deadline
-        with anyio.fail_after(5):
-            assert await b.set_batch([k], [page(2)]) == [False]
-            assert await b.delete([k]) == 0
+        with short_deadline(b, 0.2):  # every call here is meant to time out
+            assert await b.delete([k]) == 0  # its unlink outlives the deadline
+            with anyio.fail_after(5):
+                assert await b.set_batch([k], [page(2)]) == [False]
+                assert await b.delete([k]) == 0
         faults = b.stats()["faults"]
         assert (faults.get("delete.timeout"), faults.get("set.timeout")) == (2, 1)
     finally:

@@ -276,16 +276,17 @@ async def test_write_faults_fail_the_whole_segment_and_publish_nothing(
 
 
 async def test_reads_of_a_segment_time_out_without_touching_buffers(
-    tmp_path, layout, make_keys, make_pages
+    tmp_path, layout, make_keys, make_pages, short_deadline
 ) -> None:
-    inner = FileBackend(tmp_path, layout, segment_bytes=SEG4, timeout_s=0.1, timeout_per_gib_s=0)
+    inner = FileBackend(tmp_path, layout, segment_bytes=SEG4)
     keys, pages = make_keys(4), make_pages(4, PAGE)
-    await inner.set_batch(keys, pages)
+    assert await inner.set_batch(keys, pages) == [True] * 4
     fb = FaultInjectingBackend(
         inner, [FaultRule(FaultKind.DELAY, ops=frozenset({"read"}), delay_s=0.3)]
     )
     bufs = [bytearray(PAGE) for _ in keys]
-    assert await fb.get_batch(keys, bufs) == [False] * 4
+    with short_deadline(inner, 0.1):
+        assert await fb.get_batch(keys, bufs) == [False] * 4
     assert fault_count(inner, "get", "timeout") == 4
     for _ in range(100):
         await asyncio.sleep(0.05)

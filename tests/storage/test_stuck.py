@@ -40,25 +40,28 @@ async def wait_unstuck(backend: FileBackend, limit_s: float = 20.0) -> None:
 
 
 async def test_a_hung_page_is_quarantined_and_healthy_pages_stay_readable(
-    tmp_path, layout, make_keys, make_pages
+    tmp_path, layout, make_keys, make_pages, short_deadline
 ) -> None:
-    b = FileBackend(tmp_path, layout, io_threads=2, timeout_s=1.0, timeout_per_gib_s=0)
+    b = FileBackend(tmp_path, layout, io_threads=2)
     keys = make_keys(12)
-    await b.set_batch(keys, make_pages(12, PAGE))
+    assert await b.set_batch(keys, make_pages(12, PAGE)) == [True] * 12
     with stuck_pages(b, keys[3:4]) as stuck:
         started = time.monotonic()
-        assert await read(b, [keys[3]]) == [False]  # pays the deadline once
+        with short_deadline(b, 1.0):
+            assert await read(b, [keys[3]]) == [False]  # pays the deadline once
         assert time.monotonic() - started >= 0.9
         assert fault_count(b, "get", "timeout") == 1
         assert b.stats()["stuck_threads"] == 1
         assert b.stats()["quarantined"] == 1
 
         # Every later read of the hung page is an immediate miss; no new thread gets stuck.
+        # (Under the default deadline, 10 s: a read that waited for one could not pass.)
         started = time.monotonic()
         for _ in range(20):
             assert await read(b, [keys[3]]) == [False]
-        assert time.monotonic() - started < 1.0  # 20 reads, not 20 deadlines
+        assert time.monotonic() - started < b.timeout_s  # 20 reads, not even one deadline
         assert fault_count(b, "get", "quarantined") == 20
+        assert fault_count(b, "get", "timeout") == 1
         assert b.stats()["stuck_threads"] == 1
 
         # A prefix read stops there; the healthy pages around it are all readable.
@@ -76,16 +79,17 @@ async def test_a_hung_page_is_quarantined_and_healthy_pages_stay_readable(
 
 
 async def test_more_hung_pages_than_io_threads_leave_healthy_pages_readable(
-    tmp_path, layout, make_keys, make_pages
+    tmp_path, layout, make_keys, make_pages, short_deadline
 ) -> None:
-    b = FileBackend(tmp_path, layout, io_threads=2, timeout_s=0.3, timeout_per_gib_s=0)
+    b = FileBackend(tmp_path, layout, io_threads=2)
     keys = make_keys(16)
     pages = make_pages(16, PAGE)
-    await b.set_batch(keys, pages)
+    assert await b.set_batch(keys, pages) == [True] * 16
     hung = keys[:6]  # three times io_threads
     with stuck_pages(b, hung):
-        for k in hung:
-            assert await read(b, [k]) == [False]
+        with short_deadline(b, 0.3):
+            for k in hung:
+                assert await read(b, [k]) == [False]
         assert b.stats()["stuck_threads"] == 6
         bufs = [bytearray(PAGE) for _ in keys[6:]]
         assert await b.get_batch(keys[6:], bufs) == [True] * 10
@@ -104,12 +108,15 @@ import asyncio, hashlib, os, sys
 from asynccache.storage import FileBackend, StorageLayout
 
 async def main():
-    b = FileBackend(sys.argv[1], StorageLayout("m", 16), timeout_s=0.3, timeout_per_gib_s=0)
+    b = FileBackend(sys.argv[1], StorageLayout("m", 16))
     key = hashlib.sha256(b"page").hexdigest()
-    await b.set_batch([key], [bytes(4096)])
+    assert await b.set_batch([key], [bytes(4096)]) == [True]
     os.unlink(b.path(key))
     os.mkfifo(b.path(key))
-    print(await b.get_batch([key], [bytearray(4096)]), b.stats()["stuck_threads"], flush=True)
+    default, b.timeout_s = b.timeout_s, 0.3  # only the read that hangs: a short deadline
+    got = await b.get_batch([key], [bytearray(4096)])
+    b.timeout_s = default  # (aclose releases the writer lock within it)
+    print(got, b.stats()["stuck_threads"], flush=True)
     await b.aclose()
 
 asyncio.run(main())
@@ -136,7 +143,9 @@ def test_the_interpreter_exits_with_a_read_stuck_forever(tmp_path) -> None:
     assert out.splitlines() == ["[False] 1", "exiting"]
 
 
-def test_the_daemon_threads_wake_a_trio_loop_too(tmp_path, layout, make_keys, make_pages) -> None:
+def test_the_daemon_threads_wake_a_trio_loop_too(
+    tmp_path, layout, make_keys, make_pages, short_deadline
+) -> None:
     """The threads report back through the running loop's own wake-up (asyncio or trio)."""
     pytest.importorskip("trio")
     import anyio
@@ -144,10 +153,11 @@ def test_the_daemon_threads_wake_a_trio_loop_too(tmp_path, layout, make_keys, ma
     keys, pages = make_keys(8), make_pages(8, PAGE)
 
     async def main() -> tuple[list[bool], list[bool], list[bytes], int]:
-        b = FileBackend(tmp_path, layout, io_threads=2, timeout_s=0.3, timeout_per_gib_s=0)
+        b = FileBackend(tmp_path, layout, io_threads=2)
         stored = await b.set_batch(keys, pages)
         bufs = [bytearray(PAGE) for _ in keys]
-        with stuck_pages(b, keys[:1]):
+        # One call: the hung page times out, the healthy ones must be read within it.
+        with stuck_pages(b, keys[:1]), short_deadline(b, 1.0):
             got = await b.get_batch(keys, bufs)
             quarantined = b.stats()["quarantined"]
         return stored, got, [bytes(x) for x in bufs[1:]], quarantined
