@@ -12,6 +12,12 @@ the threads keep serving later jobs. A thread that *dies* (a bug outside a job's
 handling) makes the worker dead: every thread is told to stop and the engine fails every
 copy in flight, so no coroutine waits forever on a copy nobody will finish.
 
+The threads are daemons (a copy hung on the device must not keep the process alive), but one
+still inside a torch call when the interpreter finalizes aborts the process ("terminate called
+without an active exception", exit 134) as it tries to take the GIL back. So at exit, the
+workers of engines nobody closed are stopped: their queued copies are dropped and their threads
+joined (at most ``EXIT_JOIN_S``) before finalization.
+
 Ordering across jobs (see :mod:`asynccache.transfers.hazards`): a job carries the earlier jobs
 whose host pages it conflicts with (``deps``); before it touches host memory the worker waits
 until each of them is done with its host side (``host_done``). Before it touches device memory
@@ -20,11 +26,13 @@ it waits for the job's ``fences`` (the caller's ``after=``, or the compute strea
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +113,22 @@ MAX_CHUNKS = 8
 # wakes the loop, which competes with the copy threads for the cores).
 LAYER_GROUP_BYTES = 2 << 20
 MAX_LAYER_GROUPS = 4
+# At interpreter exit, how long the threads of engines nobody closed get to finish the copy
+# they are in (their queued copies are dropped).
+EXIT_JOIN_S = 5.0
+
+_started: weakref.WeakSet[WorkerBase] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the workers whose threads still run (see the module docstring)."""
+    workers = [w for w in list(_started) if any(t.is_alive() for t in w.threads)]
+    for w in workers:
+        w.abandon(TransferError("the interpreter is exiting: copies not started are dropped"))
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
 
 
 class JobQueue:
@@ -153,6 +177,7 @@ class WorkerBase:
         self._half: queue.SimpleQueue[SharedChunks | None] = queue.SimpleQueue()
 
     def start(self) -> None:
+        _started.add(self)
         for t in self.threads:
             t.start()
 
@@ -189,6 +214,15 @@ class WorkerBase:
         for q in self.queues:
             q.put(Stop(None))
         self._half.put(None)
+
+    def abandon(self, err: TransferError) -> None:
+        """Make the worker dead without telling the engine (whose loop may be gone): the
+        threads finish the copy they are in, skip the rest and stop."""
+        with self.cv:
+            if self.dead is None:
+                self.dead = err
+            self.cv.notify_all()
+        self._stop_others()
 
     def check_alive(self) -> None:
         if self.dead is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -444,6 +446,40 @@ async def _check_aclose(mode: str) -> None:
     with pytest.raises(ClosedError):
         await engine.start()
     await engine.aclose()  # idempotent
+
+
+_EXIT_UNCLOSED = """
+import asyncio, sys
+import numpy as np, torch
+from asynccache.transfers.engine import CopyEngine
+from asynccache.transfers.pools import DevicePool, HostPool, KVShape
+
+shape = KVShape(8, 8, 128, torch.float16)  # 32 MiB pools
+dev, host = DevicePool(shape, 1024, 16, device="cpu"), HostPool(shape, 1024, 16)
+
+async def main():
+    engine = CopyEngine(dev, host, mode=sys.argv[1])
+    await engine.start()
+    for _ in range(200):  # about 6 GiB to copy: seconds of work queued
+        engine.submit_d2h(np.arange(1024), np.arange(1024))
+    await asyncio.sleep(0.05)
+
+asyncio.run(main())  # ends without aclose(), as when an exception leaves main
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_interpreter_exits_cleanly_with_copies_running_in_an_unclosed_engine(
+    mode: str,
+) -> None:
+    """A thread still inside a torch copy when the interpreter finalizes aborted the process
+    (exit 134, "terminate called without an active exception"): at exit, the threads of
+    engines nobody closed drop their queued copies and are joined first."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_UNCLOSED, mode], capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "exiting\n"), proc.stderr
+    assert "terminate called" not in proc.stderr
 
 
 async def test_concurrent_aclose_calls_share_the_drain() -> None:
