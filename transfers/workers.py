@@ -200,29 +200,33 @@ class WorkerBase:
     def _die(self, thread: str, exc: BaseException) -> None:
         err = TransferError(f"copy thread {thread!r} died: {exc!r}; every copy in flight fails")
         err.__cause__ = exc
-        with self.cv:
-            if self.dead is not None:
-                return
-            self.dead = err
-            self.cv.notify_all()
+        if not self._mark_dead(err):
+            return
         _log.error("copy_thread_died", thread=thread, error=repr(exc))
         self._stop_others()
         if self.on_death is not None:
             self.on_death(err)
 
+    def abandon(self, err: TransferError) -> None:
+        """Make the worker dead without telling the engine (whose loop may be gone): the
+        threads finish the copy they are in, skip the rest and stop."""
+        if self._mark_dead(err):
+            self._stop_others()
+
+    def _mark_dead(self, err: TransferError) -> bool:
+        """Set ``dead`` and wake every waiting thread; False if the worker was dead already
+        (its threads were told to stop then)."""
+        with self.cv:
+            if self.dead is not None:
+                return False
+            self.dead = err
+            self.cv.notify_all()
+            return True
+
     def _stop_others(self) -> None:
         for q in self.queues:
             q.put(Stop(None))
         self._half.put(None)
-
-    def abandon(self, err: TransferError) -> None:
-        """Make the worker dead without telling the engine (whose loop may be gone): the
-        threads finish the copy they are in, skip the rest and stop."""
-        with self.cv:
-            if self.dead is None:
-                self.dead = err
-            self.cv.notify_all()
-        self._stop_others()
 
     def check_alive(self) -> None:
         if self.dead is not None:
